@@ -1,0 +1,1 @@
+"""The `viasd` command-line interface (installed as the import package `viasd_cli`)."""

@@ -1,0 +1,69 @@
+"""The Typer app: registers one module per command and turns errors into one-line messages."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from viasd_core.errors import ViasdError
+
+app = typer.Typer(
+    name="viasd",
+    help="Multi-tier speculative decoding (VIA-SD) for fast local LLM generation.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register() -> None:
+    # Each command lives in its own module; importing it attaches it to `app`.
+    import importlib
+
+    for name in ("generate", "calibrate", "bench", "chat", "pull", "models", "distill"):
+        try:
+            importlib.import_module(f"viasd_cli.{name}")
+        except ModuleNotFoundError as e:  # a command not built yet
+            if e.name != f"viasd_cli.{name}":
+                raise
+
+
+def main() -> None:
+    _register()
+    try:
+        app(standalone_mode=False)
+    except ViasdError as e:
+        if os.environ.get("VIASD_DEBUG"):
+            raise
+        typer.echo(f"Error: {e.message}", err=True)
+        sys.exit(e.exit_code)
+    except typer.Exit as e:
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        typer.echo("Aborted.", err=True)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        typer.echo("Interrupted.", err=True)
+        sys.exit(130)
+    except Exception as e:  # click usage errors and the like
+        import click
+
+        if isinstance(e, click.exceptions.ClickException):
+            e.show()
+            sys.exit(e.exit_code)
+        if os.environ.get("VIASD_DEBUG"):
+            raise
+        typer.echo(f"Error: {type(e).__name__}: {e} (set VIASD_DEBUG=1 for the traceback)", err=True)
+        sys.exit(1)
+
+
+def get_app() -> typer.Typer:
+    """The app with every command registered (for tests: `CliRunner().invoke(get_app(), ...)`)."""
+    _register()
+    return app
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""Where viasd keeps its cache (converted models) and config (calibration profiles).
+
+`VIASD_HOME` puts both under one folder (tests use a temporary one); otherwise the XDG
+variables and their defaults are used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+
+def home() -> Path | None:
+    value = os.environ.get("VIASD_HOME")
+    return Path(value).expanduser() if value else None
+
+
+def cache_dir() -> Path:
+    base = home()
+    if base is not None:
+        return base / "cache"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "viasd"
+
+
+def config_dir() -> Path:
+    base = home()
+    if base is not None:
+        return base / "config"
+    xdg = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(xdg) / "viasd"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same folder and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
