@@ -1,0 +1,73 @@
+"""viasd_kernels: fused kernels for the engine's hot per-step work, each with a plain reference.
+
+`route_block` routes one speculative block (row stats, gate, tiers, greedy acceptance
+count; see routing.py). It runs the Triton kernel when the logits are on CUDA and
+triton imports, and the PyTorch reference otherwise. triton is imported lazily, on the
+first CUDA call, so importing this package never needs it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .routing import (
+    TIER_ACCEPT,
+    TIER_FULL,
+    TIER_SLIM,
+    RouteResult,
+    route_block_reference,
+)
+
+__all__ = [
+    "TIER_ACCEPT",
+    "TIER_FULL",
+    "TIER_SLIM",
+    "RouteResult",
+    "route_block",
+    "route_block_reference",
+    "route_block_triton",
+    "triton_available",
+]
+
+
+@functools.cache
+def triton_available() -> bool:
+    """True when triton imports (it is an optional dependency on CPU-only machines)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def route_block_triton(
+    verifier_logits: torch.Tensor,  # [R, V] float32 / bfloat16 / float16
+    draft_tokens: torch.Tensor,  # [G] int64
+    temperature: float,
+    theta_accept: float,
+    theta_slim: float,
+    block_v: int | None = None,
+) -> RouteResult:
+    """The fused Triton kernel (triton_routing.py). Raises ImportError without triton."""
+    from .triton_routing import route_block_triton as fused
+
+    return fused(verifier_logits, draft_tokens, temperature, theta_accept, theta_slim, block_v)
+
+
+def route_block(
+    verifier_logits: torch.Tensor,  # [R, V] float32 / bfloat16 / float16
+    draft_tokens: torch.Tensor,  # [G] int64
+    temperature: float,
+    theta_accept: float,
+    theta_slim: float,
+) -> RouteResult:
+    """Route one block of G drafted tokens; R = G or G + 1 rows (the last one the bonus)."""
+    if verifier_logits.is_cuda and triton_available():
+        return route_block_triton(
+            verifier_logits, draft_tokens, temperature, theta_accept, theta_slim
+        )
+    return route_block_reference(
+        verifier_logits, draft_tokens, temperature, theta_accept, theta_slim
+    )
