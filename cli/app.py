@@ -31,28 +31,20 @@ def _register() -> None:
 
 
 def main() -> None:
+    """Entry point: click's standalone mode prints usage errors (exit 2) and applies exit codes;
+    commands turn ViasdError into one line (options.handle_errors); anything else is one line too."""
     _register()
     try:
-        app(standalone_mode=False)
+        app()
     except ViasdError as e:
         if os.environ.get("VIASD_DEBUG"):
             raise
         typer.echo(f"Error: {e.message}", err=True)
         sys.exit(e.exit_code)
-    except typer.Exit as e:
-        sys.exit(e.exit_code)
-    except typer.Abort:
-        typer.echo("Aborted.", err=True)
-        sys.exit(130)
     except KeyboardInterrupt:
         typer.echo("Interrupted.", err=True)
         sys.exit(130)
-    except Exception as e:  # click usage errors and the like
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            sys.exit(e.exit_code)
+    except Exception as e:
         if os.environ.get("VIASD_DEBUG"):
             raise
         typer.echo(f"Error: {type(e).__name__}: {e} (set VIASD_DEBUG=1 for the traceback)", err=True)

@@ -1,0 +1,123 @@
+"""Proposers of draft blocks: a small draft model, or prompt lookup (n-gram, model-free).
+
+A drafter writes its proposed tokens into the engine's token buffer at [n, n + g) and returns
+them with the distribution each was sampled from (None when the proposal is deterministic,
+which the acceptance rule treats as a one-hot distribution).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .model import FastModel
+from .sampling import Sampler, SamplingParams, process_logits
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [g] int64, also written to ids[n:n + g]
+    probs: torch.Tensor | None  # [g, V] float32 draft distribution, or None (greedy / deterministic)
+
+
+class ModelDrafter:
+    """Autoregressive proposals from a small model with its own static KV cache."""
+
+    name = "model"
+
+    def __init__(self, model: FastModel, vocab_size: int, vocab_map: torch.Tensor | None = None):
+        self.model = model
+        self.vocab_size = vocab_size  # the target's vocabulary size (draft probs are returned in it)
+        self.vocab_map = vocab_map  # [Vd] int64: draft output index -> target token id (reduced-vocab drafts)
+        self.limit = vocab_size if vocab_map is None else vocab_map.shape[0]
+
+    def reset(self) -> None:
+        self.model.reset()
+
+    def rollback(self, n: int) -> None:
+        self.model.rollback(n)
+
+    def ensure_capacity(self, max_len: int) -> None:
+        self.model.allocate(max_len)
+
+    def _to_target(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx if self.vocab_map is None else self.vocab_map[idx]
+
+    def propose(self, ids: torch.Tensor, n: int, gamma: int, params: SamplingParams, sampler: Sampler, host_tokens=None) -> Proposal:
+        logits = self.model.extend(ids, n, 1)[:, : self.limit]  # [1, Vd]
+        probs_rows = []
+        for i in range(gamma):
+            if params.greedy:
+                token = self._to_target(logits.argmax(-1))
+            else:
+                draft_probs = process_logits(logits, params)  # [1, Vd]
+                token = self._to_target(sampler.categorical(draft_probs))
+                if self.vocab_map is not None or draft_probs.shape[-1] != self.vocab_size:
+                    full = torch.zeros(1, self.vocab_size, device=draft_probs.device)
+                    index = self.vocab_map if self.vocab_map is not None else torch.arange(self.limit, device=full.device)
+                    full[:, index] = draft_probs
+                    draft_probs = full
+                probs_rows.append(draft_probs)
+            ids[n + i] = token[0]
+            if i + 1 < gamma:
+                logits = self.model.forward(ids[n + i : n + i + 1], n + i, 1)[:, : self.limit]
+        probs = torch.cat(probs_rows) if probs_rows else None
+        return Proposal(tokens=ids[n : n + gamma], probs=probs)
+
+
+class NgramDrafter:
+    """Prompt lookup: propose what followed the latest earlier occurrence of the current suffix.
+
+    Keeps an incremental index {n-gram -> latest end position} over the committed tokens, so a
+    proposal costs O(max_ngram) dictionary look-ups, not a scan of the context.
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.reset()
+
+    def reset(self) -> None:
+        self.index: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # end positions below this are indexed
+        self.tokens: list[int] = []
+
+    def rollback(self, n: int) -> None:
+        if n < self.indexed:  # history rewritten (a new conversation): rebuild lazily
+            self.reset()
+
+    def ensure_capacity(self, max_len: int) -> None:
+        pass
+
+    def _update(self, host_tokens: list[int]) -> None:
+        if host_tokens[: self.indexed] != self.tokens[: self.indexed]:
+            self.reset()
+        self.tokens = host_tokens
+        # Index every end position except the last (the suffix must not match itself).
+        for end in range(self.indexed, len(host_tokens) - 1):
+            for k in range(self.min_ngram, self.max_ngram + 1):
+                if end - k + 1 >= 0:
+                    self.index[tuple(host_tokens[end - k + 1 : end + 1])] = end
+        self.indexed = max(self.indexed, len(host_tokens) - 1)
+
+    def lookup(self, host_tokens: list[int], gamma: int) -> list[int]:
+        self._update(host_tokens)
+        L = len(host_tokens)
+        for k in range(self.max_ngram, self.min_ngram - 1, -1):
+            if L < k:
+                continue
+            end = self.index.get(tuple(host_tokens[L - k :]))
+            if end is not None:
+                return host_tokens[end + 1 : end + 1 + gamma]
+        return []
+
+    def propose(self, ids: torch.Tensor, n: int, gamma: int, params: SamplingParams, sampler: Sampler, host_tokens=None) -> Proposal:
+        found = self.lookup(host_tokens, gamma)
+        if found:
+            ids[n : n + len(found)] = torch.tensor(found, dtype=ids.dtype, device=ids.device)
+        return Proposal(tokens=ids[n : n + len(found)], probs=None)

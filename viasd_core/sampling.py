@@ -1,0 +1,110 @@
+"""Pure functions: logits processing, the speculative acceptance rule, and the randomness seam.
+
+Names follow ALGORITHM.md: `draft_`, `slim_`, `target_` prefixes; never bare p and q.
+All probability maths is float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k and top-p applied to logits [N, V]; returns probabilities [N, V] in fp32.
+
+    The same function is applied to draft and target logits, so both models sample from
+    the distributions the acceptance rule compares.
+    """
+    logits = logits.float() / max(params.temperature, 1e-6)
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p (keeps at least one).
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+class Sampler:
+    """The one place randomness comes from: a seeded torch.Generator. Tests may replace it."""
+
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu"):
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(int(seed))
+
+    def uniform(self, n: int, device) -> torch.Tensor:
+        return torch.rand(n, generator=self.generator, device=self.generator.device).to(device)
+
+    def categorical(self, probs: torch.Tensor) -> torch.Tensor:
+        """One sample per row of probs [N, V] -> [N] int64."""
+        return torch.multinomial(probs.to(self.generator.device), 1, generator=self.generator)[:, 0].to(probs.device)
+
+
+def greedy_accept(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification of one block.
+
+    draft_tokens:  [G] int64, the proposed tokens.
+    target_argmax: [G + 1] int64, the target's choice at each block position and the bonus position.
+    Returns (emitted [G + 1] int64, n_accepted [] int64): the emitted tokens are the accepted
+    draft prefix followed by the target's token at the first mismatch (or the bonus token);
+    only the first n_accepted + 1 entries are meaningful.
+    """
+    G = draft_tokens.shape[0]
+    assert target_argmax.shape[0] == G + 1, (draft_tokens.shape, target_argmax.shape)
+    matches = (draft_tokens == target_argmax[:G]).int()
+    n_accepted = matches.cumprod(0).sum()
+    return target_argmax, n_accepted  # target_argmax[:n] == draft_tokens[:n] on the accepted prefix
+
+
+def speculative_sample(
+    draft_tokens: torch.Tensor,  # [G] int64
+    draft_probs: torch.Tensor,  # [G, V] float32, the distribution each draft token was sampled from
+    target_probs: torch.Tensor,  # [G + 1, V] float32
+    uniforms: torch.Tensor,  # [G] float32 in [0, 1)
+    sampler: Sampler,
+) -> tuple[torch.Tensor, int]:
+    """The speculative sampling rule (Leviathan et al.; Chen et al.).
+
+    Accept draft token x_j with probability min(1, target_probs[j, x] / draft_probs[j, x]);
+    at the first rejection sample from normalize(max(0, target_probs[j] - draft_probs[j])) and
+    drop the rest; if all are accepted, sample the bonus token from target_probs[G].
+    Returns (emitted tokens [n_accepted + 1] int64, n_accepted).
+    """
+    G = draft_tokens.shape[0]
+    assert draft_probs.shape[0] == G and target_probs.shape[0] == G + 1
+    idx = torch.arange(G, device=draft_tokens.device)
+    p_draft = draft_probs[idx, draft_tokens]
+    p_target = target_probs[idx, draft_tokens]
+    # u < p_target / p_draft, written without division (p_draft > 0 for a token it sampled).
+    accepted = uniforms * p_draft < p_target
+    n_accepted = int(accepted.int().cumprod(0).sum())
+    if n_accepted < G:
+        residual = (target_probs[n_accepted] - draft_probs[n_accepted]).clamp_min(0)
+        total = residual.sum()
+        if total <= 0:  # identical distributions: any rejection is impossible in exact arithmetic
+            residual = target_probs[n_accepted]
+        last = sampler.categorical(residual[None] / residual.sum())
+    else:
+        last = sampler.categorical(target_probs[G : G + 1])
+    return torch.cat([draft_tokens[:n_accepted], last]), n_accepted
