@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random models of each supported family, built in the test from configs.
+
+Fast, deterministic, no files, no network.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+VOCAB = 256
+FAMILIES = ("llama", "qwen2", "mistral", "gemma")
+
+
+def tiny_config(family: str, n_layers: int = 4, vocab: int = VOCAB, seed: int = 0, **extra):
+    from transformers import AutoConfig
+
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=n_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        # Large init: peaked next-token distributions, so fp32 argmax ties are vanishingly rare.
+        initializer_range=0.3,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    if family == "gemma":
+        common["head_dim"] = 16
+        common["hidden_activation"] = "gelu_pytorch_tanh"
+    if family == "mistral":
+        common["sliding_window"] = 4096
+    common.update(extra)
+    return AutoConfig.for_model(family, **common)
+
+
+def tiny_model(family: str = "llama", n_layers: int = 4, seed: int = 0, vocab: int = VOCAB, **extra):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(family, n_layers=n_layers, vocab=vocab, **extra)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.eval()
+    return model
+
+
+class TinyTokenizer:
+    """The part of a tokenizer the engine uses: decode token ids to text."""
+
+    def __init__(self, vocab: int = VOCAB, special=(0, 1, 2)):
+        self.vocab = vocab
+        self.special = set(special)
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(f"t{i}" for i in ids if not (skip_special_tokens and i in self.special))
+
+
+@pytest.fixture
+def viasd_home(tmp_path, monkeypatch):
+    """A temporary home: no test touches the user's cache or config."""
+    monkeypatch.setenv("VIASD_HOME", str(tmp_path / "viasd_home"))
+    return tmp_path / "viasd_home"

@@ -1,0 +1,129 @@
+"""Greedy equivalence (fp32): sd and exact are token-identical to ar and to transformers' generate().
+
+As in transformers' assisted-decoding tests: a draft that always agrees (the target itself)
+and one that almost never does (random weights), several gammas, several seeds, and an EOS
+token that falls inside a block.
+"""
+
+import pytest
+import torch
+
+from conftest import FAMILIES, TinyTokenizer, tiny_model
+from viasd_core.drafters import ModelDrafter, NgramDrafter
+from viasd_core.engine import Engine, GenerationConfig
+from viasd_core.model import FastModel
+
+NEW = 40
+
+
+def hf_greedy(model, prompt, max_new, eos=None):
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=0, do_sample=False,
+            eos_token_id=eos, pad_token_id=0,
+        )
+    return out[0, len(prompt):].tolist()
+
+
+def make_engine(target, draft_model=None, ngram=False, eos=(), slim_layers=None):
+    fast = FastModel(target, max_len=128)
+    drafter = None
+    if draft_model is not None:
+        drafter = ModelDrafter(FastModel(draft_model, max_len=128, name="draft"), vocab_size=fast.shape.vocab_size)
+    elif ngram:
+        drafter = NgramDrafter()
+    slim = FastModel(target, layer_ids=slim_layers, max_len=128, name="slim") if slim_layers else None
+    return Engine(fast, TinyTokenizer(), drafter=drafter, slim=slim, eos_token_ids=set(eos))
+
+
+def prompt_for(seed, length=12):
+    g = torch.Generator().manual_seed(100 + seed)
+    return torch.randint(3, 256, (length,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("draft_kind", ["self", "random"])
+def test_sd_equals_ar_equals_transformers(family, draft_kind):
+    target = tiny_model(family, seed=11)
+    draft = target if draft_kind == "self" else tiny_model(family, n_layers=1, seed=99)
+    for seed in range(3):
+        prompt = prompt_for(seed)
+        reference = hf_greedy(target, prompt, NEW, eos=None)
+        ar = make_engine(target).generate(prompt, GenerationConfig(mode="ar", max_new_tokens=NEW))
+        assert ar.tokens == reference
+        for gamma in (1, 3, 6):
+            eng = make_engine(target, draft_model=draft)
+            sd = eng.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=NEW, gamma=gamma, adaptive=seed == 2))
+            assert sd.tokens == reference, (family, draft_kind, seed, gamma)
+            if draft_kind == "self":  # everything accepted: gamma + 1 tokens per target pass
+                assert sd.stats.acceptance_rate == 1.0
+                if seed != 2:  # fixed gamma
+                    assert sd.stats.target_passes == -(-(NEW - 1) // (gamma + 1)) + ((NEW - 1) % (gamma + 1) == 0)
+            else:
+                assert sd.stats.acceptance_rate < 0.5
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_eos_inside_a_block_stops_exactly_like_transformers(family):
+    target = tiny_model(family, seed=12)
+    prompt = prompt_for(7)
+    free = hf_greedy(target, prompt, NEW)
+    eos = free[17]  # a token the model emits mid-way; choose it as EOS
+    reference = hf_greedy(target, prompt, NEW, eos=eos)
+    assert reference[-1] == eos and len(reference) <= 18
+    for gamma in (4, 7):
+        eng = make_engine(target, draft_model=target, eos=(eos,))
+        out = eng.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=NEW, gamma=gamma, adaptive=False))
+        assert out.tokens == reference
+        assert out.finish_reason == "eos"
+        # The whole block was accepted past the EOS: the engine must not keep those tokens.
+        assert eng.tokens == prompt + reference
+
+
+def test_ngram_draft_is_exact_and_accepts_repetitions():
+    target = tiny_model("llama", seed=13)
+    base = prompt_for(3, 8)
+    prompt = base * 3  # repeated text: prompt lookup has something to find
+    reference = hf_greedy(target, prompt, NEW)
+    out = make_engine(target, ngram=True).generate(prompt, GenerationConfig(mode="sd", max_new_tokens=NEW, gamma=4))
+    assert out.tokens == reference
+    assert out.stats.draft_tokens > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_exact_multitier_equals_ar(family):
+    target = tiny_model(family, n_layers=6, seed=14)
+    draft = tiny_model(family, n_layers=1, seed=98)
+    for seed in range(2):
+        prompt = prompt_for(seed + 20)
+        reference = hf_greedy(target, prompt, NEW)
+        for draft_model in (target, draft):
+            eng = make_engine(target, draft_model=draft_model, slim_layers=[0, 2, 3, 5])
+            out = eng.generate(prompt, GenerationConfig(mode="exact", max_new_tokens=NEW, gamma=4))
+            assert out.tokens == reference
+            assert out.stats.slim_passes > 0
+
+
+def test_multi_turn_cache_reuse_matches_fresh_processing():
+    target = tiny_model("qwen2", seed=15)
+    eng = make_engine(target, draft_model=tiny_model("qwen2", n_layers=1, seed=97))
+    turn1 = prompt_for(1)
+    first = eng.generate(turn1, GenerationConfig(mode="sd", max_new_tokens=15))
+    history = turn1 + first.tokens + prompt_for(2, 5)
+    second = eng.generate(history, GenerationConfig(mode="sd", max_new_tokens=15))
+    fresh = make_engine(target).generate(history, GenerationConfig(mode="ar", max_new_tokens=15))
+    assert second.tokens == fresh.tokens
+    # The second turn re-used the cached history: its prefill saw only the new user tokens.
+    assert eng.target.seen >= len(history)
+
+
+def test_budget_and_stats_are_consistent():
+    target = tiny_model("llama", seed=16)
+    out = make_engine(target, draft_model=target).generate(prompt_for(4), GenerationConfig(mode="sd", max_new_tokens=23, gamma=5, adaptive=False))
+    s = out.stats
+    assert len(out.tokens) == 23 == s.new_tokens
+    assert out.finish_reason == "length"
+    assert sum(s.accepted_lengths) >= s.new_tokens  # the last block may be cut by the budget
+    assert s.target_passes == len(s.accepted_lengths)
+    assert s.mean_accepted_length == pytest.approx(23 / s.target_passes)
+    assert s.position_attempts[0] == s.steps

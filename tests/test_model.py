@@ -1,0 +1,60 @@
+"""FastModel (static KV cache forward) against the transformers forward, for every family."""
+
+import pytest
+import torch
+
+from conftest import FAMILIES, tiny_model
+from viasd_core.model import FastModel
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fast_forward_matches_transformers(family):
+    model = tiny_model(family, seed=1)
+    fast = FastModel(model, max_len=64)
+    ids = torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0].float()
+    # Prefill 12 positions, then one token at a time, then a block of 4 (the verification shape).
+    out = [fast.forward(ids[:12], 0, 12)]
+    for i in range(12, 16):
+        out.append(fast.forward(ids[i : i + 1], i, 1))
+    out.append(fast.forward(ids[16:20], 16, 4))
+    got = torch.cat(out)
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert fast.seen == 20
+
+
+def test_rollback_is_a_length_reset_and_recomputes_identically():
+    model = tiny_model("llama", seed=2)
+    fast = FastModel(model, max_len=64)
+    ids = torch.randint(3, 256, (16,), generator=torch.Generator().manual_seed(1))
+    fast.forward(ids[:10], 0, 1)
+    other = torch.randint(3, 256, (4,), generator=torch.Generator().manual_seed(2))
+    fast.forward(other, 10, 4)  # a rejected block
+    fast.rollback(10)
+    assert fast.seen == 10
+    got = fast.forward(ids[10:16], 10, 6)
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0, 10:16]
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_sliding_window_mask_matches_transformers():
+    model = tiny_model("mistral", seed=3, sliding_window=6)
+    fast = FastModel(model, max_len=64)
+    ids = torch.randint(3, 256, (14,), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(ids[None]).logits[0]
+    got = torch.cat([fast.forward(ids[:9], 0, 9)] + [fast.forward(ids[i : i + 1], i, 1) for i in range(9, 14)])
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_unsupported_family_is_a_clear_error():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from viasd_core.errors import ViasdError
+
+    cfg = AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    with pytest.raises(ViasdError, match="not supported"):
+        FastModel(AutoModelForCausalLM.from_config(cfg))
