@@ -1,0 +1,132 @@
+"""The recipe that made the shipped draft viasd_core/data/drafts/smollm2-135m/ (stages, cached under --work).
+
+    python benchmarks/distill_smollm2.py gen --split greedy  --work /tmp/viasd_distill   # target greedy outputs
+    python benchmarks/distill_smollm2.py gen --split sampled --work /tmp/viasd_distill   # target sampled outputs (T=0.8)
+    python benchmarks/distill_smollm2.py gen --split dev     --work /tmp/viasd_distill   # Spec-Bench dev (evaluation only)
+    python benchmarks/distill_smollm2.py train --work /tmp/viasd_distill --out viasd_core/data/drafts/smollm2-135m
+    python benchmarks/distill_smollm2.py eval  --work /tmp/viasd_distill --draft viasd_core/data/drafts/smollm2-135m
+
+The gen stages are independent and can run side by side (one thread each). Every stage uses
+torch.set_num_threads(--threads) (default 1: the machine is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from viasd_core import distill
+from viasd_core.draft_model import load_draft, save_draft
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ROOT / "viasd_core/data/distill_prompts.jsonl"
+DEV = Path("/work/shared/data/spec_bench_dev.jsonl")
+
+
+def log(msg: str) -> None:
+    print(time.strftime("%H:%M:%S"), msg, file=sys.stderr, flush=True)
+
+
+def load_target(ref: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(ref)
+
+
+def read_prompts(path: Path, limit: int | None = None, dev: bool = False):
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = rows[:limit] if limit else rows
+    if dev:
+        return [r["turns"][0] for r in rows], [r["category"] for r in rows]
+    return [r["prompt"] for r in rows], [r["category"] for r in rows]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("stage", choices=["gen", "train", "eval"])
+    ap.add_argument("--target", default="/tmp/conv/smol")
+    ap.add_argument("--work", default="/tmp/viasd_distill")
+    ap.add_argument("--split", choices=["greedy", "sampled", "dev"], default="greedy")
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--every", type=int, default=1, help="gen: take every k-th prompt")
+    ap.add_argument("--offset", type=int, default=0, help="gen: starting at this one")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--gen-batch-size", type=int, default=32)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--draft-vocab", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--time-limit", type=float, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(ROOT / "viasd_core/data/drafts/smollm2-135m"))
+    ap.add_argument("--draft", default=str(ROOT / "viasd_core/data/drafts/smollm2-135m"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    target, tok = load_target(args.target)
+
+    if args.stage == "gen":
+        dev = args.split == "dev"
+        prompts, cats = read_prompts(DEV if dev else PROMPTS, args.limit, dev=dev)
+        prompts, cats = prompts[args.offset :: args.every], cats[args.offset :: args.every]
+        temp = 0.8 if args.split == "sampled" else 0.0
+        t0 = time.perf_counter()
+        recs = distill.build_dataset(
+            target, tok, prompts, args.max_new_tokens, batch_size=args.gen_batch_size, temperature=temp, seed=args.seed,
+            categories=cats, progress=lambda i, n: log(f"{args.split}: {i}/{n} prompts"),
+        )
+        torch.save([r.to_dict() for r in recs], work / f"{args.split}.pt")
+        log(f"{args.split}: {len(recs)} records, {sum(r.labels.numel() for r in recs)} labels, {time.perf_counter() - t0:.0f}s")
+        return
+
+    def records(split: str):
+        return [distill.Record(**d) for d in torch.load(work / f"{split}.pt")]
+
+    if args.stage == "train":
+        train = records("greedy") + (records("sampled") if (work / "sampled.pt").exists() else [])
+        vocab_map = distill.choose_vocab(train, args.draft_vocab, always=[tok.eos_token_id])
+        log(f"{len(train)} records, {sum(r.labels.numel() for r in train)} labels; vocab coverage {distill.vocab_coverage(train, vocab_map):.4f}")
+        draft = distill.init_draft(target, args.layers, vocab_map)
+        dev = records("dev")[:80] if (work / "dev.pt").exists() else None
+        if dev:
+            log(f"dev coverage {distill.vocab_coverage(dev, vocab_map):.4f}; agreement before training {distill.evaluate_agreement(draft, records=dev[:20])['agreement']:.4f} (20 prompts)")
+        t0 = time.perf_counter()
+        losses = distill.train_draft(
+            draft, train, vocab_map, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+            pad_id=tok.pad_token_id or 0, log_every=25, log=log, time_limit_s=args.time_limit,
+        )
+        wall = time.perf_counter() - t0
+        info = {
+            "recipe": "benchmarks/distill_smollm2.py", "prompts": "viasd_core/data/distill_prompts.jsonl",
+            "records": len(train), "label_tokens": sum(r.labels.numel() for r in train),
+            "max_new_tokens": args.max_new_tokens, "sampled_temperature": 0.8,
+            "layers_from_target": distill.default_layer_ids(target.config.num_hidden_layers, args.layers),
+            "steps": len(losses), "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
+            "threads": args.threads, "train_wall_s": round(wall, 1), "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
+            "loss": "cross-entropy on the target's argmax labels over the draft vocabulary",
+        }
+        save_draft(args.out, draft, vocab_map, tok, target="smollm2-135m", training=info)
+        log(f"saved {args.out}: {json.dumps(info)}")
+        return
+
+    if args.stage == "eval":
+        draft = load_draft(args.draft, target, tokenizer=tok)
+        dev = records("dev")[: args.limit] if args.limit else records("dev")
+        res = distill.evaluate_agreement(draft, records=dev)
+        size = sum(p.stat().st_size for p in Path(args.draft).iterdir())
+        cost = distill.measure_cost(draft, target, steps=100, repeats=3)
+        print(json.dumps({"agreement": res, "cost": cost, "size_bytes": size}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
