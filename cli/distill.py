@@ -56,7 +56,9 @@ def distill(
     draft_vocab: Annotated[int, typer.Option("--draft-vocab", help="Output vocabulary of the draft: the N ids most frequent in the target's outputs.")] = 4096,
     steps: Annotated[int, typer.Option("--steps", help="Training steps.")] = 1500,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per training step.")] = 8,
-    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW, cosine).")] = 5e-4,
+    lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW, cosine).")] = 1e-3,
+    time_limit: Annotated[Optional[float], typer.Option("--time-limit", help="Stop training after this many seconds (the cosine schedule follows time).")] = None,
+    bf16: Annotated[bool, typer.Option("--bf16/--fp32", help="Train with bfloat16 autocast (fp32 master weights).")] = True,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens the target generates per prompt.")] = 128,
     sampled_every: Annotated[int, typer.Option("--sampled-every", help="Also sample (T=0.8) a continuation for every k-th prompt (from the 2nd), labelled with the target's argmax; 0 = greedy only.")] = 2,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="JSONL prompts (default: viasd's own distillation prompts).")] = None,
@@ -103,12 +105,13 @@ def distill(
     draft = core.init_draft(model, layers, vocab_map)
     t1 = time.perf_counter()
     losses = core.train_draft(draft, records, vocab_map, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                              pad_id=tok.pad_token_id or 0, log_every=50, log=err)
+                              pad_id=tok.pad_token_id or 0, log_every=50, log=err,
+                              warmup=30, time_limit_s=time_limit, bf16_autocast=bf16)
     info = {
         "recipe": "viasd distill", "prompts": str(prompts), "records": len(records), "label_tokens": n_labels,
         "max_new_tokens": max_new_tokens, "sampled_temperature": 0.8 if sampled_every else None, "sampled_every": sampled_every,
         "layers_from_target": core.default_layer_ids(model.config.num_hidden_layers, layers),
-        "steps": len(losses), "batch_size": batch_size, "lr": lr, "seed": seed, "threads": threads,
+        "steps": len(losses), "batch_size": batch_size, "lr": lr, "bf16_autocast": bf16, "time_limit_s": time_limit, "seed": seed, "threads": threads,
         "generate_wall_s": round(gen_s, 1), "train_wall_s": round(time.perf_counter() - t1, 1),
         "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
         "loss": "cross-entropy on the target's argmax labels over the draft vocabulary",

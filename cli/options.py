@@ -28,7 +28,7 @@ DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda or
 QuantOpt = Annotated[str, typer.Option("--quant", help="Target quantization: none, 8bit or 4bit (bitsandbytes).")]
 DraftQuantOpt = Annotated[str, typer.Option("--draft-quant", help="Draft quantization: none, 8bit or 4bit.")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the model repo (off by default).")]
-PickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow pickle (.bin) weights (off by default: safetensors only).")]
+AllowPickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow pickle (.bin) weights (off by default: safetensors only).")]
 ModeOpt = Annotated[str, typer.Option("--mode", help="ar (plain), sd (two-tier, exact), exact (multi-tier, exact) or viasd (three tiers, calibrated, lossy).")]
 GammaOpt = Annotated[int, typer.Option("--gamma", "-g", help="Draft tokens per step (the largest when adaptive).")]
 AdaptiveOpt = Annotated[bool, typer.Option("--adaptive/--fixed", help="Adapt gamma to the acceptance (default) or keep it fixed.")]

@@ -67,6 +67,14 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def quiet_transformers() -> None:
+    """Keep transformers' progress bars and advice off stderr (our statistics live there)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 # ---------------------------------------------------------------------- the embedded model
 def embedded_gguf() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)  # never import it: its __init__ needs `llm`
@@ -97,6 +105,7 @@ def embedded_target_dir(progress=None) -> Path:
         progress("Converting the embedded SmolLM2-135M-Instruct (GGUF) to safetensors, once (~20 s)...")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    quiet_transformers()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
     try:
@@ -179,6 +188,8 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
                with_tokenizer: bool = True, progress=None) -> Loaded:
     """Load a causal LM (and its tokenizer) from a reference; safetensors only unless allowed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)

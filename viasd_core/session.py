@@ -1,0 +1,122 @@
+"""From command-line options to a ready Engine: target, draft, slim verifier, profile."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .drafters import ModelDrafter, NgramDrafter
+from .engine import Engine
+from .errors import UsageError
+from .loading import EMBEDDED_TARGET, Loaded, check_same_vocab, load_model
+from .model import FastModel
+from .profile import Profile, find_profile
+from .router import Thresholds
+
+EMBEDDED_DRAFT = "embedded:smollm2-135m-draft"
+_EMBEDDED_DRAFT_ALIASES = {EMBEDDED_DRAFT, "smollm2-135m-draft"}
+
+
+@dataclass
+class ModelOptions:
+    model: str = EMBEDDED_TARGET
+    draft: str | None = None  # None/'auto', 'ngram', 'none', a model reference
+    revision: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    quant: str = "none"
+    draft_quant: str = "none"
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+    profile: str | None = None
+
+
+@dataclass
+class Session:
+    engine: Engine
+    target: Loaded
+    draft_id: str  # 'ngram', 'none' or the draft model's id
+    draft: Loaded | None
+    profile: Profile | None
+    options: ModelOptions
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+
+def _draft_ref(opts: ModelOptions, target: Loaded) -> str:
+    ref = (opts.draft or "auto").strip()
+    if ref != "auto":
+        return ref
+    if target.model_id == EMBEDDED_TARGET:
+        from .draft_model import embedded_draft_dir
+
+        return EMBEDDED_DRAFT if (embedded_draft_dir() / "model.safetensors").exists() else "ngram"
+    from .catalog import draft_for
+    from .hub import is_cached
+
+    candidate = draft_for(target.model_id)
+    if candidate and is_cached(candidate):
+        return candidate
+    return "ngram"
+
+
+def load_drafter(opts: ModelOptions, target: Loaded, target_fast: FastModel, progress=None):
+    """The drafter for the options: (drafter or None, draft id, Loaded or None)."""
+    ref = _draft_ref(opts, target)
+    vocab = target_fast.shape.vocab_size
+    if ref == "none":
+        return None, "none", None
+    if ref == "ngram":
+        return NgramDrafter(), "ngram", None
+    if ref in _EMBEDDED_DRAFT_ALIASES:
+        from .draft_model import embedded_draft_dir, load_draft
+
+        if target.model_id != EMBEDDED_TARGET:
+            raise UsageError(f"the embedded draft was distilled for '{EMBEDDED_TARGET}', not '{target.model_id}': choose another --draft")
+        draft_model = load_draft(embedded_draft_dir(), target.model, tokenizer=target.tokenizer)
+        fast = FastModel(draft_model, max_len=target_fast.max_len, name="draft")
+        return ModelDrafter(fast, vocab, vocab_map=draft_model.viasd_vocab_map), EMBEDDED_DRAFT, None
+    draft = load_model(ref, dtype=opts.dtype, device=opts.device, trust_remote_code=opts.trust_remote_code,
+                       allow_pickle=opts.allow_pickle, quant=opts.draft_quant, progress=progress)
+    check_same_vocab(target, draft)
+    fast = FastModel(draft.model, max_len=target_fast.max_len, name="draft")
+    return ModelDrafter(fast, vocab), draft.model_id, draft
+
+
+def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_profile: bool | None = None) -> Session:
+    target = load_model(opts.model, dtype=opts.dtype, device=opts.device, revision=opts.revision,
+                        trust_remote_code=opts.trust_remote_code, allow_pickle=opts.allow_pickle,
+                        quant=opts.quant, progress=progress)
+    target_fast = FastModel(target.model, max_len=512, name="target")
+    drafter, draft_id, draft = (None, "none", None)
+    if mode != "ar" or opts.draft not in (None, "auto"):
+        drafter, draft_id, draft = load_drafter(opts, target, target_fast, progress)
+    profile = None
+    slim = None
+    if need_profile is None:
+        need_profile = mode in ("exact", "viasd")
+    if need_profile:
+        profile = find_profile(target.model_id, draft_id, opts.quant, target_fast.device.type,
+                               target_fast.shape.n_layers, explicit=opts.profile)
+        slim = FastModel(target.model, layer_ids=profile.layer_ids, max_len=512, name="slim")
+    engine = Engine(target_fast, target.tokenizer, drafter=drafter, slim=slim, eos_token_ids=eos_ids(target))
+    return Session(engine, target, draft_id, draft, profile, opts)
+
+
+def eos_ids(loaded: Loaded) -> set[int]:
+    ids: set[int] = set()
+    gen_cfg = getattr(loaded.model, "generation_config", None)
+    eos = getattr(gen_cfg, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(e) for e in eos)
+    tok_eos = getattr(loaded.tokenizer, "eos_token_id", None)
+    if tok_eos is not None:
+        ids.add(int(tok_eos))
+    return ids
+
+
+def thresholds_of(profile: Profile | None) -> Thresholds | None:
+    return Thresholds(profile.theta_accept, profile.theta_slim) if profile else None
