@@ -70,3 +70,35 @@ def viasd_home(tmp_path, monkeypatch):
     """A temporary home: no test touches the user's cache or config."""
     monkeypatch.setenv("VIASD_HOME", str(tmp_path / "viasd_home"))
     return tmp_path / "viasd_home"
+
+
+CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} </s> {% endfor %}{% if add_generation_prompt %}<assistant> {% endif %}"
+
+
+def save_tiny_model_dir(folder, family="llama", n_layers=4, seed=0, words=None):
+    """A real (tiny, random) model folder: config, safetensors, WordLevel tokenizer with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model = tiny_model(family, n_layers=n_layers, seed=seed)
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(folder)
+    words = words or [f"w{i}" for i in range(VOCAB - 8)]
+    specials = ["<pad>", "<s>", "</s>", "<unk>", "<user>", "<assistant>", "<system>", "<x>"]
+    vocab = {tok: i for i, tok in enumerate(specials + list(words))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """Folders of a tiny target, a tiny draft of the same vocabulary, and a draft of another vocabulary."""
+    base = tmp_path_factory.mktemp("models")
+    target = save_tiny_model_dir(base / "target", n_layers=4, seed=31)
+    draft = save_tiny_model_dir(base / "draft", n_layers=1, seed=32)
+    other = save_tiny_model_dir(base / "other", n_layers=1, seed=33, words=[f"z{i}" for i in range(VOCAB - 8)])
+    return {"target": target, "draft": draft, "other": other}

@@ -1,0 +1,94 @@
+"""`viasd generate` through the real Typer app: arguments, stdin, JSON schema, exit codes, stdout purity."""
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from viasd_cli.app import get_app
+
+PROMPT = "w1 w2 w3 w4 w5 w6"
+
+
+def run(*args, input=None):
+    return CliRunner().invoke(get_app(), ["generate", *map(str, args)], input=input)
+
+
+def test_text_to_stdout_stats_to_stderr(tiny_dirs, viasd_home):
+    r = run(PROMPT, "-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "-n", "12")
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout.strip() and all(w.startswith("w") or w.startswith("<") for w in r.stdout.split())
+    assert "[sd] " in r.stderr and "tokens/target pass" in r.stderr
+    assert "[sd]" not in r.stdout and "tok/s" not in r.stdout
+    quiet = run(PROMPT, "-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "-n", "12", "-q")
+    assert quiet.exit_code == 0 and quiet.stderr == "" and quiet.stdout == r.stdout
+
+
+def test_json_schema_and_sd_equals_ar(tiny_dirs, viasd_home):
+    outs = {}
+    for mode in ("ar", "sd"):
+        r = run(PROMPT, "w9 w8", "-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "-n", "16", "--mode", mode, "--json", "-q")
+        assert r.exit_code == 0, r.stderr
+        rows = [json.loads(line) for line in r.stdout.splitlines()]
+        assert len(rows) == 2
+        for i, row in enumerate(rows):
+            assert row["index"] == i and row["mode"] == mode
+            assert set(row) >= {"prompt", "text", "prompt_tokens", "new_tokens", "finish_reason", "stats", "draft", "model", "fidelity"}
+            assert row["new_tokens"] == row["stats"]["new_tokens"] and 1 <= row["new_tokens"] <= 16
+            assert row["finish_reason"] in ("eos", "length")
+            s = row["stats"]
+            assert s["target_passes"] >= 1 and s["tokens_per_s"] > 0
+            assert set(s["tier_shares"]) == {"accept", "slim", "full", "bonus"}
+        outs[mode] = [row["text"] for row in rows]
+    assert outs["sd"] == outs["ar"]
+
+
+def test_stdin_whole_and_lines(tiny_dirs, viasd_home):
+    r = run("-m", tiny_dirs["target"], "-d", "ngram", "-n", "8", "--json", "-q", input="w1 w2\nw3 w4\n")
+    assert r.exit_code == 0, r.stderr
+    assert [json.loads(x)["prompt"] for x in r.stdout.splitlines()] == ["w1 w2\nw3 w4"]
+    r = run("-m", tiny_dirs["target"], "-d", "ngram", "-n", "8", "--json", "-q", "--lines", input="w1 w2\n\nw3 w4\n")
+    assert [json.loads(x)["prompt"] for x in r.stdout.splitlines()] == ["w1 w2", "w3 w4"]
+
+
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["-t", "-1"], 2, "temperature must be >= 0"),
+        (["--top-p", "0"], 2, "top-p must be in (0, 1]"),
+        (["--top-p", "1.5"], 2, "top-p must be in (0, 1]"),
+        (["--gamma", "0"], 2, "gamma must be at least 1"),
+        (["--mode", "fast"], 2, "unknown mode 'fast'"),
+    ],
+)
+def test_bad_options_one_line_errors(tiny_dirs, viasd_home, args, code, message):
+    r = run(PROMPT, "-m", tiny_dirs["target"], *args)
+    assert r.exit_code == code
+    assert message in r.stderr and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert r.stdout == ""
+
+
+def test_bad_models_and_prompts(tiny_dirs, viasd_home, tmp_path):
+    def check(r, code, message):
+        assert r.exit_code == code, (r.exit_code, r.stderr)
+        assert message in r.stderr, r.stderr
+        assert r.stderr.startswith("Error: ") and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+        assert r.stdout == ""
+
+    check(run(PROMPT, "-m", tmp_path / "missing"), 1, "not found")
+    check(run(PROMPT, "-m", "no-such-org/no-such-model"), 1, "not in the local cache")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text((tiny_dirs["target"] / "config.json").read_text())
+    check(run(PROMPT, "-m", empty), 1, "has no weights")
+    pickle_only = tmp_path / "pickle"
+    shutil.copytree(tiny_dirs["target"], pickle_only)
+    (pickle_only / "model.safetensors").rename(pickle_only / "pytorch_model.bin")
+    check(run(PROMPT, "-m", pickle_only), 1, "--allow-pickle")
+    check(run(PROMPT, "-m", tiny_dirs["target"], "-d", tiny_dirs["other"]), 1, "different tokenizers")
+    check(run("   ", "-m", tiny_dirs["target"]), 2, "prompt is empty")
+    long_prompt = " ".join(["w1"] * 600)  # the tiny models have 512 positions
+    check(run(long_prompt, "-m", tiny_dirs["target"]), 1, "shorten the prompt")
+    check(run(PROMPT, "-m", tiny_dirs["target"], "--mode", "viasd"), 1, "run `viasd calibrate")
+    check(run(PROMPT, "-m", tiny_dirs["target"], "--dtype", "int3"), 2, "unknown dtype")
