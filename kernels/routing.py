@@ -84,9 +84,10 @@ def check_route_inputs(
         )
     if not (math.isfinite(temperature) and temperature >= 0.0):
         raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    if not (0.0 <= theta_slim <= theta_accept <= 1.0):
+    # The gate r is at most 1, so a threshold above 1 switches its tier off (up to 2 allowed).
+    if not (0.0 <= theta_slim <= theta_accept <= 2.0):
         raise ValueError(
-            "thresholds must satisfy 0 <= theta_slim <= theta_accept <= 1, "
+            "thresholds must satisfy 0 <= theta_slim <= theta_accept <= 2 (above 1 disables a tier), "
             f"got theta_slim={theta_slim}, theta_accept={theta_accept}"
         )
 

@@ -258,7 +258,7 @@ BAD_INPUTS = [
     (dict(temperature=-0.1), "temperature"),
     (dict(temperature=float("nan")), "temperature"),
     (dict(theta_accept=0.2, theta_slim=0.3), "theta_slim <= theta_accept"),
-    (dict(theta_accept=1.5), "theta_accept <= 1"),
+    (dict(theta_accept=2.5), "theta_accept <= 2"),
     (dict(theta_slim=-0.1), "0 <= theta_slim"),
     (dict(theta_accept=float("nan")), "theta_accept"),
 ]

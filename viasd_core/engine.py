@@ -102,6 +102,9 @@ class Engine:
         self.ids = torch.zeros(0, dtype=torch.long, device=self.device)
         self.tokens: list[int] = []  # committed tokens, host copy of ids[:len(tokens)]
         self._sync = self.device.type == "cuda"
+        # Calibration: when a list, every sd step also runs the slim verifier over the block and
+        # appends a router.BlockRecord (gate values and teacher-forced labels) to it.
+        self.recorder: list | None = None
 
     # ------------------------------------------------------------------ helpers
     def _models(self):
@@ -275,6 +278,8 @@ class Engine:
                 out = emitted.tolist()
             stats.time_verify += self._clock() - t
             stats.target_passes += 1
+            if self.recorder is not None and config.mode == "sd" and params.greedy:
+                self._record(n, g, block, target_logits.argmax(-1).tolist(), fed)
             stats.tier_counts["full"] += len(out) - n_acc - (1 if n_acc == g else 0)
             stats.tier_counts["accept"] += n_acc
             stats.tier_counts["bonus"] += 1 if n_acc == g else 0
@@ -287,6 +292,22 @@ class Engine:
         if self.drafter is not None:
             self.drafter.rollback(n + _common_prefix(out, drafted))
         return out, tiers, g, kept
+
+    def _record(self, n: int, g: int, block: list[int], target_argmax: list[int], fed: dict) -> None:
+        """One BlockRecord for calibration: the slim's gate and argmax against the target's choices."""
+        from .router import BlockRecord, gate_signal
+
+        slim_logits = self.slim.extend(self.ids, n + g, g + 1)
+        fed[id(self.slim)] = block
+        gate = gate_signal(slim_logits, self.ids[n : n + g]).tolist()
+        slim_argmax = slim_logits.argmax(-1).tolist()
+        self.recorder.append(BlockRecord(
+            gate=tuple(gate),
+            draft_ok=tuple(block[j] == target_argmax[j] for j in range(g)),
+            slim_ok=tuple(slim_argmax[j] == target_argmax[j] for j in range(g)),
+            draft_eq_slim=tuple(block[j] == slim_argmax[j] for j in range(g)),
+            slim_bonus_ok=slim_argmax[g] == target_argmax[g],
+        ))
 
     def _route_viasd(self, n: int, g: int, block: list[int], th: Thresholds, stats: RunStats):
         """Three tiers (ALGORITHM.md section 2): accept / slim / full, decided per position."""

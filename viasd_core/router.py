@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 TIER_ACCEPT, TIER_SLIM, TIER_FULL = 0, 1, 2
+OFF = 1.5  # a threshold above 1 switches its tier off: the gate r is at most 1
 
 
 @dataclass(frozen=True)
@@ -20,8 +21,8 @@ class Thresholds:
     slim: float  # theta_slim
 
     def __post_init__(self):
-        if not 0.0 <= self.slim <= self.accept <= 1.0 + 1e-9:
-            raise ValueError(f"need 0 <= theta_slim <= theta_accept <= 1, got {self.slim}, {self.accept}")
+        if not 0.0 <= self.slim <= self.accept <= 2.0:
+            raise ValueError(f"need 0 <= theta_slim <= theta_accept <= 2 (above 1 = off), got {self.slim}, {self.accept}")
 
 
 def gate_signal(slim_logits: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,106 @@
+"""`viasd calibrate`: the slim verifier's layer mask and tier thresholds for a target/draft pair."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from viasd_core.calibrate import DEFAULT_BUDGET, DEFAULT_SKIP_RATIO, CalibrationMissed, check_budget, check_skip_ratio, run_calibration
+from viasd_core.errors import ViasdError
+from viasd_core.prompts import load_prompts
+from viasd_core.session import ModelOptions
+
+from .app import app
+from .options import (DEFAULT_MODEL, AllowPickleOpt, DeviceOpt, DraftOpt, DraftQuantOpt, DtypeOpt, GammaOpt, ModelOpt,
+                      QuantOpt, RevisionOpt, TrustOpt, handle_errors)
+
+EXAMPLES = """
+EXAMPLES
+
+  viasd calibrate                                   (embedded pair, shipped prompts, budget 0.01)
+
+  viasd calibrate --budget 0.03 --skip-ratio 0.5    (allow 3% fidelity loss, skip half the layers)
+
+  viasd calibrate -m ./target -d ./draft --prompts spec_bench.jsonl --limit 40
+"""
+
+
+def report_table(report) -> Table:
+    p = report.profile
+    v = report.heldout_viasd.stats
+    table = Table(title="viasd calibration", show_header=True)
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    sh = v.tier_shares
+    rows = [
+        ("slim verifier layers", f"{len(p.layer_ids)}/{p.n_layers} (skip {p.skip_ratio:.2f})"),
+        ("slim top-1 agreement (search text)", f"{p.slim_agreement:.3f}"),
+        ("best random mask agreement", f"{report.search.random_best.agreement:.3f}" if report.search.random_best else "-"),
+        ("theta_accept / theta_slim", f"{p.theta_accept:.4f} / {p.theta_slim:.4f}"),
+        ("budget (max fidelity loss)", f"{p.budget}"),
+        ("fit fidelity (replayed)", f"{p.fit_fidelity:.4f}"),
+        ("held-out fidelity (measured)", f"{p.heldout_fidelity:.4f}"),
+        ("modeled tokens/s viasd / sd", f"{report.fit.modeled_tokens_per_s:.1f} / {report.fit.sd_modeled_tokens_per_s:.1f}"),
+        ("measured tokens/s viasd / sd (held-out)", f"{v.tokens_per_s:.1f} / {report.heldout_sd.stats.tokens_per_s:.1f}"),
+        ("tier shares accept / slim / full+bonus", f"{sh['accept']:.2f} / {sh['slim']:.2f} / {sh['full'] + sh['bonus']:.2f}"),
+        ("mean accepted length (tokens/target pass)", f"{v.mean_accepted_length:.2f}"),
+        ("pass cost target / slim / draft (ms)", f"{p.costs['target'] * 1e3:.1f} / {p.costs['slim'] * 1e3:.1f} / {p.costs['draft'] * 1e3:.1f}"),
+        ("prompts fit / held-out", f"{report.n_fit} / {report.n_heldout}"),
+    ]
+    for k, val in rows:
+        table.add_row(k, val)
+    return table
+
+
+@app.command(epilog=EXAMPLES)
+@handle_errors
+def calibrate(
+    model: ModelOpt = DEFAULT_MODEL,
+    draft: DraftOpt = None,
+    revision: RevisionOpt = None,
+    prompts: Annotated[Optional[str], typer.Option("--prompts", help="JSONL (turns/prompt field) or plain text; default: the shipped set.")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", help="Use at most this many prompts.")] = None,
+    budget: Annotated[float, typer.Option("--budget", help="Largest fidelity loss allowed, in (0, 1).")] = DEFAULT_BUDGET,
+    skip_ratio: Annotated[float, typer.Option("--skip-ratio", help="Fraction of layers the slim verifier skips, in [0, 0.9].")] = DEFAULT_SKIP_RATIO,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="New tokens per calibration prompt.")] = 96,
+    gamma: GammaOpt = 5,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    quant: QuantOpt = "none",
+    draft_quant: DraftQuantOpt = "none",
+    trust_remote_code: TrustOpt = False,
+    allow_pickle: AllowPickleOpt = False,
+    out: Annotated[Optional[str], typer.Option("--out", help="Write the profile here instead of the config directory.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Save the profile even if it misses the budget on held-out prompts.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON on stdout.")] = False,
+):
+    """Find the slim verifier and calibrate the tier thresholds to a fidelity budget."""
+    check_budget(budget)
+    check_skip_ratio(skip_ratio)
+    prompt_list = load_prompts(prompts, limit=limit)
+    opts = ModelOptions(model=model, draft=draft, revision=revision, dtype=dtype, device=device, quant=quant,
+                        draft_quant=draft_quant, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
+    err = Console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err, transient=True) as bars:
+        def progress(label, total):
+            task = bars.add_task(label, total=total)
+            return lambda: bars.advance(task)
+
+        try:
+            report = run_calibration(opts, prompt_list, budget=budget, skip_ratio=skip_ratio, max_new_tokens=max_new_tokens,
+                                     gamma=gamma, force=force, profile_path=out, log=err.print, progress=progress)
+        except CalibrationMissed as e:
+            err.print(report_table(e.report))
+            raise ViasdError(str(e))
+    if as_json:
+        typer.echo(json.dumps(report.profile.to_json(), indent=2))
+    else:
+        Console().print(report_table(report))
+    where = report.saved_to
+    err.print(f"profile saved to {where}" + ("" if report.met_budget else " (forced: it MISSES the budget)"))

@@ -1,0 +1,205 @@
+"""Slim verifier, tier router, threshold fit, profiles and `viasd calibrate` on tiny models."""
+
+import copy
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from conftest import FAMILIES, tiny_model
+from viasd_cli.app import get_app
+from viasd_core.calibrate import MaskEvaluator, fit_thresholds, search_layer_mask, sd_outcome
+from viasd_core.errors import ViasdError
+from viasd_core.model import FastModel
+from viasd_core.profile import Profile, find_profile, read_profile, save_profile
+from viasd_core.router import OFF, TIER_ACCEPT, TIER_FULL, TIER_SLIM, BlockRecord, Thresholds, gate_signal, replay, route_tiers
+
+
+# ---------------------------------------------------------------------- pure router functions
+def test_gate_signal_and_route_tiers_on_hand_rows():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6], [0.3, 0.3, 0.4]]))
+    gate = gate_signal(logits, torch.tensor([0, 2, 1]))
+    torch.testing.assert_close(gate, torch.tensor([1.0, 0.5, 1 / 3]))
+    tiers = route_tiers(gate, Thresholds(accept=0.9, slim=0.4))
+    assert tiers.tolist() == [TIER_ACCEPT, TIER_SLIM, TIER_FULL]
+    assert route_tiers(gate, Thresholds(accept=0.49, slim=0.49)).tolist() == [TIER_ACCEPT, TIER_ACCEPT, TIER_FULL]
+    assert route_tiers(gate, Thresholds(OFF, OFF)).tolist() == [TIER_FULL] * 3
+    with pytest.raises(ValueError):
+        Thresholds(accept=0.3, slim=0.5)
+
+
+def block(gate, draft_ok, slim_ok, eq, bonus=True):
+    return BlockRecord(tuple(gate), tuple(draft_ok), tuple(slim_ok), tuple(eq), bonus)
+
+
+def test_replay_counts_tokens_errors_and_passes():
+    b = block([1.0, 0.95, 0.5, 0.1], [True, False, True, True], [True, True, False, True], [True, False, True, True])
+    # accept >= 0.9: positions 0, 1 accepted (1 is wrong); 0.3 <= 0.5 -> slim (same token as draft, wrong);
+    # 0.1 -> full: one target pass, the target's token at 3 equals the draft, then the bonus (correct).
+    out = replay([b], Thresholds(0.9, 0.3))
+    assert (out.tokens, out.wrong, out.target_passes, out.slim_passes) == (5, 2, 1, 1)
+    assert out.tier_counts == {"accept": 2, "slim": 1, "full": 1, "bonus": 1}
+    # Everything off: exactly sd's result (accepted prefix + the target's token), fidelity 1.
+    off = replay([b], Thresholds(OFF, OFF))
+    assert (off.tokens, off.wrong, off.target_passes) == (2, 0, 1) and off.fidelity == 1.0
+    assert sd_outcome([b]).tokens == 2
+    # All accepted and the slim gives the bonus token without any target pass.
+    allacc = replay([block([1.0, 1.0], [True, True], [True, True], [True, True], bonus=False)], Thresholds(0.5, 0.0))
+    assert (allacc.tokens, allacc.wrong, allacc.target_passes) == (3, 1, 0)
+
+
+def test_fit_respects_budget_and_prefers_cheap_tiers():
+    good = block([1.0, 1.0, 1.0], [True] * 3, [True] * 3, [True] * 3)
+    risky = block([0.6, 0.6, 0.6], [False] * 3, [False] * 3, [True] * 3)
+    blocks = [good] * 30 + [risky] * 2
+    costs = {"target": 1.0, "slim": 0.3, "draft": 0.05}
+    fit = fit_thresholds(blocks, costs, budget=0.01)
+    assert fit.outcome.fidelity >= 0.99
+    assert fit.thresholds.accept > 0.6  # the risky gate values must not be accepted
+    assert fit.outcome.target_passes < len(blocks)  # the confident blocks skip the target
+    assert fit.modeled_tokens_per_s > fit.sd_modeled_tokens_per_s
+    loose = fit_thresholds(blocks, costs, budget=0.5)
+    assert loose.modeled_tokens_per_s >= fit.modeled_tokens_per_s
+
+
+# ---------------------------------------------------------------------- slim verifier
+@pytest.mark.parametrize("family", FAMILIES)
+def test_slim_with_nothing_skipped_equals_target(family):
+    model = tiny_model(family, n_layers=5, seed=41)
+    ids = torch.randint(3, 256, (12,), generator=torch.Generator().manual_seed(0))
+    full = FastModel(model, max_len=32).forward(ids, 0, 12)
+    slim = FastModel(model, layer_ids=list(range(5)), max_len=32).forward(ids, 0, 12)
+    assert torch.equal(full, slim)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_slim_equals_reference_running_the_kept_layers(family):
+    model = tiny_model(family, n_layers=6, seed=42)
+    kept = [0, 2, 3, 5]
+    reference = copy.deepcopy(model)
+    reference.model.layers = torch.nn.ModuleList([reference.model.layers[i] for i in kept])
+    reference.config.num_hidden_layers = len(kept)
+    if getattr(reference.config, "layer_types", None):
+        reference.config.layer_types = [reference.config.layer_types[i] for i in kept]
+    ids = torch.randint(3, 256, (14,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = reference(ids[None], use_cache=False).logits[0]
+    slim = FastModel(model, layer_ids=kept, max_len=32)
+    got = torch.cat([slim.forward(ids[:9], 0, 9), slim.forward(ids[9:], 9, 5)])
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    # It shares the target's weights: no parameter is copied.
+    assert slim.layers[1].self_attn.q_proj.weight.data_ptr() == model.model.layers[2].self_attn.q_proj.weight.data_ptr()
+
+
+def test_mask_search_beats_or_matches_random_and_keeps_ends():
+    model = tiny_model("llama", n_layers=8, seed=43)
+    seqs = [torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(3)]
+    ev = MaskEvaluator(model, seqs)
+    result = search_layer_mask(ev, skip_ratio=0.5, n_random=4)
+    kept = result.best.layer_ids
+    assert len(kept) == 4 and kept[0] == 0 and kept[-1] == 7
+    assert result.best.agreement >= result.random_best.agreement
+    assert ev.score(list(range(8))).agreement == 1.0
+
+
+# ---------------------------------------------------------------------- profiles
+def make_profile(**kw):
+    base = dict(target_id="t", draft_id="d", quant="none", device="cpu", dtype="float32", layer_ids=[0, 2, 3],
+                n_layers=4, theta_accept=0.9, theta_slim=0.4, budget=0.01, heldout_fidelity=0.995)
+    base.update(kw)
+    return Profile(**base)
+
+
+def test_profile_round_trip_and_rejections(viasd_home, tmp_path):
+    p = make_profile()
+    path = save_profile(p)
+    assert read_profile(path) == p
+    assert find_profile("t", "d", "none", "cpu", 4) == p
+    with pytest.raises(ViasdError, match="made for target 't' with draft 'd'"):
+        find_profile("other", "d", "none", "cpu", 4, explicit=str(path))
+    with pytest.raises(ViasdError, match="quantization 'none'"):
+        find_profile("t", "d", "4bit", "cpu", 4, explicit=str(path))
+    with pytest.raises(ViasdError, match="run `viasd calibrate --model other --draft d`"):
+        find_profile("other", "d", "none", "cpu", 4)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ViasdError, match="corrupt"):
+        read_profile(bad)
+    bad.write_text(json.dumps({**p.to_json(), "layer_ids": [0, 9]}))
+    with pytest.raises(ViasdError, match="corrupt"):
+        read_profile(bad)
+
+
+# ---------------------------------------------------------------------- the command
+def invoke(*args, input=None):
+    return CliRunner().invoke(get_app(), [*map(str, args)], input=input)
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.txt"
+    words = [f"w{i}" for i in range(10, 60)]
+    path.write_text("\n".join(" ".join(words[i : i + 6]) for i in range(0, 48, 6)) + "\n")
+    return path
+
+
+def test_calibrate_meets_budget_on_heldout_then_viasd_generates(tiny_dirs, viasd_home, prompt_file):
+    args = ["-m", tiny_dirs["target"], "-d", tiny_dirs["target"], "--prompts", prompt_file, "-n", "24", "--skip-ratio", "0.5"]
+    r = invoke("calibrate", *args, "--budget", "0.05", "--json")
+    assert r.exit_code == 0, r.stderr
+    profile = json.loads(r.stdout)
+    assert profile["heldout_fidelity"] >= 0.95 and profile["budget"] == 0.05
+    assert len(profile["layer_ids"]) == 2 and profile["n_layers"] == 4
+    assert "profile saved to" in r.stderr
+    g = invoke("generate", "w1 w2 w3", "-m", tiny_dirs["target"], "-d", tiny_dirs["target"], "--mode", "viasd", "-n", "12", "--json", "-q")
+    assert g.exit_code == 0, g.stderr
+    row = json.loads(g.stdout)
+    assert row["mode"] == "viasd" and 0 <= row["fidelity"] <= 1
+    assert sum(row["stats"]["tier_counts"].values()) == row["new_tokens"] or row["finish_reason"] != "length"
+    # A profile for another pair is refused with the command that makes the right one.
+    other = invoke("generate", "w1", "-m", tiny_dirs["target"], "-d", "ngram", "--mode", "viasd", "-q")
+    assert other.exit_code == 1 and "run `viasd calibrate" in other.stderr
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--budget", "0"], "--budget must be in (0, 1)"),
+        (["--budget", "1.5"], "--budget must be in (0, 1)"),
+        (["--skip-ratio", "0.95"], "--skip-ratio must be in [0, 0.9]"),
+    ],
+)
+def test_calibrate_bad_input(tiny_dirs, viasd_home, prompt_file, extra, message):
+    r = invoke("calibrate", "-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "--prompts", prompt_file, *extra)
+    assert r.exit_code == 2 and message in r.stderr and "Traceback" not in r.stderr
+    assert not (viasd_home / "config" / "profiles").exists()
+
+
+def test_calibrate_malformed_and_empty_prompt_files(tiny_dirs, viasd_home, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["w1 w2"]}\n{"turns": \n')
+    r = invoke("calibrate", "-m", tiny_dirs["target"], "--prompts", bad)
+    assert r.exit_code == 2 and "line 2 is not valid JSON" in r.stderr
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    r = invoke("calibrate", "-m", tiny_dirs["target"], "--prompts", empty)
+    assert r.exit_code == 2 and "no prompts" in r.stderr
+    assert not (viasd_home / "config" / "profiles").exists()
+
+
+def test_calibrate_refuses_to_save_when_heldout_misses_the_budget(tiny_dirs, viasd_home, prompt_file, monkeypatch):
+    import viasd_core.calibrate as cal
+
+    real_fit = cal.fit_thresholds
+
+    def reckless_fit(blocks, costs, budget, grid=24):  # accepts everything: certain to miss
+        fit = real_fit(blocks, costs, budget)
+        fit.thresholds = Thresholds(0.0, 0.0)
+        return fit
+
+    monkeypatch.setattr(cal, "fit_thresholds", reckless_fit)
+    r = invoke("calibrate", "-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "--prompts", prompt_file, "-n", "16", "--budget", "0.001")
+    assert r.exit_code == 1
+    assert "misses the budget" in r.stderr and "profile not saved" in r.stderr
+    assert not (viasd_home / "config" / "profiles").exists()
