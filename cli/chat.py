@@ -1,0 +1,275 @@
+"""`viasd chat`: a multi-turn terminal chat that keeps the KV caches between turns.
+
+The conversation logic lives in viasd_core.chat; this module only reads lines and draws:
+  - a terminal (stdout is a TTY, no --plain): tokens colored by tier, a live status line
+  - otherwise (piped): plain answers on stdout, everything else on stderr, no escape codes
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+from rich import box
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from viasd_core.chat import (STATS_COLUMNS, TIER_LEGEND, Chat, TieredText, parse_command, session_summary,
+                             stats_rows, turn_summary)
+from viasd_core.engine import GenerationConfig
+from viasd_core.errors import ViasdError
+from viasd_core.session import ModelOptions, build_session, thresholds_of
+
+from .app import app
+from .options import (DEFAULT_MODEL, AdaptiveOpt, AllowPickleOpt, DeviceOpt, DraftOpt, DraftQuantOpt, DtypeOpt,
+                      GammaOpt, MaxNewOpt, ModeOpt, ModelOpt, ProfileOpt, QuantOpt, RevisionOpt, SeedOpt, StopOpt,
+                      TempOpt, TopKOpt, TopPOpt, TrustOpt, handle_errors)
+
+EXAMPLES = """
+EXAMPLES
+
+  viasd chat                                  (embedded model and draft, mode sd)
+
+  viasd chat --mode viasd                     (three tiers; needs `viasd calibrate` first)
+
+  viasd chat -m ./my-model -d ngram --plain   (prompt lookup, no colors)
+
+  printf 'Hi\\nTell me more\\n' | viasd chat   (one turn per line; answers on stdout)
+
+Inside: /help, /stats, /mode sd, /gamma 4, /temp 0.7, /system TEXT, /reset, /save FILE, /exit.
+"""
+
+TIER_STYLES = {"accept": "green", "slim": "cyan", "full": "yellow", "bonus": "magenta", "ar": ""}
+PROMPT = "you> "
+
+
+class Display:
+    """Where the chat's output goes. Plain: answers on stdout, the rest on stderr, no styles."""
+
+    def __init__(self, fancy: bool):
+        self.fancy = fancy
+        self.out = Console(highlight=False, soft_wrap=False) if fancy else None
+        # Piped: no styles, and wide enough that the /stats table is not cut at 80 columns.
+        self.err = Console(stderr=True, highlight=False, no_color=True, width=120) if not fancy else self.out
+
+    def note(self, text: str, style: str = "dim") -> None:
+        if self.fancy:
+            self.out.print(Text(text, style=style))
+        else:
+            self.err.print(text, markup=False, highlight=False, soft_wrap=True)
+
+    def error(self, text: str) -> None:
+        self.note(text, style="bold red")
+
+    def table(self, chat: Chat) -> None:
+        rows = stats_rows(chat)
+        if not rows:
+            self.note("no turns yet")
+            return
+        table = Table(*STATS_COLUMNS, title="chat statistics", title_justify="left", box=box.SIMPLE_HEAD,
+                      show_edge=False, pad_edge=False)
+        for i, row in enumerate(rows):
+            table.add_row(*row, end_section=(i == len(rows) - 2))
+        reused, processed = chat.prefill_totals()
+        target = self.out if self.fancy else self.err
+        target.print(table)
+        saved = reused / (reused + processed) if reused + processed else 0.0
+        self.note(f"cached = prompt tokens re-used from the KV cache, prefill = prompt tokens processed; "
+                  f"{100 * saved:.0f}% of the prefill saved")
+
+    def legend(self) -> None:
+        if not self.fancy:
+            return
+        line = Text("tiers: ")
+        for tier, meaning in TIER_LEGEND.items():
+            line.append(tier, style=TIER_STYLES[tier])
+            line.append(f" {meaning}   ", style="dim")
+        self.out.print(line)
+
+
+class LiveAnswer:
+    """Streams an answer above a live status line: finished lines are printed for good, the
+    line being written and the status stay in the live area (transient: gone at the end)."""
+
+    def __init__(self, console: Console, chat: Chat):
+        self.console = console
+        self.decoder = TieredText(chat.session.tokenizer)
+        self.meter = chat.meter()
+        self.line = Text()
+        self.live = Live(console=console, get_renderable=self._render, refresh_per_second=8, transient=True,
+                         redirect_stdout=False, redirect_stderr=False)
+
+    def _status(self) -> Text:
+        status = Text("  ")
+        for i, (value, label) in enumerate(self.meter.fields()):
+            if i:
+                status.append(" · ", style="dim")
+            status.append(value, style="bold")
+            if label:
+                status.append(f" {label}", style="dim")
+        return status
+
+    def _render(self):
+        return Group(self.line, self._status())
+
+    def _add(self, text: str, style: str) -> None:
+        parts = text.split("\n")
+        for i, part in enumerate(parts):
+            if i:  # a finished line: print it above the live area
+                self.live.console.print(self.line)
+                self.line = Text()
+            if part:
+                self.line.append(part, style=style)
+        # A line taller than the screen would scroll out of the live area: print its first rows.
+        rows = self.line.wrap(self.console, self.console.width)
+        if len(rows) > max(self.console.height - 4, 2):
+            for row in rows[:-1]:
+                self.live.console.print(row)
+            self.line = rows[-1]
+
+    def __call__(self, tokens, tiers) -> None:
+        for text, tier in self.decoder.feed(tokens, tiers):
+            self._add(text, TIER_STYLES.get(tier, ""))
+        self.live.refresh()
+
+    def finish(self, final_text: str) -> None:
+        rest = self.decoder.finish(final_text)
+        if rest:
+            self._add(rest, "")
+        self.live.stop()
+        self.console.print(self.line)
+
+
+class PlainAnswer:
+    """Plain text on stdout, flushed as soon as a later token cannot change it."""
+
+    def __init__(self, chat: Chat):
+        self.decoder = TieredText(chat.session.tokenizer)
+
+    def __call__(self, tokens, tiers) -> None:
+        text = "".join(t for t, _ in self.decoder.feed(tokens, tiers))
+        if text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    def finish(self, final_text: str) -> None:
+        sys.stdout.write(self.decoder.finish(final_text) + "\n")
+        sys.stdout.flush()
+
+
+def read_lines(interactive: bool, display: Display):
+    """User lines; Ctrl-C at the prompt only clears the line. Ends at Ctrl-D / end of input."""
+    if not interactive:
+        for line in sys.stdin:
+            yield line.rstrip("\n")
+        return
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    while True:
+        try:
+            if display.fancy:
+                line = input(PROMPT)
+            else:
+                sys.stderr.write(PROMPT)
+                sys.stderr.flush()
+                line = input()
+        except EOFError:
+            if display.fancy:
+                print()
+            return
+        except KeyboardInterrupt:
+            print()
+            display.note("(Ctrl-D or /exit to leave)")
+            continue
+        yield line
+
+
+def run_turn(chat: Chat, text: str, display: Display) -> None:
+    streamer = LiveAnswer(display.out, chat) if display.fancy else PlainAnswer(chat)
+    try:
+        if display.fancy:
+            streamer.live.start()
+        try:
+            turn = chat.ask(text, on_emit=streamer, meter=getattr(streamer, "meter", None))
+        finally:
+            if display.fancy and streamer.live.is_started:
+                streamer.live.stop()
+    except ViasdError as e:
+        display.error(f"Error: {e.message}")
+        return
+    except KeyboardInterrupt:  # outside the engine's own handling (encoding, fidelity): nothing half-done
+        display.note("(interrupted)")
+        return
+    streamer.finish(turn.assistant)
+    if turn.dropped_messages:
+        display.note(f"(context full: the oldest {turn.dropped_messages} messages were dropped)")
+    display.note(turn_summary(turn))
+
+
+@app.command(epilog=EXAMPLES)
+@handle_errors
+def chat(
+    model: ModelOpt = DEFAULT_MODEL,
+    draft: DraftOpt = None,
+    revision: RevisionOpt = None,
+    mode: ModeOpt = "sd",
+    gamma: GammaOpt = 5,
+    adaptive: AdaptiveOpt = True,
+    max_new_tokens: MaxNewOpt = 256,
+    temperature: TempOpt = 0.0,
+    top_k: TopKOpt = 0,
+    top_p: TopPOpt = 1.0,
+    seed: SeedOpt = None,
+    stop: StopOpt = None,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    quant: QuantOpt = "none",
+    draft_quant: DraftQuantOpt = "none",
+    trust_remote_code: TrustOpt = False,
+    allow_pickle: AllowPickleOpt = False,
+    profile: ProfileOpt = None,
+    system: Annotated[Optional[str], typer.Option("--system", help="System message for the chat template.")] = None,
+    plain: Annotated[bool, typer.Option("--plain", help="No colors and no live status line (NO_COLOR turns colors off too).")] = False,
+    fidelity_check: Annotated[Optional[bool], typer.Option("--fidelity/--no-fidelity", help="Measure each answer's fidelity with one teacher-forced target pass (default: on in viasd mode).")] = None,
+):
+    """Chat with the model, keeping the KV caches across turns; /help lists the commands."""
+    config = GenerationConfig(mode=mode, max_new_tokens=max_new_tokens, gamma=gamma, adaptive=adaptive,
+                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=tuple(stop or ()),
+                              thresholds=None)
+    if mode != "viasd":
+        config.validate()  # fail fast, before loading models
+    interactive = sys.stdin is not None and sys.stdin.isatty()
+    display = Display(fancy=not plain and sys.stdout.isatty())
+    opts = ModelOptions(model=model, draft=draft, revision=revision, dtype=dtype, device=device, quant=quant,
+                        draft_quant=draft_quant, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                        profile=profile)
+    session = build_session(opts, mode=mode, progress=display.note)
+    config.thresholds = thresholds_of(session.profile)
+    config.validate()
+    chat = Chat(session, config, system=system, measure_fidelity=fidelity_check, progress=display.note)
+    budget = f", fidelity budget >= {1 - session.profile.budget:.3f}" if mode == "viasd" else ""
+    display.note(f"viasd chat: {session.target.model_id}, draft {session.draft_id}, mode {mode}{budget}; /help for commands")
+    display.legend()
+
+    for line in read_lines(interactive, display):
+        if not line.strip():
+            continue
+        if parse_command(line) is not None:
+            reply = chat.command(line)
+            if reply.kind == "exit":
+                break
+            if reply.kind == "stats":
+                display.table(chat)
+            elif reply.kind == "error":
+                display.error(reply.text)
+            else:
+                display.note(reply.text, style="" if reply.kind == "help" else "dim")
+            continue
+        text = line.strip()[1:] if line.strip().startswith("//") else line
+        run_turn(chat, text, display)
+    display.note(session_summary(chat), style="bold")
