@@ -1,0 +1,209 @@
+"""`viasd bench`: ar, transformers (plain, assisted, prompt lookup), sd, exact and viasd on the same
+models, prompts and seeds in one process; a table on stdout, files and plots with --out."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from viasd_core import bench as core
+from viasd_core.errors import UsageError
+from viasd_core.prompts import load_prompts
+from viasd_core.session import ModelOptions, build_session
+
+from .app import app
+from .options import (DEFAULT_MODEL, AdaptiveOpt, AllowPickleOpt, DeviceOpt, DraftOpt, DraftQuantOpt, DtypeOpt,
+                      GammaOpt, ModelOpt, ProfileOpt, QuantOpt, RevisionOpt, TrustOpt, handle_errors)
+
+EXAMPLES = """
+EXAMPLES
+
+  viasd bench --out runs/smollm2                        (every method, shipped prompts)
+
+  viasd bench -m Qwen/Qwen2.5-7B-Instruct -d Qwen/Qwen2.5-0.5B-Instruct --prompts spec_bench.jsonl --limit 80 --out runs/qwen
+
+  viasd bench --methods ar,hf,sd -n 64 --repeats 3 --breakdown
+
+  viasd bench --json --methods ar,sd > summary.json
+
+  viasd bench --synthetic llama-3-8b --acceptance-from runs/qwen/summary.json     (PROJECTION, on a GPU)
+"""
+
+
+def _table_console():
+    from rich.console import Console
+
+    return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160)
+
+
+def _fmt(x, spec=".2f", none="-"):
+    return none if x is None else format(x, spec)
+
+
+def print_summary(summary: dict, breakdown: bool) -> None:
+    from rich.table import Table
+
+    meta = summary["meta"]
+    console = _table_console()
+    title = (f"viasd bench: {meta['target']['id']} / draft {meta['draft']['id']} on {meta['device_name']} "
+             f"({meta['dtype']}, gamma {meta['gamma']}{' adaptive' if meta['adaptive'] else ''}, "
+             f"{meta['n_prompts']} prompts x {meta['repeats']}, {meta['max_new_tokens']} new tokens max)")
+    table = Table(title=title, title_justify="left")
+    for col in ("method", "tok/s", "x ar", "x hf", "tok/pass", "accept", "tiers a/s/f", "fidelity mean/min", "peak MiB", "status"):
+        table.add_column(col, justify="left" if col in ("method", "status", "tiers a/s/f") else "right")
+    for m, s in summary["methods"].items():
+        if s["status"] != "ok":
+            table.add_row(m, "", "", "", "", "", "", "", "", f"{s['status']}: {s['reason']}")
+            continue
+        tiers = s.get("tier_shares")
+        tiers_text = f"{tiers['accept']:.2f}/{tiers['slim']:.2f}/{tiers['full'] + tiers['bonus']:.2f}" if tiers else "-"
+        peak = s.get("peak_memory_bytes")
+        table.add_row(
+            m, f"{s['tokens_per_s_mean']:.1f} ± {s['tokens_per_s_std']:.1f}", _fmt(s["speedup_vs_ar"]),
+            _fmt(s["speedup_vs_hf"]), _fmt(s["mean_accepted_length"]), _fmt(s["acceptance_rate"]), tiers_text,
+            f"{s['fidelity_mean']:.3f}/{s['fidelity_min']:.3f}", _fmt(peak / 2**20 if peak else None, ".0f"), "ok",
+        )
+    console.print(table)
+    if breakdown:
+        bt = Table(title="Where the time goes (our engine; share of run time, ms per new token)", title_justify="left")
+        bt.add_column("method")
+        for p in core.PHASES:
+            bt.add_column(p, justify="right")
+        for m, s in summary["methods"].items():
+            b = s.get("breakdown")
+            if b:
+                bt.add_row(m, *(f"{b[p]['share'] * 100:.0f}% {b[p]['ms_per_token']:.2f}" for p in core.PHASES))
+        console.print(bt)
+        console.print("other = routing, acceptance, bookkeeping and host syncs outside the timed phases; "
+                      "transformers methods expose no phase times.")
+
+
+def print_projection(summary: dict) -> None:
+    from rich.table import Table
+
+    p = summary["projection"]
+    console = _table_console()
+    table = Table(title=f"PROJECTION (not a measurement): {p['target_shape']} with {p['draft_shape']}, "
+                        f"{p['device']} {p['dtype']}, gamma {p['gamma']}, slim skips {p['slim_skip_ratio']:.0%} of layers",
+                  title_justify="left")
+    for col in ("method", "projected x ar", "tokens/step", "step ms", "acceptance", "full fraction", "acceptance from"):
+        table.add_column(col, justify="left" if col in ("method", "acceptance from") else "right")
+    for m, r in p["projection"].items():
+        table.add_row(m, f"{r['speedup_vs_ar']:.2f}", f"{r['tokens_per_step']:.2f}", f"{r['step_s'] * 1000:.3f}",
+                      _fmt(r.get("acceptance")), _fmt(r.get("full_fraction")), r.get("acceptance_source", "-"))
+    console.print(table)
+    c = p["costs_s"]
+    console.print(f"measured costs (ms): draft step {c['draft_step'] * 1000:.3f}, slim pass over {p['gamma'] + 1} "
+                  f"{c['slim_block'] * 1000:.3f}, target " + ", ".join(f"{k} tok {v * 1000:.3f}" for k, v in c["target"].items()))
+    for line in p["assumptions"]:
+        console.print(f"- {line}")
+
+
+@app.command(epilog=EXAMPLES)
+@handle_errors
+def bench(
+    model: ModelOpt = DEFAULT_MODEL,
+    draft: DraftOpt = None,
+    revision: RevisionOpt = None,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    quant: QuantOpt = "none",
+    draft_quant: DraftQuantOpt = "none",
+    trust_remote_code: TrustOpt = False,
+    allow_pickle: AllowPickleOpt = False,
+    profile: ProfileOpt = None,
+    methods: Annotated[str, typer.Option("--methods", help=f"Comma-separated subset of {','.join(core.METHODS)}, or 'all'.")] = "all",
+    gamma: GammaOpt = 5,
+    adaptive: AdaptiveOpt = True,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Largest number of new tokens per prompt.")] = 128,
+    prompts: Annotated[Optional[str], typer.Option("--prompts", help="Spec-Bench JSONL (category, turns) or plain text, one prompt per line (default: the shipped set).")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", help="Use the first N prompts (after --categories).")] = None,
+    categories: Annotated[Optional[str], typer.Option("--categories", help="Comma-separated categories to keep, e.g. coding,math_reasoning.")] = None,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed full prompt runs per method before timing.")] = 1,
+    repeats: Annotated[int, typer.Option("--repeats", help="Timed runs per prompt and method.")] = 1,
+    seed: Annotated[int, typer.Option("--seed", help="Seed set before every run (greedy decoding: for reproducibility only).")] = 0,
+    raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
+    out: Annotated[Optional[str], typer.Option("--out", "-o", help="Folder for results.jsonl, summary.json and the PNG plots.")] = None,
+    breakdown: Annotated[bool, typer.Option("--breakdown", help="Also print where step time goes: prefill, draft, slim, verify, other.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary JSON on stdout instead of the table.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or loading messages on stderr.")] = False,
+    synthetic: Annotated[Optional[str], typer.Option("--synthetic", help="PROJECTION on random weights of a real shape: tiny, llama-3-8b, qwen2.5-7b, vicuna-7b.")] = None,
+    acceptance_from: Annotated[Optional[str], typer.Option("--acceptance-from", help="With --synthetic: the summary.json of a real run to take acceptance from.")] = None,
+    force: Annotated[bool, typer.Option("--force", help="With --synthetic: allow a full-size shape on CPU.")] = False,
+):
+    """Benchmark every method on the same models, prompts and seeds; the summary on stdout."""
+    log = (lambda msg: None) if quiet else (lambda msg: typer.echo(msg, err=True))
+    if synthetic is not None:
+        return _synthetic(synthetic, device, dtype, gamma, acceptance_from, force, out, as_json, log)
+    if acceptance_from is not None or force:
+        raise UsageError("--acceptance-from and --force only apply with --synthetic")
+    config = core.BenchConfig(methods=core.parse_methods(methods), max_new_tokens=max_new_tokens, gamma=gamma,
+                              adaptive=adaptive, warmup=warmup, repeats=repeats, seed=seed, raw=raw)
+    config.validate()
+    cats = [c.strip() for c in categories.split(",") if c.strip()] if categories else None
+    if limit is not None and limit < 1:
+        raise UsageError(f"--limit must be at least 1 (got {limit})")
+    prompt_list = load_prompts(prompts, limit=limit, categories=cats)
+    opts = ModelOptions(model=model, draft=draft, revision=revision, dtype=dtype, device=device, quant=quant,
+                        draft_quant=draft_quant, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
+                        profile=profile)
+    needs_draft = any(m in core.NEEDS_DRAFT for m in config.methods)
+    session = build_session(opts, mode="sd" if needs_draft else "ar", progress=log, need_profile=False)
+    runners = core.make_runners(session, config)
+    result = _run_with_progress(session, prompt_list, config, runners, quiet)
+    summary = {
+        "meta": core.session_meta(session, config, prompts, len(prompt_list)),
+        "methods": core.summarize(result.rows, result.statuses, result.peak_memory, config.methods),
+    }
+    if out:
+        paths = core.write_outputs(out, result.rows, summary)
+        log("wrote " + ", ".join(str(p) for p in paths))
+    if as_json:
+        sys.stdout.write(json.dumps(core._clean(summary), indent=2) + "\n")
+    else:
+        print_summary(summary, breakdown)
+
+
+def _run_with_progress(session, prompt_list, config, runners, quiet):
+    if quiet:
+        return core.run_bench(session, prompt_list, config, runners=runners)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    total = len(config.methods) * len(prompt_list) * config.repeats
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(file=sys.stderr), transient=False) as progress:
+        task = progress.add_task("bench", total=total)
+
+        def on_run(method, what, n):
+            progress.update(task, advance=n, description=f"{method} {what}")
+
+        return core.run_bench(session, prompt_list, config, on_run=on_run, runners=runners)
+
+
+def _synthetic(name, device, dtype, gamma, acceptance_from, force, out, as_json, log):
+    from pathlib import Path
+
+    from viasd_core import synthetic as syn
+    from viasd_core.loading import resolve_device
+
+    dev = resolve_device(device)
+    plan = syn.SyntheticPlan(name=name, device=str(dev), dtype=dtype, gamma=gamma, force=force,
+                             acceptance_from=acceptance_from)
+    syn.check_plan(plan)
+    projection = syn.run_synthetic(plan, progress=log)
+    summary = {"meta": core.make_meta(dev, label=syn.LABEL, synthetic=name, gamma=gamma,
+                                      acceptance_from=acceptance_from), "projection": projection}
+    if out:
+        folder = Path(out)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / "summary.json"
+        path.write_text(json.dumps(core._clean(summary), indent=2) + "\n", encoding="utf-8")
+        log(f"wrote {path} (a PROJECTION)")
+    if as_json:
+        sys.stdout.write(json.dumps(core._clean(summary), indent=2) + "\n")
+    else:
+        print_projection(summary)
