@@ -71,6 +71,8 @@ SHAPES: dict[str, dict] = {
 DEFAULT_ACCEPTANCE = {"sd": 0.70, "exact": 0.70, "viasd": 0.80}
 DEFAULT_VIASD_FULL_FRACTION = 0.5
 DEFAULT_SKIP_RATIO = 0.45
+DEFAULT_CONTEXT = 128  # tokens in the KV caches when the step costs are timed
+DEFAULT_REPS = 20  # timed repetitions per cost (the median is kept)
 PROJECTED_METHODS = ("sd", "exact", "viasd")
 
 
@@ -249,8 +251,8 @@ class SyntheticPlan:
     dtype: str
     gamma: int
     skip_ratio: float = DEFAULT_SKIP_RATIO
-    context: int = 128
-    reps: int = 20
+    context: int = field(default_factory=lambda: DEFAULT_CONTEXT)
+    reps: int = field(default_factory=lambda: DEFAULT_REPS)
     force: bool = False
     acceptance_from: str | None = None
     extra: dict = field(default_factory=dict)
