@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/viasd_distill")
     ap.add_argument("--split", choices=["greedy", "sampled", "dev"], default="greedy")
     ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--name", default=None, help="gen: file name under --work (default: the split)")
     ap.add_argument("--every", type=int, default=1, help="gen: take every k-th prompt")
     ap.add_argument("--offset", type=int, default=0, help="gen: starting at this one")
     ap.add_argument("--max-new-tokens", type=int, default=128)
@@ -61,10 +62,14 @@ def main() -> None:
     ap.add_argument("--gen-batch-size", type=int, default=32)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--draft-vocab", type=int, default=4096)
-    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--time-limit", type=float, default=None)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--time-limit", type=float, default=None, help="train: seconds (the cosine schedule follows time)")
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--intermediate", type=int, default=None, help="train: prune the draft's MLPs to this many neurons")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(ROOT / "viasd_core/data/drafts/smollm2-135m"))
     ap.add_argument("--draft", default=str(ROOT / "viasd_core/data/drafts/smollm2-135m"))
@@ -85,7 +90,7 @@ def main() -> None:
             target, tok, prompts, args.max_new_tokens, batch_size=args.gen_batch_size, temperature=temp, seed=args.seed,
             categories=cats, progress=lambda i, n: log(f"{args.split}: {i}/{n} prompts"),
         )
-        torch.save([r.to_dict() for r in recs], work / f"{args.split}.pt")
+        torch.save([r.to_dict() for r in recs], work / f"{args.name or args.split}.pt")
         log(f"{args.split}: {len(recs)} records, {sum(r.labels.numel() for r in recs)} labels, {time.perf_counter() - t0:.0f}s")
         return
 
@@ -93,26 +98,43 @@ def main() -> None:
         return [distill.Record(**d) for d in torch.load(work / f"{split}.pt")]
 
     if args.stage == "train":
-        train = records("greedy") + (records("sampled") if (work / "sampled.pt").exists() else [])
+        # Hold out the prompts with index % 20 == 0 (all their sequences) for early stopping.
+        # Splits: greedy = every prompt; sampled / sampled_c = odd prompts; sampled_b = even prompts.
+        parts = {"greedy": (0, 1), "sampled": (1, 2), "sampled_b": (0, 2), "sampled_c": (1, 2)}
+        train, held = [], []
+        for split, (offset, every) in parts.items():
+            if not (work / f"{split}.pt").exists():
+                continue
+            for j, r in enumerate(records(split)):
+                (held if (offset + every * j) % 20 == 0 else train).append(r)
+        held = [r for r in held if r.labels.numel() > 0]
         vocab_map = distill.choose_vocab(train, args.draft_vocab, always=[tok.eos_token_id])
         log(f"{len(train)} records, {sum(r.labels.numel() for r in train)} labels; vocab coverage {distill.vocab_coverage(train, vocab_map):.4f}")
-        draft = distill.init_draft(target, args.layers, vocab_map)
+        draft = distill.init_draft(target, args.layers, vocab_map, intermediate_size=args.intermediate)
         dev = records("dev")[:80] if (work / "dev.pt").exists() else None
         if dev:
             log(f"dev coverage {distill.vocab_coverage(dev, vocab_map):.4f}; agreement before training {distill.evaluate_agreement(draft, records=dev[:20])['agreement']:.4f} (20 prompts)")
         t0 = time.perf_counter()
+        eval_fn = lambda d: distill.evaluate_agreement(d, records=held, vocab_map=vocab_map)["agreement"]
+        log(f"{len(held)} held-out sequences")
         losses = distill.train_draft(
             draft, train, vocab_map, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
             pad_id=tok.pad_token_id or 0, log_every=25, log=log, time_limit_s=args.time_limit,
+            warmup=args.warmup, bf16_autocast=True, eval_fn=eval_fn, eval_every=args.eval_every,
+            weight_decay=args.weight_decay,
         )
         wall = time.perf_counter() - t0
         info = {
             "recipe": "benchmarks/distill_smollm2.py", "prompts": "viasd_core/data/distill_prompts.jsonl",
             "records": len(train), "label_tokens": sum(r.labels.numel() for r in train),
-            "max_new_tokens": args.max_new_tokens, "sampled_temperature": 0.8,
+            "max_new_tokens": args.max_new_tokens, "sampled_temperature": 0.8, "sampled_every": 2,
+            "bf16_autocast": True, "intermediate_size": draft.config.intermediate_size,
+            "vocab": "most frequent target argmax ids, then the lowest unused ids (BPE merge order)", "warmup": args.warmup, "time_limit_s": args.time_limit,
             "layers_from_target": distill.default_layer_ids(target.config.num_hidden_layers, args.layers),
-            "steps": len(losses), "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
-            "threads": args.threads, "train_wall_s": round(wall, 1), "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
+            "steps": len(losses), "best_step": draft.viasd_train_log["best_step"],
+            "held_out": {"sequences": len(held), "rule": "prompt index % 20 == 0", "evals": draft.viasd_train_log["evals"]},
+            "weight_decay": args.weight_decay, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
+            "threads": args.threads, "train_wall_s": round(wall, 1), "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4), "splits": [p for p in parts if (work / f"{p}.pt").exists()],
             "loss": "cross-entropy on the target's argmax labels over the draft vocabulary",
         }
         save_draft(args.out, draft, vocab_map, tok, target="smollm2-135m", training=info)

@@ -18,7 +18,7 @@ EXAMPLES
 
   viasd distill --target smollm2-135m --out ./my-draft                 # the shipped recipe (slow on CPU)
 
-  viasd distill --target ./my-llama --out ./draft --layers 2 --draft-vocab 4096 --steps 1500
+  viasd distill --target ./my-llama --out ./draft --layers 2 --draft-vocab 4096 --steps 500
 
   viasd distill --target ./my-llama --out ./draft --prompts prompts.jsonl --eval-prompts dev.jsonl --threads 2
 
@@ -54,7 +54,7 @@ def distill(
     out: Annotated[Path, typer.Option("--out", "-o", help="Folder to write the draft to (replaced atomically).")],
     layers: Annotated[int, typer.Option("--layers", help="Decoder layers of the draft (initialised from the target's).")] = 2,
     draft_vocab: Annotated[int, typer.Option("--draft-vocab", help="Output vocabulary of the draft: the N ids most frequent in the target's outputs.")] = 4096,
-    steps: Annotated[int, typer.Option("--steps", help="Training steps.")] = 1500,
+    steps: Annotated[int, typer.Option("--steps", help="Training steps (the weights with the best held-out agreement are kept).")] = 500,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Sequences per training step.")] = 8,
     lr: Annotated[float, typer.Option("--lr", help="Peak learning rate (AdamW, cosine).")] = 1e-3,
     time_limit: Annotated[Optional[float], typer.Option("--time-limit", help="Stop training after this many seconds (the cosine schedule follows time).")] = None,
@@ -93,10 +93,14 @@ def distill(
 
     t0 = time.perf_counter()
     progress = lambda split: lambda i, n: err(f"{split}: {i}/{n} prompts")  # noqa: E731
-    records = core.build_dataset(model, tok, texts, max_new_tokens, batch_size=32, temperature=0.0, seed=seed, categories=cats, progress=progress("greedy"))
+    greedy = core.build_dataset(model, tok, texts, max_new_tokens, batch_size=32, temperature=0.0, seed=seed, categories=cats, progress=progress("greedy"))
+    # prompts with index % 20 == 0 are held out (greedy only) for early stopping
+    records = [r for i, r in enumerate(greedy) if i % 20 != 0]
+    held = [r for i, r in enumerate(greedy) if i % 20 == 0 and r.labels.numel() > 0]
     if sampled_every > 0:
-        records += core.build_dataset(model, tok, texts[1::sampled_every], max_new_tokens, batch_size=32, temperature=0.8, seed=seed,
-                                      categories=cats[1::sampled_every], progress=progress("sampled"))
+        picked = [i for i in range(len(texts)) if i % sampled_every == 1 % sampled_every and i % 20 != 0]
+        records += core.build_dataset(model, tok, [texts[i] for i in picked], max_new_tokens, batch_size=32, temperature=0.8, seed=seed,
+                                      categories=[cats[i] for i in picked], progress=progress("sampled"))
     gen_s = time.perf_counter() - t0
     vocab_map = core.choose_vocab(records, draft_vocab, always=[tok.eos_token_id] if tok.eos_token_id is not None else [])
     n_labels = sum(r.labels.numel() for r in records)
@@ -106,12 +110,16 @@ def distill(
     t1 = time.perf_counter()
     losses = core.train_draft(draft, records, vocab_map, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                               pad_id=tok.pad_token_id or 0, log_every=50, log=err,
-                              warmup=30, time_limit_s=time_limit, bf16_autocast=bf16)
+                              warmup=30, time_limit_s=time_limit, bf16_autocast=bf16, weight_decay=0.1,
+                              eval_fn=(lambda d: core.evaluate_agreement(d, records=held, vocab_map=vocab_map)["agreement"]) if held else None,
+                              eval_every=50)
     info = {
         "recipe": "viasd distill", "prompts": str(prompts), "records": len(records), "label_tokens": n_labels,
         "max_new_tokens": max_new_tokens, "sampled_temperature": 0.8 if sampled_every else None, "sampled_every": sampled_every,
         "layers_from_target": core.default_layer_ids(model.config.num_hidden_layers, layers),
-        "steps": len(losses), "batch_size": batch_size, "lr": lr, "bf16_autocast": bf16, "time_limit_s": time_limit, "seed": seed, "threads": threads,
+        "steps": len(losses), "best_step": getattr(draft, "viasd_train_log", {}).get("best_step"),
+        "held_out": {"sequences": len(held), "rule": "prompt index % 20 == 0", "evals": getattr(draft, "viasd_train_log", {}).get("evals")},
+        "weight_decay": 0.1, "batch_size": batch_size, "lr": lr, "bf16_autocast": bf16, "time_limit_s": time_limit, "seed": seed, "threads": threads,
         "generate_wall_s": round(gen_s, 1), "train_wall_s": round(time.perf_counter() - t1, 1),
         "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
         "loss": "cross-entropy on the target's argmax labels over the draft vocabulary",

@@ -170,3 +170,19 @@ def test_shipped_draft():
         assert f.get_tensor("vocab_map").dtype == torch.int64
         assert tuple(f.get_slice("lm_head.weight").get_shape()) == (cfg["draft_vocab_size"], 576)
         assert not any("embed_tokens" in k for k in f.keys())
+
+
+def test_early_stopping_restores_best(target):
+    recs = _records(4)
+    vocab_map = distill.choose_vocab(recs, 32)
+    draft = distill.init_draft(target, 1, vocab_map)
+    snapshots = []
+
+    def eval_fn(d):  # the first evaluation scores best
+        snapshots.append(d.lm_head.weight.detach().clone())
+        return -len(snapshots)
+
+    distill.train_draft(draft, recs, vocab_map, steps=6, batch_size=2, lr=1e-2, warmup=1, eval_fn=eval_fn, eval_every=2)
+    assert len(snapshots) == 3 and not torch.equal(snapshots[0], snapshots[-1])
+    assert torch.equal(draft.lm_head.weight, snapshots[0])
+    assert draft.viasd_train_log["best_step"] == 2
