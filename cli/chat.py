@@ -39,7 +39,7 @@ EXAMPLES
 
   printf 'Hi\\nTell me more\\n' | viasd chat   (one turn per line; answers on stdout)
 
-Inside: /help, /stats, /mode sd, /gamma 4, /temp 0.7, /system TEXT, /reset, /save FILE, /exit.
+Inside: /help, /stats, /mode sd, /gamma 4, /temp 0.7, /max 64, /system TEXT, /reset, /save FILE, /exit.
 """
 
 TIER_STYLES = {"accept": "green", "slim": "cyan", "full": "yellow", "bonus": "magenta", "ar": ""}
@@ -56,8 +56,8 @@ class Display:
         self.err = Console(stderr=True, highlight=False, no_color=True, width=120) if not fancy else self.out
 
     def note(self, text: str, style: str = "dim") -> None:
-        if self.fancy:
-            self.out.print(Text(text, style=style))
+        if self.fancy:  # soft wrap: the terminal wraps long lines, so they stay one line when copied
+            self.out.print(Text(text, style=style), soft_wrap=True)
         else:
             self.err.print(text, markup=False, highlight=False, soft_wrap=True)
 
@@ -83,10 +83,11 @@ class Display:
     def legend(self) -> None:
         if not self.fancy:
             return
-        line = Text("tiers: ")
-        for tier, meaning in TIER_LEGEND.items():
+        line = Text("tiers: ", style="dim")
+        for i, (tier, meaning) in enumerate(TIER_LEGEND.items()):
+            line.append(" · " if i else "", style="dim")
             line.append(tier, style=TIER_STYLES[tier])
-            line.append(f" {meaning}   ", style="dim")
+            line.append(f" ({meaning})", style="dim")
         self.out.print(line)
 
 

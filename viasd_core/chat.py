@@ -35,17 +35,18 @@ HELP = """Commands:
   /mode MODE       ar, sd, exact or viasd (exact/viasd need a calibration profile)
   /gamma N         draft tokens per step (N >= 1)
   /temp X          temperature (0 = greedy; viasd is greedy-only)
+  /max N           largest number of new tokens per answer
   /system TEXT     set the system message (no text: remove it); the history is kept
   /reset           start a new conversation (clears history and caches)
   /save FILE       write the transcript and statistics as JSON
   /exit            leave (Ctrl-D too); Ctrl-C stops the answer being generated
   //text           send a message that starts with '/'"""
 
-TIER_LEGEND = {
-    "accept": "draft token accepted",
-    "slim": "decided by the slim verifier",
-    "full": "decided by the full target",
-    "bonus": "target's extra token after a fully accepted block",
+TIER_LEGEND = {  # who decided a token
+    "accept": "draft kept",
+    "slim": "slim verifier",
+    "full": "target",
+    "bonus": "target's extra token",
 }
 
 
@@ -267,8 +268,8 @@ class Chat:
         name, arg = parsed
         handler = {
             "help": self._help, "?": self._help, "stats": self._stats, "mode": self._mode, "gamma": self._gamma,
-            "temp": self._temp, "temperature": self._temp, "system": self._system, "reset": self._reset,
-            "save": self._save, "exit": self._exit, "quit": self._exit,
+            "temp": self._temp, "temperature": self._temp, "max": self._max, "system": self._system,
+            "reset": self._reset, "save": self._save, "exit": self._exit, "quit": self._exit,
         }.get(name)
         if handler is None:
             return Reply("error", f"unknown command '/{name}': /help lists the commands")
@@ -343,6 +344,16 @@ class Chat:
         self._try_config(temperature=x)
         return Reply("info", f"temperature {x:g}" + (" (greedy)" if x == 0 else ""))
 
+    def _max(self, arg: str) -> Reply:
+        try:
+            n = int(arg)
+        except ValueError:
+            raise UsageError(f"/max needs a whole number, got '{arg}'")
+        if n < 1:
+            raise UsageError(f"/max must be at least 1 (got {n})")
+        self._try_config(max_new_tokens=n)
+        return Reply("info", f"at most {n} new tokens per answer")
+
     def _system(self, arg: str) -> Reply:
         self.system = arg or None
         return Reply("info", f"system message set ({len(arg)} characters)" if arg else "system message removed")
@@ -409,6 +420,8 @@ def turn_summary(turn: Turn) -> str:
     if turn.fidelity is not None:
         parts.append(f"fidelity {turn.fidelity:.3f}")
     parts.append(f"prefill {turn.processed_tokens} processed, {turn.reused_tokens} from cache")
+    if turn.mismatch_tokens and turn.reused_tokens:
+        parts.append(f"{turn.mismatch_tokens} cached tokens re-encoded differently")
     if turn.finish_reason == "interrupted":
         parts.append("interrupted")
     return ", ".join(parts)

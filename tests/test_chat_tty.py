@@ -1,0 +1,134 @@
+"""`viasd chat` in a real terminal (a pseudo-terminal): the live status line appears and
+updates while an answer streams, and Ctrl-C stops that answer without ending the session."""
+
+import os
+import re
+import select
+import shutil
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+
+fcntl = pytest.importorskip("fcntl", reason="needs a POSIX pseudo-terminal (fcntl)")
+termios = pytest.importorskip("termios", reason="needs a POSIX pseudo-terminal (termios)")
+if not hasattr(os, "openpty"):
+    pytest.skip("needs os.openpty (a POSIX pseudo-terminal)", allow_module_level=True)
+
+from conftest import tiny_model
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r")
+STATUS = re.compile(r"\bsd · (\d+) tok · [\d.]+ tok/s · [\d.-]+ tok/pass · [\d.-]+ accepted · A\d+ S\d+ F\d+ B\d+ % tiers")
+
+
+@pytest.fixture(scope="module")
+def slow_target(tiny_dirs, tmp_path_factory):
+    """A larger random target (slow enough to interrupt) that never chooses EOS, sharing the
+    tiny models' tokenizer and vocabulary."""
+    import torch
+
+    folder = tmp_path_factory.mktemp("slow") / "target"
+    model = tiny_model("llama", n_layers=8, seed=41, hidden_size=384, intermediate_size=1536, num_attention_heads=6,
+                       num_key_value_heads=2)
+    with torch.no_grad():
+        model.lm_head.weight[2] = 0  # EOS logit 0: below the greedy maximum of 255 large random logits
+    model.generation_config.eos_token_id = 2
+    model.save_pretrained(folder)
+    for f in os.listdir(tiny_dirs["target"]):
+        if "token" in f or f.endswith(".jinja"):
+            shutil.copy(tiny_dirs["target"] / f, folder / f)
+    return folder
+
+
+class Terminal:
+    """A child process on a pseudo-terminal that is its controlling terminal (so ^C is SIGINT)."""
+
+    def __init__(self, argv, env, cols=120, rows=40):
+        master, slave = os.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+        self.proc = subprocess.Popen(
+            argv, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True, start_new_session=True,
+            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+        )
+        os.close(slave)
+        self.fd = master
+        self.raw = b""
+
+    def read(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            ready, _, _ = select.select([self.fd], [], [], max(0.0, min(0.05, end - time.monotonic())))
+            if ready:
+                try:
+                    chunk = os.read(self.fd, 65536)
+                except OSError:  # the child closed the terminal
+                    return
+                if not chunk:
+                    return
+                self.raw += chunk
+
+    @property
+    def text(self) -> str:
+        return ANSI.sub("", self.raw.decode("utf-8", "replace"))
+
+    def expect(self, pattern, timeout: float, start: int = 0):
+        """Read until `pattern` matches the plain text from `start`; the match, or fail with the screen."""
+        end = time.monotonic() + timeout
+        while True:
+            m = re.compile(pattern).search(self.text, start)
+            if m:
+                return m
+            if time.monotonic() > end or self.proc.poll() is not None and not select.select([self.fd], [], [], 0)[0]:
+                pytest.fail(f"no {pattern!r} within {timeout} s; terminal output:\n{self.text[-3000:]}")
+            self.read(0.1)
+
+    def send(self, data: str) -> None:
+        os.write(self.fd, data.encode())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        os.close(self.fd)
+
+
+def test_live_status_and_ctrl_c_in_a_terminal(tiny_dirs, slow_target, viasd_home):
+    env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "COLUMNS", "LINES")}
+    env.update(TERM="xterm-256color", PYTHONUNBUFFERED="1")
+    argv = [sys.executable, "-c", "from viasd_cli.app import main; main()", "chat", "-m", str(slow_target),
+            "-d", str(tiny_dirs["draft"]), "-n", "480"]
+    term = Terminal(argv, env)
+    try:
+        term.expect(r"you> ", timeout=60)
+        assert "tiers: accept" in term.text  # the legend
+        term.send("w1 w2 w3\n")
+        # The status line appears, then shows a larger token count: it is live.
+        first = term.expect(STATUS, timeout=30)
+        later = first
+        deadline = time.monotonic() + 20
+        while int(later.group(1)) <= int(first.group(1)) and time.monotonic() < deadline:
+            term.read(0.2)
+            later = list(STATUS.finditer(term.text))[-1]
+        assert int(later.group(1)) > int(first.group(1)), term.text[-2000:]
+        assert "\x1b[" in term.raw.decode("utf-8", "replace")  # colored tokens and a redrawn status
+
+        term.send("\x03")  # Ctrl-C: stops this answer, not the session
+        summary = term.expect(r"\[sd\] (\d+) tokens in .*?interrupted", timeout=20)
+        assert int(summary.group(1)) < 480
+        prompt = term.expect(r"you> ", timeout=10, start=summary.end())
+        assert term.proc.poll() is None
+
+        term.send("/max 5\n")
+        term.expect(r"at most 5 new tokens per answer", timeout=10, start=prompt.end())
+        term.send("w4 w5\n")
+        second = term.expect(r"\[sd\] (\d+) tokens in [^\n]*", timeout=30, start=prompt.end())
+        assert int(second.group(1)) == 5 and "interrupted" not in second.group(0)
+        assert "from cache" in second.group(0) and not re.search(r"prefill \d+ processed, 0 from cache", second.group(0))
+
+        term.send("/exit\n")
+        term.expect(r"Session: 2 turns", timeout=15, start=second.end())
+        assert term.proc.wait(15) == 0
+    finally:
+        term.close()
