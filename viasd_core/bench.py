@@ -304,13 +304,30 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
             if draft_id == "ngram":
                 runners[m] = Skip("the draft is prompt lookup ('ngram'), not a model: hf-pld is its transformers counterpart")
                 continue
-            draft_hf = session.draft.model if session.draft is not None else engine.drafter.model.hf_model
-            assistant = full_vocab_assistant(draft_hf, target_hf)
-            if assistant is draft_hf:  # transformers writes to it: give it its own generation config
-                assistant = _own_generation_config(draft_hf)
+            try:
+                draft_hf = session.draft.model if session.draft is not None else engine.drafter.model.hf_model
+                assistant = full_vocab_assistant(draft_hf, target_hf)
+                if assistant is draft_hf:  # transformers writes to it: give it its own generation config
+                    assistant = _own_generation_config(draft_hf)
+            except Exception as e:  # noqa: BLE001 - reported as this method's failure, the others still run
+                runners[m] = Broken(e)
+                continue
             runners[m] = HFRunner(target_hf, eos, config.max_new_tokens, pad, assistant=assistant,
                                   gamma=config.gamma, adaptive=config.adaptive)
     return runners
+
+
+class Broken:
+    """A method whose set-up raised: running it re-raises, so the harness reports it failed."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+    def reset(self) -> None:
+        pass
+
+    def __call__(self, prompt_ids):
+        raise self.error
 
 
 def _own_generation_config(model):
