@@ -57,5 +57,7 @@ def get_app() -> typer.Typer:
     return app
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # `python -m viasd_cli.app`: run the imported module's app, where commands attach
+    from viasd_cli.app import main as _main
+
+    _main()

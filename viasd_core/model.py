@@ -91,6 +91,10 @@ class FastModel:
         self.dtype = param.dtype if param.dtype.is_floating_point else getattr(hf_model, "dtype", torch.float32)
         if not self.dtype.is_floating_point:
             self.dtype = torch.float32
+        # bitsandbytes runs a single-token pass through another kernel (gemv) than a multi-token
+        # one: on a quantized model every pass covers at least 2 positions (re-feeding a cached
+        # one), so plain decoding and block verification compute the same numbers.
+        self.min_pass = 2 if getattr(hf_model, "hf_quantizer", None) is not None else 1
         self.max_len = 0
         self.seen = 0
         self.allocate(max_len)
@@ -201,5 +205,5 @@ class FastModel:
     def extend(self, ids: torch.Tensor, end: int, n_logits: int = 1) -> torch.Tensor:
         """Feed the positions [seen, end) of the token buffer `ids` and return the last logits."""
         # Positions whose logits are wanted but already cached are simply recomputed.
-        start = min(self.seen, end - n_logits)
+        start = max(0, min(self.seen, end - n_logits, end - self.min_pass))
         return self.forward(ids[start:end], start, n_logits=n_logits)
