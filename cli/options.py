@@ -18,7 +18,7 @@ ModelOpt = Annotated[
 ]
 DraftOpt = Annotated[
     Optional[str],
-    typer.Option("--draft", "-d", help="Draft: a model reference, 'ngram' (prompt lookup), or 'auto' (the best draft known for the target)."),
+    typer.Option("--draft", "-d", help="Draft: a model reference, 'ngram' (prompt lookup), REF+ngram (lookup where the text repeats, the model elsewhere), or 'auto' (the best known for the target)."),
 ]
 RevisionOpt = Annotated[Optional[str], typer.Option("--revision", help="Hub revision (branch, tag or commit) of the target.")]
 DtypeOpt = Annotated[

@@ -127,3 +127,29 @@ def test_budget_and_stats_are_consistent():
     assert s.target_passes == len(s.accepted_lengths)
     assert s.mean_accepted_length == pytest.approx(23 / s.target_passes)
     assert s.position_attempts[0] == s.steps
+
+
+def test_hybrid_draft_is_exact_and_uses_both_sources():
+    from viasd_core.drafters import HybridDrafter
+
+    target = tiny_model("llama", seed=17)
+    draft = tiny_model("llama", n_layers=1, seed=96)
+    base = prompt_for(5, 8)
+    prompt = base * 2 + prompt_for(6, 6)
+    reference = hf_greedy(target, prompt, NEW)
+    hybrid = HybridDrafter(ModelDrafter(FastModel(draft, max_len=128), 256))
+    calls = {"model": 0}
+    inner = hybrid.model_drafter.propose
+
+    def counting(*a, **k):
+        calls["model"] += 1
+        return inner(*a, **k)
+
+    hybrid.model_drafter.propose = counting
+    eng = Engine(FastModel(target, max_len=128), TinyTokenizer(), drafter=hybrid)
+    for gamma in (3, 5):
+        eng.reset()
+        calls["model"] = 0
+        out = eng.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=NEW, gamma=gamma))
+        assert out.tokens == reference
+        assert 0 < calls["model"] < out.stats.steps  # the model drafted some blocks, lookup the others

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .drafters import ModelDrafter, NgramDrafter
+from .drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from .engine import Engine
 from .errors import UsageError
 from .loading import EMBEDDED_TARGET, Loaded, check_same_vocab, load_model
@@ -13,6 +13,7 @@ from .profile import Profile, find_profile
 from .router import Thresholds
 
 EMBEDDED_DRAFT = "embedded:smollm2-135m-draft"
+HYBRID_SUFFIX = "+ngram"  # REF+ngram: prompt lookup where the context repeats, the model draft elsewhere
 _EMBEDDED_DRAFT_ALIASES = {EMBEDDED_DRAFT, "smollm2-135m-draft"}
 
 
@@ -51,7 +52,8 @@ def _draft_ref(opts: ModelOptions, target: Loaded) -> str:
     if target.model_id == EMBEDDED_TARGET:
         from .draft_model import embedded_draft_dir
 
-        return EMBEDDED_DRAFT if (embedded_draft_dir() / "model.safetensors").exists() else "ngram"
+        # The distilled draft is weak on copied text; prompt lookup covers it (docs/distill.md).
+        return EMBEDDED_DRAFT + HYBRID_SUFFIX if (embedded_draft_dir() / "model.safetensors").exists() else "ngram"
     from .catalog import draft_for
     from .hub import is_cached
 
@@ -64,6 +66,12 @@ def _draft_ref(opts: ModelOptions, target: Loaded) -> str:
 def load_drafter(opts: ModelOptions, target: Loaded, target_fast: FastModel, progress=None):
     """The drafter for the options: (drafter or None, draft id, Loaded or None)."""
     ref = _draft_ref(opts, target)
+    if ref.endswith(HYBRID_SUFFIX) and ref != HYBRID_SUFFIX:
+        drafter, draft_id, draft = load_drafter(ModelOptions(**{**opts.__dict__, "draft": ref[: -len(HYBRID_SUFFIX)]}),
+                                                target, target_fast, progress)
+        if not isinstance(drafter, ModelDrafter):
+            raise UsageError(f"'{ref}': the {HYBRID_SUFFIX} suffix goes after a draft model")
+        return HybridDrafter(drafter), draft_id + HYBRID_SUFFIX, draft
     vocab = target_fast.shape.vocab_size
     if ref == "none":
         return None, "none", None
