@@ -133,6 +133,7 @@ def bench(
     synthetic: Annotated[Optional[str], typer.Option("--synthetic", help="PROJECTION on random weights of a real shape: tiny, llama-3-8b, qwen2.5-7b, vicuna-7b.")] = None,
     acceptance_from: Annotated[Optional[str], typer.Option("--acceptance-from", help="With --synthetic: the summary.json of a real run to take acceptance from.")] = None,
     force: Annotated[bool, typer.Option("--force", help="With --synthetic: allow a full-size shape on CPU.")] = False,
+    viasd_profiles: Annotated[Optional[str], typer.Option("--viasd-profiles", help="Comma-separated profile files: each adds a method viasd@<budget> (several budgets in one run).")] = None,
 ):
     """Benchmark every method on the same models, prompts and seeds; the summary on stdout."""
     log = (lambda msg: None) if quiet else (lambda msg: typer.echo(msg, err=True))
@@ -141,7 +142,8 @@ def bench(
     if acceptance_from is not None or force:
         raise UsageError("--acceptance-from and --force only apply with --synthetic")
     config = core.BenchConfig(methods=core.parse_methods(methods), max_new_tokens=max_new_tokens, gamma=gamma,
-                              adaptive=adaptive, warmup=warmup, repeats=repeats, seed=seed, raw=raw)
+                              adaptive=adaptive, warmup=warmup, repeats=repeats, seed=seed, raw=raw,
+                              viasd_profiles=[p.strip() for p in (viasd_profiles or "").split(",") if p.strip()])
     config.validate()
     cats = [c.strip() for c in categories.split(",") if c.strip()] if categories else None
     if limit is not None and limit < 1:
@@ -150,7 +152,7 @@ def bench(
     opts = ModelOptions(model=model, draft=draft, revision=revision, dtype=dtype, device=device, quant=quant,
                         draft_quant=draft_quant, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
                         profile=profile)
-    needs_draft = any(m in core.NEEDS_DRAFT for m in config.methods)
+    needs_draft = any(m in core.NEEDS_DRAFT for m in config.methods) or bool(config.viasd_profiles)
     session = build_session(opts, mode="sd" if needs_draft else "ar", progress=log, need_profile=False)
     runners = core.make_runners(session, config)
     result = _run_with_progress(session, prompt_list, config, runners, quiet)

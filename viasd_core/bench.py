@@ -75,6 +75,7 @@ class BenchConfig:
     repeats: int = 1
     seed: int = 0
     raw: bool = False  # no chat template
+    viasd_profiles: list[str] = field(default_factory=list)  # extra calibrated profiles: methods viasd@<budget>
 
     def validate(self) -> None:
         if self.max_new_tokens < 1:
@@ -314,7 +315,28 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
                 continue
             runners[m] = HFRunner(target_hf, eos, config.max_new_tokens, pad, assistant=assistant,
                                   gamma=config.gamma, adaptive=config.adaptive)
+    for name, runner in profile_runners(session, config, gen_config).items():
+        runners[name] = runner
+        if name not in config.methods:
+            config.methods.append(name)
     return runners
+
+
+def profile_runners(session: Session, config: BenchConfig, gen_config) -> dict[str, object]:
+    """`viasd@<budget>` runners, one per extra calibration profile (several budgets in one run)."""
+    from .profile import check_profile, read_profile
+    from .router import Thresholds
+
+    out: dict[str, object] = {}
+    e = session.engine
+    for path in config.viasd_profiles:
+        prof = read_profile(path)
+        check_profile(prof, session.target.model_id, session.draft_id, session.options.quant, e.target.device.type,
+                      e.target.shape.n_layers, path)
+        slim = FastModel(session.target.model, layer_ids=prof.layer_ids, max_len=e.target.max_len, name="slim")
+        engine = Engine(e.target, e.tokenizer, drafter=e.drafter, slim=slim, eos_token_ids=e.eos)
+        out[f"viasd@{prof.budget:g}"] = EngineRunner(engine, gen_config("viasd", Thresholds(prof.theta_accept, prof.theta_slim)))
+    return out
 
 
 class Broken:
