@@ -179,7 +179,10 @@ def quantization_config(quant: str, compute_dtype: torch.dtype):
     from transformers import BitsAndBytesConfig
 
     if quant == "8bit":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        # LLM.int8 with outlier decomposition (threshold 6) picks fp16 columns from ALL rows of a
+        # pass, so a token's logits depend on which tokens share its pass: block verification
+        # would then disagree with plain decoding. Threshold 0 is row-wise int8: batch-invariant.
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
 
 
