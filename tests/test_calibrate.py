@@ -203,3 +203,22 @@ def test_calibrate_refuses_to_save_when_heldout_misses_the_budget(tiny_dirs, via
     assert r.exit_code == 1
     assert "misses the budget" in r.stderr and "profile not saved" in r.stderr
     assert not (viasd_home / "config" / "profiles").exists()
+
+
+def test_viasd_with_both_tiers_off_is_sd_without_slim_passes():
+    from conftest import TinyTokenizer
+    from viasd_core.drafters import ModelDrafter
+    from viasd_core.engine import Engine, GenerationConfig
+
+    target = tiny_model("llama", n_layers=4, seed=44)
+    draft = tiny_model("llama", n_layers=1, seed=45)
+    prompt = torch.randint(3, 256, (10,), generator=torch.Generator().manual_seed(2)).tolist()
+
+    def engine():
+        return Engine(FastModel(target, max_len=96), TinyTokenizer(), drafter=ModelDrafter(FastModel(draft, max_len=96), 256),
+                      slim=FastModel(target, layer_ids=[0, 3], max_len=96))
+
+    sd = engine().generate(prompt, GenerationConfig(mode="sd", max_new_tokens=30, gamma=4))
+    off = engine().generate(prompt, GenerationConfig(mode="viasd", max_new_tokens=30, gamma=4, thresholds=Thresholds(OFF, OFF)))
+    assert off.tokens == sd.tokens and off.stats.slim_passes == 0
+    assert replay([block([0.5], [True], [True], [True])], Thresholds(OFF, OFF)).slim_passes == 0

@@ -243,7 +243,7 @@ class Engine:
         drafted = proposal.tokens.tolist()  # the one host sync of the draft phase
         block = drafted
 
-        if config.mode == "viasd":
+        if config.mode == "viasd" and config.thresholds.active:
             out, tiers, fed = self._route_viasd(n, g, block, config.thresholds, stats)
         else:
             fed = {id(self.target): block}

@@ -20,6 +20,11 @@ class Thresholds:
     accept: float  # theta_accept
     slim: float  # theta_slim
 
+    @property
+    def active(self) -> bool:
+        """False when both tiers are off: the slim pass would be wasted, viasd is plain sd."""
+        return self.accept <= 1.0 or self.slim <= 1.0
+
     def __post_init__(self):
         if not 0.0 <= self.slim <= self.accept <= 2.0:
             raise ValueError(f"need 0 <= theta_slim <= theta_accept <= 2 (above 1 = off), got {self.slim}, {self.accept}")
@@ -79,7 +84,7 @@ def replay(blocks: list[BlockRecord], thresholds: Thresholds) -> ReplayOutcome:
     res = ReplayOutcome(tier_counts={"accept": 0, "slim": 0, "full": 0, "bonus": 0})
     for b in blocks:
         res.steps += 1
-        res.slim_passes += 1
+        res.slim_passes += 1 if thresholds.active else 0
         res.drafted += len(b.gate)
         G = len(b.gate)
         full = False
