@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import paths
-from .engine import MODES, Generation, GenerationConfig
+from .engine import MODES, Generation, GenerationConfig, _common_prefix
 from .errors import UsageError, ViasdError
 from .fidelity import fidelity
 from .prompts import encode
@@ -48,15 +48,6 @@ TIER_LEGEND = {  # who decided a token
     "full": "target",
     "bonus": "target's extra token",
 }
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 # ---------------------------------------------------------------------- records
