@@ -68,11 +68,15 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def quiet_transformers() -> None:
-    """Keep transformers' progress bars and advice off stderr (our statistics live there)."""
+    """Keep transformers' progress bars and advice off stderr (our statistics live there), and
+    bitsandbytes' per-call notices (one per 8-bit matmul: thousands per answer)."""
+    import logging
+
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 # ---------------------------------------------------------------------- the embedded model
