@@ -21,6 +21,10 @@ app = typer.Typer(
 def _register() -> None:
     # Each command lives in its own module; importing it attaches it to `app`.
     import importlib
+    import logging
+
+    # bitsandbytes logs notices on import and on every 8-bit matmul; stderr is for our statistics.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
     for name in ("generate", "calibrate", "bench", "chat", "pull", "models", "distill"):
         try:
