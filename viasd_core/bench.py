@@ -45,7 +45,7 @@ HF_METHODS = ("hf", "hf-assisted", "hf-pld")
 NEEDS_DRAFT = ("sd", "exact", "viasd", "hf-assisted")
 NEEDS_PROFILE = ("exact", "viasd")
 PHASES = ("prefill", "draft", "slim", "verify", "other")
-TIERS = ("accept", "slim", "full", "bonus")
+from .stats import TIERS  # noqa: E402  (one definition of the tier names)
 
 
 def parse_methods(text: str | None) -> list[str]:
