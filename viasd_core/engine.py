@@ -5,10 +5,15 @@ One step of a speculative mode, in order:
   2. route   - (exact, viasd) one slim-verifier pass over the block decides tiers / corrections
   3. verify  - one target pass over the block (viasd: only when a token is routed to `full`)
   4. accept  - the pure acceptance rule (greedy match or speculative sampling)
-  5. commit  - copy the emitted tokens, roll every KV cache back to what it saw correctly
+  5. commit  - write the emitted tokens on the device, read them ONCE on the host, roll every
+               KV cache back to what it saw correctly
   6. adapt   - grow gamma after a fully accepted block, shrink it after an early rejection
 
-The KV caches are static (see model.FastModel): rollback is a length reset.
+The KV caches are static (see model.FastModel): rollback is a length reset. In `ar`, `sd` and
+`exact` a step reads the device once (`_read`): the accepted count, how much of the draft was
+kept and the emitted tokens, in one small tensor; everything before stays on the device.
+`viasd` routes on the host (its tiers decide whether the target runs at all). Phase timings
+need synchronizations: they are taken only when `breakdown` is on.
 """
 
 from __future__ import annotations
@@ -19,9 +24,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import UsageError, ViasdError
-from .model import FastModel
+from .model import PASS_WIDTHS, FastModel
 from .router import Thresholds, TIER_ACCEPT, TIER_FULL, TIER_SLIM
-from .sampling import Sampler, SamplingParams, greedy_accept, process_logits, speculative_sample
+from .sampling import Sampler, SamplingParams, greedy_accept, prefix_length, process_logits, speculative_sample
 from .stats import RunStats
 
 MODES = ("ar", "sd", "exact", "viasd")
@@ -48,6 +53,8 @@ class GenerationConfig:
             raise UsageError("--max-new-tokens must be at least 1")
         if self.gamma < 1:
             raise UsageError(f"gamma must be at least 1 (got {self.gamma}): pass --gamma 1 or more")
+        if max(self.gamma, self.gamma_max if self.adaptive else self.gamma) + 1 > PASS_WIDTHS[-1]:
+            raise UsageError(f"gamma can be at most {PASS_WIDTHS[-1] - 1} (a verify pass covers gamma + 1 tokens)")
         if self.temperature < 0:
             raise UsageError(f"temperature must be >= 0 (got {self.temperature}); 0 means greedy")
         if not 0 < self.top_p <= 1:
@@ -87,7 +94,8 @@ class Engine:
     """Batch-1 generation over a target, an optional drafter and an optional slim verifier.
 
     The engine keeps the committed tokens across calls, so a follow-up prompt that extends
-    the previous conversation re-uses every cached position (chat).
+    the previous conversation re-uses every cached position (chat). Every cache is allocated
+    once, for `context_len` positions.
     """
 
     def __init__(self, target: FastModel, tokenizer, drafter=None, slim: FastModel | None = None,
@@ -97,11 +105,16 @@ class Engine:
         self.drafter = drafter
         self.slim = slim
         self.eos = set(eos_token_ids or ())
-        self.context_len = int(context_len or target.shape.max_positions)
+        self.context_len = int(context_len or min(target.max_len, target.shape.max_positions))
         self.device = target.device
-        self.ids = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.ids = torch.zeros(self.context_len + PASS_WIDTHS[-1] + 1, dtype=torch.long, device=self.device)
         self.tokens: list[int] = []  # committed tokens, host copy of ids[:len(tokens)]
-        self._sync = self.device.type == "cuda"
+        self.breakdown = False  # phase timings (synchronizes the device around each phase)
+        self.host_reads = 0  # device-to-host reads of the decode loop (one per step, see _read)
+        for m in self._models():
+            m.allocate(self.context_len)
+        if drafter is not None:
+            drafter.ensure_capacity(self.context_len)
         # Calibration: when a list, every sd step also runs the slim verifier over the block and
         # appends a router.BlockRecord (gate values and teacher-forced labels) to it.
         self.recorder: list | None = None
@@ -113,23 +126,15 @@ class Engine:
             out.append(self.slim)
         return out
 
-    def _ensure_capacity(self, needed: int) -> None:
-        if needed > self.ids.shape[0]:
-            size = min(self.context_len + 16, max(needed, 2 * self.ids.shape[0], 256))
-            size = max(size, needed)
-            ids = torch.zeros(size, dtype=torch.long, device=self.device)
-            ids[: len(self.tokens)] = self.ids[: len(self.tokens)]
-            self.ids = ids
-        for m in self._models():
-            if needed > m.max_len:
-                m.allocate(self.ids.shape[0])
-        if self.drafter is not None:
-            self.drafter.ensure_capacity(self.ids.shape[0])
-
     def _clock(self) -> float:
-        if self._sync:
+        if self.breakdown and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+    def _read(self, values: torch.Tensor) -> list[int]:
+        """The step's one device-to-host read."""
+        self.host_reads += 1
+        return values.tolist()
 
     def reset(self) -> None:
         self.tokens = []
@@ -153,11 +158,14 @@ class Engine:
             raise UsageError("the prompt is empty: give some text")
         if len(prompt_ids) >= self.context_len:
             raise ViasdError(
-                f"the prompt has {len(prompt_ids)} tokens but the model's context is {self.context_len}: shorten the prompt"
+                f"the prompt has {len(prompt_ids)} tokens but the context is {self.context_len}: "
+                "shorten the prompt or raise --max-context"
             )
         max_new = min(config.max_new_tokens, self.context_len - len(prompt_ids))
         gamma_cap = max(config.gamma, config.gamma_max if config.adaptive else config.gamma)
-        self._ensure_capacity(len(prompt_ids) + max_new + gamma_cap + 2)
+        span = len(prompt_ids) + max_new + gamma_cap + 1
+        for m in self._models() + ([self.drafter.model] if getattr(self.drafter, "model", None) is not None else []):
+            m.set_span(span)
 
         # Re-use cached positions shared with the previous call (multi-turn chat).
         keep = _common_prefix(self.tokens, prompt_ids)
@@ -170,7 +178,7 @@ class Engine:
         self.ids[: len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
 
         stats = RunStats(mode=config.mode, prompt_tokens=len(prompt_ids))
-        sampler = Sampler(config.seed, device="cpu")
+        sampler = Sampler(config.seed, device=self.device)
         gen = Generation(list(prompt_ids), [], [], "", "length", stats)
         t0 = self._clock()
         # Prefill every model up to the last prompt token (whose logits start the decode).
@@ -203,7 +211,9 @@ class Engine:
             m.rollback(n - 1)
         if self.drafter is not None:
             self.drafter.rollback(n - 1)
-        stats.time_total = self._clock() - t0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the one synchronization of the whole run, for its wall time
+        stats.time_total = time.perf_counter() - t0
         stats.new_tokens = len(gen.tokens)
         gen.text = self.tokenizer.decode(gen.tokens, skip_special_tokens=True)
         if gen.finish_reason == "stop":
@@ -216,15 +226,17 @@ class Engine:
         t = self._clock()
         logits = self.target.extend(self.ids, n, 1)
         if config.sampling.greedy:
-            token = int(logits[0].argmax())
+            token_t = logits.argmax(-1)  # [1]
         else:
-            token = int(sampler.categorical(process_logits(logits, config.sampling))[0])
+            token_t = sampler.categorical(process_logits(logits, config.sampling))
+        self.ids[n : n + 1] = token_t
+        token = self._read(token_t)[0]
         stats.time_verify += self._clock() - t
         stats.target_passes += 1
         stats.steps += 1
         stats.accepted_lengths.append(1)
         stats.tier_counts["full"] += 1
-        self._commit([token], [self.target])
+        self._commit(n, [token], written=True)
         return [token], ["full" if config.mode != "ar" else "ar"]
 
     def _step_spec(self, config: GenerationConfig, g: int, sampler: Sampler, stats: RunStats):
@@ -240,58 +252,66 @@ class Engine:
             return out, tiers, 0, 0
         stats.draft_tokens += g
         stats.steps += 1
-        drafted = proposal.tokens.tolist()  # the one host sync of the draft phase
-        block = drafted
 
         if config.mode == "viasd" and config.thresholds.active:
-            out, tiers, fed = self._route_viasd(n, g, block, config.thresholds, stats)
+            drafted = self._read(proposal.tokens)  # viasd routes on the host
+            out, tiers, fed = self._route_viasd(n, g, drafted, config.thresholds, stats)
+            keep = {m: _common_prefix(out, fed[id(m)]) for m in self._models() if id(m) in fed}
+            keep_draft = _common_prefix(out, drafted)
+            self._commit(n, out, keep)
+            kept = keep_draft
         else:
-            fed = {id(self.target): block}
-            draft_probs = proposal.probs
-            if config.mode == "exact":
-                # 2. route: the slim verifier refines the block (exact: the target still checks it)
-                t = self._clock()
-                slim_argmax = self.slim.extend(self.ids, n + g, g + 1).argmax(-1).tolist()
-                stats.time_slim += self._clock() - t
-                stats.slim_passes += 1
-                fed[id(self.slim)] = block
-                m = _common_prefix(block, slim_argmax[:g])
-                refined = slim_argmax[: m + 1]  # draft tokens the slim agrees with, then its own token
-                self.ids[n : n + m + 1] = torch.tensor(refined, dtype=torch.long, device=self.device)
-                block, g = refined, m + 1
-                draft_probs = None  # every refined token is the slim's deterministic choice
-                fed[id(self.target)] = block
-            # 3. verify: one target pass over the pending token(s) and the block
-            t = self._clock()
-            target_logits = self.target.extend(self.ids, n + g, g + 1)  # [g + 1, V]
-            # 4. accept
-            block_t = self.ids[n : n + g]
-            if params.greedy:
-                emitted, n_acc = greedy_accept(block_t, target_logits.argmax(-1))
-                vals = torch.cat([n_acc[None], emitted]).tolist()
-                n_acc, out = vals[0], vals[1 : vals[0] + 2]
-            else:
-                target_probs = process_logits(target_logits, params)
-                if draft_probs is None:
-                    draft_probs = torch.nn.functional.one_hot(block_t, target_probs.shape[-1]).float()
-                emitted, n_acc = speculative_sample(block_t, draft_probs, target_probs, sampler.uniform(g, self.device), sampler)
-                out = emitted.tolist()
-            stats.time_verify += self._clock() - t
-            stats.target_passes += 1
-            if self.recorder is not None and config.mode == "sd" and params.greedy:
-                self._record(n, g, block, target_logits.argmax(-1).tolist(), fed)
-            stats.tier_counts["full"] += len(out) - n_acc - (1 if n_acc == g else 0)
-            stats.tier_counts["accept"] += n_acc
-            stats.tier_counts["bonus"] += 1 if n_acc == g else 0
-            tiers = ["accept"] * n_acc + ["bonus" if n_acc == g else "full"]
+            out, tiers, kept, keep_draft = self._verify_block(config, n, g, proposal, sampler, stats)
         stats.accepted_lengths.append(len(out))
-        kept = _common_prefix(out, block)
         stats.record_block(g, kept)
-        # 5. commit
-        self._commit(out, self._models(), fed, n)
-        if self.drafter is not None:
-            self.drafter.rollback(n + _common_prefix(out, drafted))
+        self.drafter.rollback(n + keep_draft)
         return out, tiers, g, kept
+
+    def _verify_block(self, config: GenerationConfig, n: int, g: int, proposal, sampler: Sampler, stats: RunStats):
+        """sd and exact: steps 2-5 with the device read once. Returns (out, tiers, kept, kept_draft)."""
+        params = config.sampling
+        drafted_t = self.ids[n : n + g].clone()  # [g] what the draft proposed (and its cache holds)
+        draft_probs = proposal.probs
+        if config.mode == "exact":
+            # 2. route: the slim verifier refines the block (exact: the target still checks it).
+            # Its greedy choice at every position replaces the draft's: equal on the prefix it
+            # agrees with, its own token at the first disagreement, a valid proposal after it.
+            t = self._clock()
+            slim_argmax = self.slim.extend(self.ids, n + g, g + 1).argmax(-1)  # [g + 1]
+            stats.time_slim += self._clock() - t
+            stats.slim_passes += 1
+            self.ids[n : n + g] = slim_argmax[:g]
+            draft_probs = None  # every refined token is the slim's deterministic choice
+        # 3. verify: one target pass over the pending token(s) and the block
+        t = self._clock()
+        target_logits = self.target.extend(self.ids, n + g, g + 1)  # [g + 1, V]
+        # 4. accept
+        block_t = self.ids[n : n + g]
+        if params.greedy:
+            emitted, n_acc = greedy_accept(block_t, target_logits.argmax(-1))
+        else:
+            target_probs = process_logits(target_logits, params)
+            if draft_probs is None:
+                draft_probs = torch.nn.functional.one_hot(block_t, target_probs.shape[-1]).float()
+            emitted, n_acc = speculative_sample(block_t, draft_probs, target_probs, sampler.uniform(g, self.device), sampler)
+        # 5. commit: tokens on the device first, then the one read of the step
+        self.ids[n : n + g + 1] = emitted
+        kept_draft_t = torch.minimum(prefix_length(emitted[:g] == drafted_t), n_acc + 1)
+        vals = self._read(torch.cat([n_acc.view(1), kept_draft_t.view(1), emitted]))
+        n_acc, kept_draft, out = vals[0], vals[1], vals[2 : vals[0] + 3]
+        stats.time_verify += self._clock() - t
+        stats.target_passes += 1
+        if self.recorder is not None and config.mode == "sd" and params.greedy:
+            self._record(n, g, drafted_t.tolist(), target_logits.argmax(-1).tolist(), {})
+        stats.tier_counts["full"] += len(out) - n_acc - (1 if n_acc == g else 0)
+        stats.tier_counts["accept"] += n_acc
+        stats.tier_counts["bonus"] += 1 if n_acc == g else 0
+        tiers = ["accept"] * n_acc + ["bonus" if n_acc == g else "full"]
+        keep = {self.target: n_acc}
+        if config.mode == "exact":
+            keep[self.slim] = kept_draft  # the slim ran over the draft's tokens
+        self._commit(n, out, keep, written=True)
+        return out, tiers, n_acc, kept_draft
 
     def _record(self, n: int, g: int, block: list[int], target_argmax: list[int], fed: dict) -> None:
         """One BlockRecord for calibration: the slim's gate and argmax against the target's choices."""
@@ -362,16 +382,20 @@ class Engine:
         return out, tiers, fed
 
     # ------------------------------------------------------------------ commit
-    def _commit(self, out: list[int], models, fed: dict | None = None, n: int | None = None) -> None:
-        n = len(self.tokens) if n is None else n
+    def _commit(self, n: int, out: list[int], keep: dict | None = None, written: bool = False) -> None:
+        """Commit `out` at positions [n, n + len(out)); model m keeps n + keep[m] cached positions.
+
+        A model absent from `keep` keeps n + len(out) - 1: either it did not run this step (it has
+        seen <= n already; rollback only ever shortens) or it ran over exactly the kept tokens.
+        `written`: the tokens are already in the device buffer (no host-to-device copy).
+        """
         k = len(out)
-        self.ids[n : n + k] = torch.tensor(out, dtype=torch.long, device=self.device)
+        keep = keep or {}
+        if not written:
+            self.ids[n : n + k] = torch.tensor(out, dtype=torch.long, device=self.device)
         self.tokens.extend(out)
-        for m in models:
-            seen_block = (fed or {}).get(id(m))
-            # A model that ran over the block keeps the positions whose tokens were kept; one that
-            # did not run this step has seen <= n already (rollback only ever shortens).
-            m.rollback(n + _common_prefix(out, seen_block) if seen_block is not None else n + k - 1)
+        for m in self._models():
+            m.rollback(n + keep.get(m, k - 1))
 
     def _emit(self, gen: Generation, out: list[int], tiers: list[str], max_new: int, config: GenerationConfig, on_emit) -> bool:
         """Append to the generation; truncate at EOS, the budget or a stop string. True = finished."""

@@ -1,9 +1,22 @@
 """A lean batch-1 decoder forward with a static KV cache, over a transformers model's weights.
 
 `FastModel` runs the layers of a Hugging Face decoder-only model (Llama, Mistral, Qwen2,
-Qwen3, Gemma families) without the framework's per-call machinery: the KV cache is
-preallocated once, written at `start`, and attention reads `cache[:start + T]`, so rolling
-back after a rejected draft is a length reset (`rollback(n)`), never a copy.
+Qwen3, Gemma families) without the framework's per-call machinery, in the shape a compiler
+and CUDA graphs need (gpt-fast style):
+
+- the KV cache is allocated once (`max_len` positions plus a little slack for padded passes)
+  as module buffers; a pass writes its positions by index at DEVICE positions, so a
+  captured graph never bakes in a Python integer position;
+- attention reads a fixed window `cache[:attn_len]` (set once per generation, `set_span`) with a
+  mask computed in the graph from the positions: rolling back after a rejected draft is a length
+  reset (`rollback(n)`), stale entries are masked, then overwritten;
+- short passes are padded to a few fixed widths (`PASS_WIDTHS`): one compiled graph per width,
+  whatever the draft length; long passes (prefill) run in fixed-size chunks, eagerly;
+- grouped-query attention is computed by packing each KV head's query heads along the sequence
+  axis, so every pass takes SDPA's fused path with a mask (no `enable_gqa`, no K/V repeat).
+
+`compile()` wraps the one pass function in `torch.compile(fullgraph=True)` (CUDA graphs on CUDA);
+the eager path is the same function uncompiled: the plain reference the tests compare against.
 
 The same class is the **slim verifier**: pass `layer_ids` to run a subset of the layers. It
 holds references to the target's modules (embedding, kept layers, norm, lm_head), so it
@@ -20,6 +33,9 @@ import torch.nn.functional as F
 from .errors import ViasdError
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+PASS_WIDTHS = (1, 2, 4, 8, 16)  # a pass of T <= 16 tokens is padded to the next width
+PREFILL_CHUNK = 256  # longer passes run in chunks of this many positions (bounded memory)
+SPAN_ROUND = 128  # attention windows are rounded up to a multiple of this (fewer graphs)
 
 
 @dataclass(frozen=True)
@@ -56,9 +72,48 @@ def model_shape(hf_model) -> ModelShape:
     )
 
 
+def pass_width(n: int) -> int:
+    """The padded width of a pass over n <= PASS_WIDTHS[-1] tokens."""
+    for w in PASS_WIDTHS:
+        if n <= w:
+            return w
+    raise ValueError(f"a padded pass covers at most {PASS_WIDTHS[-1]} tokens, got {n}")
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
+
+
+class LayerCache(torch.nn.Module):
+    """One layer's K/V [1, kv_heads, length, head_dim] as buffers (static addresses for CUDA graphs).
+
+    Each layer owns its tensors (not views of one big tensor): a compiled in-place write then
+    stays in place instead of being functionalized into a copy of the whole cache.
+    """
+
+    def __init__(self, n_kv_heads: int, length: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (1, n_kv_heads, length, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v [1, kv_heads, T, head_dim] at positions input_pos [T]; returns the buffers."""
+        self.k[:, :, input_pos] = k
+        self.v[:, :, input_pos] = v
+        return self.k, self.v
+
+
+class StaticCache(torch.nn.Module):
+    """Every run layer's K/V and the RoPE tables, allocated once."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, length: int, head_dim: int, cos, sin, dtype, device):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(LayerCache(n_kv_heads, length, head_dim, dtype, device) for _ in range(n_layers))
+        self.register_buffer("cos", cos, persistent=False)  # [length, head_dim]
+        self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("key_pos", torch.arange(length, device=device), persistent=False)
 
 
 class FastModel:
@@ -91,12 +146,20 @@ class FastModel:
         self.dtype = param.dtype if param.dtype.is_floating_point else getattr(hf_model, "dtype", torch.float32)
         if not self.dtype.is_floating_point:
             self.dtype = torch.float32
+        self.quantized = getattr(hf_model, "hf_quantizer", None) is not None
         # bitsandbytes runs a single-token pass through another kernel (gemv) than a multi-token
-        # one: on a quantized model every pass covers at least 2 positions (re-feeding a cached
-        # one), so plain decoding and block verification compute the same numbers.
-        self.min_pass = 2 if getattr(hf_model, "hf_quantizer", None) is not None else 1
+        # one on CPU: there every pass covers at least 2 positions (re-feeding a cached one), so
+        # plain decoding and block verification compute the same numbers. On CUDA 1-token passes
+        # are allowed (docs/engine.md says what is bit-exact there).
+        self.min_pass = 2 if self.quantized and self.device.type != "cuda" else 1
+        self.vocab_limit: int | None = None  # logits at ids >= this are -inf (padding rows)
         self.max_len = 0
+        self.attn_len = 0
         self.seen = 0
+        self.passes = 0  # forward passes run (tests and statistics read it)
+        self.positions_run = 0  # real (unpadded) positions processed
+        self._compiled = None
+        self.compile_mode: str | None = None
         self.allocate(max_len)
 
     # ------------------------------------------------------------------ set-up
@@ -108,24 +171,50 @@ class FastModel:
         return int(window) if window else None
 
     def allocate(self, max_len: int) -> None:
-        """(Re)allocate the KV cache and the RoPE tables for `max_len` positions."""
+        """Allocate the KV cache and RoPE tables for `max_len` positions (once; never shrinks).
+
+        A larger request re-allocates and empties the cache (and drops compiled graphs, which
+        hold the old buffers); the engine allocates once per session, for its whole context.
+        """
         max_len = int(max_len)
         if max_len <= self.max_len:
             return
         s = self.shape
-        n = len(self.layers)
-        kv_shape = (n, 1, s.n_kv_heads, max_len, s.head_dim)
-        self.k_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
-        self.v_cache = torch.zeros(kv_shape, dtype=self.dtype, device=self.device)
-        positions = torch.arange(max_len, device=self.device)
+        length = max_len + PASS_WIDTHS[-1]  # slack: a padded pass may write past the end
+        positions = torch.arange(length, device=self.device)
         dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             cos, sin = self.rotary(dummy, positions[None])
-        self.cos = cos[0].to(self.dtype)  # [max_len, head_dim]
-        self.sin = sin[0].to(self.dtype)
-        self.positions = positions
+        self.cache = StaticCache(len(self.layers), s.n_kv_heads, length, s.head_dim,
+                                 cos[0].to(self.dtype), sin[0].to(self.dtype), self.dtype, self.device)
         self.max_len = max_len
+        self.attn_len = max_len
         self.seen = 0
+        if self._compiled is not None:
+            self.compile(self.compile_mode)
+
+    def set_span(self, n_positions: int) -> None:
+        """Attend over the first `n_positions` cache entries (rounded up) in the passes that follow."""
+        n = -(-int(n_positions) // SPAN_ROUND) * SPAN_ROUND
+        self.attn_len = min(max(n, SPAN_ROUND), self.max_len)
+
+    def compile(self, mode: str | None = "default") -> bool:
+        """torch.compile the pass function (fullgraph, static shapes); False where it cannot apply.
+
+        bitsandbytes layers are not traceable: quantized models stay eager. On CUDA the default
+        mode is "reduce-overhead" (CUDA graphs).
+        """
+        if self.quantized:
+            return False
+        if mode == "default" and self.device.type == "cuda":
+            mode = "reduce-overhead"
+        self.compile_mode = mode
+        self._compiled = torch.compile(self._run, fullgraph=True, dynamic=False, mode=mode)
+        return True
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
 
     def rollback(self, n: int) -> None:
         """Keep the first `n` cached positions; later ones are overwritten by the next forward."""
@@ -135,9 +224,55 @@ class FastModel:
         self.seen = 0
 
     def cache_bytes(self) -> int:
-        return 2 * self.k_cache.numel() * self.k_cache.element_size()
+        return sum(t.numel() * t.element_size() for c in self.cache.layers for t in (c.k, c.v))
 
     # ------------------------------------------------------------------ forward
+    def _run(self, input_ids: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor, attn_len: int) -> torch.Tensor:
+        """The pass: positions `input_pos` [T] (device) of tokens `input_ids` [T]; logits of `rows` [R].
+
+        Attends over cache[:attn_len]; returns [R, vocab] float32. No host synchronization.
+        """
+        s = self.shape
+        T = input_ids.shape[0]
+        rep = s.n_heads // s.n_kv_heads
+        cache = self.cache
+        x = self.embed(input_ids[None])  # [1, T, H]
+        cos = cache.cos.index_select(0, input_pos)  # [T, D]
+        sin = cache.sin.index_select(0, input_pos)
+        key_pos = cache.key_pos[:attn_len]  # [L]
+        causal = key_pos[None, :] <= input_pos[:, None]  # [T, L]
+        masks = {}
+        for window in set(self.windows):
+            mask = causal if window is None else causal & (key_pos[None, :] > input_pos[:, None] - window)
+            masks[window] = mask.repeat(rep, 1)  # [rep * T, L]: query heads packed per KV head
+        for ci, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(1, T, s.n_heads, s.head_dim)
+            k = attn.k_proj(h).view(1, T, s.n_kv_heads, s.head_dim)
+            v = attn.v_proj(h).view(1, T, s.n_kv_heads, s.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3
+                q = attn.q_norm(q)
+                k = attn.k_norm(k)
+            q = q.transpose(1, 2)  # [1, Hq, T, D]
+            k = k.transpose(1, 2)  # [1, Hkv, T, D]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k_cache, v_cache = cache.layers[ci].update(input_pos, k, v.transpose(1, 2))
+            q = q.reshape(1, s.n_kv_heads, rep * T, s.head_dim)  # head h -> KV head h // rep
+            o = F.scaled_dot_product_attention(
+                q, k_cache[:, :, :attn_len], v_cache[:, :, :attn_len],
+                attn_mask=masks[self.windows[ci]], scale=attn.scaling,
+            )  # [1, Hkv, rep * T, D]
+            o = o.reshape(1, s.n_heads, T, s.head_dim).transpose(1, 2).reshape(1, T, s.n_heads * s.head_dim)
+            x = x + attn.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        h = self.norm(x[0].index_select(0, rows))
+        logits = self.lm_head(h).float()
+        if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
+            logits[:, self.vocab_limit:] = float("-inf")
+        return logits
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: int, n_logits: int = 1) -> torch.Tensor:
         """Run positions [start, start + T) and return float32 logits of the last `n_logits`.
@@ -147,60 +282,45 @@ class FastModel:
         T = input_ids.shape[0]
         end = start + T
         if end > self.max_len:
-            raise ViasdError(f"context of {end} tokens exceeds the allocated {self.max_len}; raise the context budget")
+            raise ViasdError(
+                f"context of {end} tokens exceeds the {self.max_len} positions allocated for '{self.name}': "
+                "raise --max-context or shorten the prompt"
+            )
         if not 0 < n_logits <= T:
             raise ValueError(f"n_logits must be in [1, {T}], got {n_logits}")
-        s = self.shape
-        x = self.embed(input_ids[None])  # [1, T, H]
-        cos = self.cos[start:end]
-        sin = self.sin[start:end]
-        masks: dict[int | None, torch.Tensor | None] = {}
-        for ci, layer in enumerate(self.layers):
-            window = self.windows[ci]
-            if window not in masks:
-                masks[window] = self._mask(start, end, window)
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(1, T, s.n_heads, s.head_dim)
-            k = attn.k_proj(h).view(1, T, s.n_kv_heads, s.head_dim)
-            v = attn.v_proj(h).view(1, T, s.n_kv_heads, s.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3
-                q = attn.q_norm(q)
-                k = attn.k_norm(k)
-            q = q.transpose(1, 2)
-            k = k.transpose(1, 2)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            k_cache = self.k_cache[ci]
-            v_cache = self.v_cache[ci]
-            k_cache[:, :, start:end] = k
-            v_cache[:, :, start:end] = v.transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q,
-                k_cache[:, :, :end],
-                v_cache[:, :, :end],
-                attn_mask=masks[window],
-                scale=attn.scaling,
-                enable_gqa=s.n_kv_heads != s.n_heads,
-            )
-            o = attn.o_proj(o.transpose(1, 2).reshape(1, T, s.n_heads * s.head_dim))
-            x = x + o
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        self.passes += 1
+        self.positions_run += T
+        if T <= PASS_WIDTHS[-1]:
+            out = self._padded(input_ids, start, T, n_logits)
+        else:  # prefill: fixed-size chunks, eager (bounded memory; one-off cost)
+            outs = []
+            for c in range(0, T, PREFILL_CHUNK):
+                n_c = min(PREFILL_CHUNK, T - c)
+                want = min(n_c, max(0, n_logits - (T - c - n_c)))  # logits wanted from this chunk
+                pos = torch.arange(start + c, start + c + n_c, device=self.device)
+                rows = torch.arange(n_c - max(want, 1), n_c, device=self.device)
+                span = self._span(start + c + n_c)
+                logits = self._run(input_ids[c : c + n_c], pos, rows, span)
+                if want:
+                    outs.append(logits[-want:])
+            out = torch.cat(outs)
         self.seen = end
-        h = self.norm(x[0, T - n_logits :])
-        return self.lm_head(h).float()
+        return out
 
-    def _mask(self, start: int, end: int, window: int | None) -> torch.Tensor | None:
-        """Boolean attention mask [T, end] (True = attend), or None when plain causal suffices."""
-        T = end - start
-        if T == 1 and (window is None or end <= window):
-            return None
-        q_pos = self.positions[start:end, None]
-        k_pos = self.positions[None, :end]
-        mask = k_pos <= q_pos
-        if window is not None:
-            mask = mask & (k_pos > q_pos - window)
-        return mask
+    def _span(self, end: int) -> int:
+        return self.attn_len if end <= self.attn_len else self.max_len
+
+    def _padded(self, input_ids: torch.Tensor, start: int, T: int, n_logits: int) -> torch.Tensor:
+        """A short pass padded to its fixed width (the compiled graphs' shapes)."""
+        W = pass_width(T)
+        if W > T:  # padding tokens sit after the real ones: no real row attends to them
+            input_ids = torch.cat([input_ids, input_ids.new_zeros(W - T)])
+        pos = torch.arange(start, start + W, device=self.device)
+        n_rows = W if n_logits > 1 else 1  # 1 row, or all rows (the caller keeps n_logits of them)
+        rows = torch.arange(T - n_rows, T, device=self.device) if n_rows == 1 else torch.arange(W, device=self.device)
+        run = self._compiled if self._compiled is not None else self._run
+        logits = run(input_ids, pos, rows, self._span(start + W))
+        return logits if n_rows == 1 else logits[T - n_logits : T]
 
     def extend(self, ids: torch.Tensor, end: int, n_logits: int = 1) -> torch.Tensor:
         """Feed the positions [seen, end) of the token buffer `ids` and return the last logits."""

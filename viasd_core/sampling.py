@@ -44,7 +44,10 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 class Sampler:
-    """The one place randomness comes from: a seeded torch.Generator. Tests may replace it."""
+    """The one place randomness comes from: a seeded torch.Generator on the decoding device.
+
+    Every draw stays on the device (no host round trip per token). Tests may replace it.
+    """
 
     def __init__(self, seed: int | None = None, device: torch.device | str = "cpu"):
         self.generator = torch.Generator(device=device)
@@ -57,8 +60,19 @@ class Sampler:
         return torch.rand(n, generator=self.generator, device=self.generator.device).to(device)
 
     def categorical(self, probs: torch.Tensor) -> torch.Tensor:
-        """One sample per row of probs [N, V] -> [N] int64."""
-        return torch.multinomial(probs.to(self.generator.device), 1, generator=self.generator)[:, 0].to(probs.device)
+        """One sample per row of probs [N, V] -> [N] int64, on the device (exponential race).
+
+        argmax_v probs[v] / E_v with E_v ~ Exp(1) i.i.d. picks v with probability probs[v] / sum:
+        the exact categorical distribution, without multinomial's host synchronization.
+        """
+        race = torch.empty(probs.shape, dtype=torch.float32, device=self.generator.device)
+        race.exponential_(generator=self.generator)
+        return (probs.float() / race.to(probs.device)).argmax(-1)
+
+
+def prefix_length(matches: torch.Tensor) -> torch.Tensor:
+    """Length of the leading run of True in matches [G] bool -> [] int64 (no host read)."""
+    return matches.int().cumprod(0).sum()
 
 
 def greedy_accept(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,8 +86,7 @@ def greedy_accept(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> tu
     """
     G = draft_tokens.shape[0]
     assert target_argmax.shape[0] == G + 1, (draft_tokens.shape, target_argmax.shape)
-    matches = (draft_tokens == target_argmax[:G]).int()
-    n_accepted = matches.cumprod(0).sum()
+    n_accepted = prefix_length(draft_tokens == target_argmax[:G])
     return target_argmax, n_accepted  # target_argmax[:n] == draft_tokens[:n] on the accepted prefix
 
 
@@ -83,13 +96,15 @@ def speculative_sample(
     target_probs: torch.Tensor,  # [G + 1, V] float32
     uniforms: torch.Tensor,  # [G] float32 in [0, 1)
     sampler: Sampler,
-) -> tuple[torch.Tensor, int]:
-    """The speculative sampling rule (Leviathan et al.; Chen et al.).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The speculative sampling rule (Leviathan et al.; Chen et al.), without host reads.
 
     Accept draft token x_j with probability min(1, target_probs[j, x] / draft_probs[j, x]);
     at the first rejection sample from normalize(max(0, target_probs[j] - draft_probs[j])) and
     drop the rest; if all are accepted, sample the bonus token from target_probs[G].
-    Returns (emitted tokens [n_accepted + 1] int64, n_accepted).
+    Returns (emitted [G + 1] int64, n_accepted [] int64), like `greedy_accept`: only the first
+    n_accepted + 1 entries are meaningful. Every row's recovery token is drawn (independently of
+    the acceptance draws) and the one at n_accepted is kept, so the count never leaves the device.
     """
     G = draft_tokens.shape[0]
     assert draft_probs.shape[0] == G and target_probs.shape[0] == G + 1
@@ -97,14 +112,13 @@ def speculative_sample(
     p_draft = draft_probs[idx, draft_tokens]
     p_target = target_probs[idx, draft_tokens]
     # u < p_target / p_draft, written without division (p_draft > 0 for a token it sampled).
-    accepted = uniforms * p_draft < p_target
-    n_accepted = int(accepted.int().cumprod(0).sum())
-    if n_accepted < G:
-        residual = (target_probs[n_accepted] - draft_probs[n_accepted]).clamp_min(0)
-        total = residual.sum()
-        if total <= 0:  # identical distributions: any rejection is impossible in exact arithmetic
-            residual = target_probs[n_accepted]
-        last = sampler.categorical(residual[None] / residual.sum())
-    else:
-        last = sampler.categorical(target_probs[G : G + 1])
-    return torch.cat([draft_tokens[:n_accepted], last]), n_accepted
+    n_accepted = prefix_length(uniforms * p_draft < p_target)
+    residual = (target_probs[:G] - draft_probs).clamp_min(0)  # [G, V]
+    total = residual.sum(-1, keepdim=True)
+    # identical distributions: a rejection is impossible in exact arithmetic; fall back to the target
+    residual = torch.where(total > 0, residual / total.clamp_min(1e-30), target_probs[:G])
+    recovery = sampler.categorical(torch.cat([residual, target_probs[G:]]))  # [G + 1]
+    emitted = torch.cat([draft_tokens, draft_tokens.new_zeros(1)])
+    positions = torch.arange(G + 1, device=draft_tokens.device)
+    emitted = torch.where(positions == n_accepted, recovery, emitted)
+    return emitted, n_accepted
