@@ -1,4 +1,4 @@
-"""Option definitions shared by the commands, and the error wrapper every command uses."""
+"""Option definitions shared by the commands, and the one rule that turns an error into one line."""
 
 from __future__ import annotations
 
@@ -41,17 +41,26 @@ StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop strin
 ProfileOpt = Annotated[Optional[str], typer.Option("--profile", help="Calibration profile file (default: the one saved for this pair).")]
 
 
+def report_error(error: BaseException) -> int:
+    """Print `error` as one line on stderr and return its exit code; with VIASD_DEBUG set, re-raise
+    it instead (the traceback). A ViasdError is its own message; anything else names its type."""
+    if os.environ.get("VIASD_DEBUG"):
+        raise error
+    if isinstance(error, ViasdError):
+        typer.echo(f"Error: {error.message}", err=True)
+        return error.exit_code
+    typer.echo(f"Error: {type(error).__name__}: {error} (set VIASD_DEBUG=1 for the traceback)", err=True)
+    return 1
+
+
 def handle_errors(fn):
-    """Turn a ViasdError into a one-line message on stderr and its exit code (no traceback)."""
+    """Turn a ViasdError raised by a command into its one line and exit code (no traceback)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except ViasdError as e:
-            if os.environ.get("VIASD_DEBUG"):
-                raise
-            typer.echo(f"Error: {e.message}", err=True)
-            raise typer.Exit(e.exit_code)
+            raise typer.Exit(report_error(e))
 
     return wrapper
