@@ -86,7 +86,11 @@ def test_bad_models_and_prompts(tiny_dirs, viasd_home, tmp_path):
     shutil.copytree(tiny_dirs["target"], pickle_only)
     (pickle_only / "model.safetensors").rename(pickle_only / "pytorch_model.bin")
     check(run(PROMPT, "-m", pickle_only), 1, "--allow-pickle")
-    check(run(PROMPT, "-m", tiny_dirs["target"], "-d", tiny_dirs["other"]), 1, "different tokenizers")
+    # one vocabulary check (shared with `viasd pull`): it names both models and a differing token
+    check(run(PROMPT, "-m", tiny_dirs["target"], "-d", tiny_dirs["other"]), 1,
+          f"target {tiny_dirs['target']} and draft {tiny_dirs['other']} use different tokenizers (256 vs 256 tokens, 496 differ, e.g. 'w0': id 8 vs None)")
+    # one hub-id rule (shared with `viasd pull`): a malformed id is no id, so the model is not found
+    check(run(PROMPT, "-m", "org/name with spaces"), 1, "model 'org/name with spaces' not found")
     check(run("   ", "-m", tiny_dirs["target"]), 2, "prompt is empty")
     long_prompt = " ".join(["w1"] * 600)  # the tiny models have 512 positions
     check(run(long_prompt, "-m", tiny_dirs["target"]), 1, "shorten the prompt")
