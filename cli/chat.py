@@ -17,11 +17,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from viasd_core.chat import (STATS_COLUMNS, TIER_LEGEND, Chat, TieredText, parse_command, session_summary,
-                             stats_rows, turn_summary)
+from viasd_core.chat import STATS_COLUMNS, TIER_LEGEND, Chat, parse_command, session_summary, stats_rows, turn_summary
 from viasd_core.engine import GenerationConfig
 from viasd_core.errors import ViasdError
 from viasd_core.session import ModelOptions, build_session, thresholds_of
+from viasd_core.streaming import TextStream, TieredText
 
 from .app import app
 from .options import (DEFAULT_MODEL, AdaptiveOpt, AllowPickleOpt, DeviceOpt, DraftOpt, DraftQuantOpt, DtypeOpt,
@@ -144,23 +144,6 @@ class LiveAnswer:
         self.console.print(self.line)
 
 
-class PlainAnswer:
-    """Plain text on stdout, flushed as soon as a later token cannot change it."""
-
-    def __init__(self, chat: Chat):
-        self.decoder = TieredText(chat.session.tokenizer)
-
-    def __call__(self, tokens, tiers) -> None:
-        text = "".join(t for t, _ in self.decoder.feed(tokens, tiers))
-        if text:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-
-    def finish(self, final_text: str) -> None:
-        sys.stdout.write(self.decoder.finish(final_text) + "\n")
-        sys.stdout.flush()
-
-
 def read_lines(interactive: bool, display: Display):
     """User lines; Ctrl-C at the prompt only clears the line. Ends at Ctrl-D / end of input."""
     if not interactive:
@@ -191,7 +174,7 @@ def read_lines(interactive: bool, display: Display):
 
 
 def run_turn(chat: Chat, text: str, display: Display) -> None:
-    streamer = LiveAnswer(display.out, chat) if display.fancy else PlainAnswer(chat)
+    streamer = LiveAnswer(display.out, chat) if display.fancy else TextStream(chat.session.tokenizer, sys.stdout)
     try:
         if display.fancy:
             streamer.live.start()

@@ -13,6 +13,7 @@ from viasd_core.errors import UsageError
 from viasd_core.fidelity import fidelity
 from viasd_core.prompts import encode
 from viasd_core.session import ModelOptions, build_session, thresholds_of
+from viasd_core.streaming import TextStream, stats_line
 
 from .app import app
 from .options import (DEFAULT_MODEL, AdaptiveOpt, AllowPickleOpt, DeviceOpt, DraftOpt, DraftQuantOpt, DtypeOpt,
@@ -45,45 +46,6 @@ def read_prompts(prompts: list[str], lines: bool) -> list[str]:
     if not out:
         raise UsageError("stdin held no prompt text")
     return out
-
-
-class TextStreamer:
-    """Incremental detokenization: prints only text that a later token cannot change."""
-
-    def __init__(self, tokenizer, out):
-        self.tokenizer = tokenizer
-        self.out = out
-        self.tokens: list[int] = []
-        self.printed = 0
-
-    def __call__(self, tokens, tiers):
-        self.tokens.extend(tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
-            return
-        self.out.write(text[self.printed :])
-        self.out.flush()
-        self.printed = len(text)
-
-    def finish(self, final_text: str):
-        if len(final_text) > self.printed:
-            self.out.write(final_text[self.printed :])
-        self.out.write("\n")
-        self.out.flush()
-
-
-def stats_line(result, mode: str) -> str:
-    s = result.stats
-    parts = [f"[{mode}] {s.new_tokens} tokens in {s.time_total:.2f} s ({s.tokens_per_s:.1f} tok/s)"]
-    if mode != "ar":
-        parts.append(f"{s.mean_accepted_length:.2f} tokens/target pass")
-        parts.append(f"acceptance {s.acceptance_rate:.2f}")
-    if mode == "viasd":
-        sh = s.tier_shares
-        parts.append(f"tiers accept {sh['accept']:.2f} / slim {sh['slim']:.2f} / full {sh['full'] + sh['bonus']:.2f}")
-    if s.fidelity is not None:
-        parts.append(f"fidelity {s.fidelity:.3f}")
-    return ", ".join(parts)
 
 
 @app.command(epilog=EXAMPLES)
@@ -134,7 +96,7 @@ def generate(
     for i, text in enumerate(texts):
         ids = encode(session.tokenizer, text, raw=raw, system=system)
         session.engine.reset()
-        streamer = None if as_json else TextStreamer(session.tokenizer, sys.stdout)
+        streamer = None if as_json else TextStream(session.tokenizer, sys.stdout)
         result = session.engine.generate(ids, config, on_emit=streamer)
         if measure:
             result.stats.fidelity = fidelity(session.target.model, ids, result.tokens)
@@ -149,4 +111,4 @@ def generate(
             sys.stdout.flush()
         else:
             streamer.finish(result.text)
-        log(stats_line(result, mode))
+        log(stats_line(result.stats, mode))

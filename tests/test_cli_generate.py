@@ -96,3 +96,32 @@ def test_bad_models_and_prompts(tiny_dirs, viasd_home, tmp_path):
     check(run(long_prompt, "-m", tiny_dirs["target"]), 1, "shorten the prompt")
     check(run(PROMPT, "-m", tiny_dirs["target"], "--mode", "viasd"), 1, "run `viasd calibrate")
     check(run(PROMPT, "-m", tiny_dirs["target"], "--dtype", "int3"), 2, "unknown dtype")
+
+
+class ScriptedTokenizer:
+    """decode() returns a scripted text per prefix length: lets a test shrink the text or leave a
+    multi-byte character half-decoded, as real tokenizers do."""
+
+    def __init__(self, texts):
+        self.texts = texts
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.texts[len(ids) - 1]
+
+
+def test_text_stream_releases_only_settled_text():
+    import io
+
+    from viasd_core.streaming import TextStream
+
+    out = io.StringIO()
+    stream = TextStream(ScriptedTokenizer(["ab", "a", "abc\ufffd", "abcé", "abcé!"]), out)
+    stream([1], ["full"])
+    stream([2], ["accept"])  # the text shrank: nothing is taken back, nothing printed twice
+    assert out.getvalue() == "ab"
+    stream([3], ["accept"])  # a half-decoded character is held back
+    assert out.getvalue() == "ab"
+    stream([4, 5], ["slim", "bonus"])
+    assert out.getvalue() == "abcé!"
+    stream.finish("abcé! the end")
+    assert out.getvalue() == "abcé! the end\n"
