@@ -3,13 +3,14 @@ models, prompts and seeds in one process; a table on stdout, files and plots wit
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Annotated, Optional
 
 import typer
 
 from viasd_core import bench as core
+from viasd_core.bench_files import make_meta, session_meta, summary_json, write_outputs, write_summary
+from viasd_core.bench_summary import summarize
 from viasd_core.errors import UsageError
 from viasd_core.prompts import load_prompts
 from viasd_core.session import ModelOptions, build_session
@@ -157,14 +158,14 @@ def bench(
     runners = core.make_runners(session, config)
     result = _run_with_progress(session, prompt_list, config, runners, quiet)
     summary = {
-        "meta": core.session_meta(session, config, prompts, len(prompt_list)),
-        "methods": core.summarize(result.rows, result.statuses, result.peak_memory, config.methods),
+        "meta": session_meta(session, config, prompts, len(prompt_list)),
+        "methods": summarize(result.rows, result.statuses, result.peak_memory, config.methods),
     }
     if out:
-        paths = core.write_outputs(out, result.rows, summary)
+        paths = write_outputs(out, result.rows, summary)
         log("wrote " + ", ".join(str(p) for p in paths))
     if as_json:
-        sys.stdout.write(json.dumps(core._clean(summary), indent=2) + "\n")
+        sys.stdout.write(summary_json(summary))
     else:
         print_summary(summary, breakdown)
 
@@ -187,8 +188,6 @@ def _run_with_progress(session, prompt_list, config, runners, quiet):
 
 
 def _synthetic(name, device, dtype, gamma, acceptance_from, force, out, as_json, log):
-    from pathlib import Path
-
     from viasd_core import synthetic as syn
     from viasd_core.loading import resolve_device
 
@@ -197,15 +196,11 @@ def _synthetic(name, device, dtype, gamma, acceptance_from, force, out, as_json,
                              acceptance_from=acceptance_from)
     syn.check_plan(plan)
     projection = syn.run_synthetic(plan, progress=log)
-    summary = {"meta": core.make_meta(dev, label=syn.LABEL, synthetic=name, gamma=gamma,
-                                      acceptance_from=acceptance_from), "projection": projection}
+    summary = {"meta": make_meta(dev, label=syn.LABEL, synthetic=name, gamma=gamma, acceptance_from=acceptance_from),
+               "projection": projection}
     if out:
-        folder = Path(out)
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / "summary.json"
-        path.write_text(json.dumps(core._clean(summary), indent=2) + "\n", encoding="utf-8")
-        log(f"wrote {path} (a PROJECTION)")
+        log(f"wrote {write_summary(out, summary)} (a PROJECTION)")
     if as_json:
-        sys.stdout.write(json.dumps(core._clean(summary), indent=2) + "\n")
+        sys.stdout.write(summary_json(summary))
     else:
         print_projection(summary)
