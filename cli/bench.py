@@ -16,8 +16,7 @@ from viasd_core.prompts import load_prompts
 from viasd_core.session import ModelOptions, build_session
 
 from .app import app
-from .options import (DEFAULT_MODEL, AdaptiveOpt, AllowPickleOpt, DeviceOpt, DraftOpt, DraftQuantOpt, DtypeOpt,
-                      GammaOpt, ModelOpt, ProfileOpt, QuantOpt, RevisionOpt, TrustOpt, handle_errors)
+from .options import AdaptiveOpt, GammaOpt, handle_errors, model_options
 
 EXAMPLES = """
 EXAMPLES
@@ -105,17 +104,10 @@ def print_projection(summary: dict) -> None:
 
 @app.command(epilog=EXAMPLES)
 @handle_errors
+@model_options
 def bench(
-    model: ModelOpt = DEFAULT_MODEL,
-    draft: DraftOpt = None,
-    revision: RevisionOpt = None,
-    dtype: DtypeOpt = None,
-    device: DeviceOpt = None,
-    quant: QuantOpt = "none",
-    draft_quant: DraftQuantOpt = "none",
-    trust_remote_code: TrustOpt = False,
-    allow_pickle: AllowPickleOpt = False,
-    profile: ProfileOpt = None,
+    *,
+    opts: ModelOptions,
     methods: Annotated[str, typer.Option("--methods", help=f"Comma-separated subset of {','.join(core.METHODS)}, or 'all'.")] = "all",
     gamma: GammaOpt = 5,
     adaptive: AdaptiveOpt = True,
@@ -139,7 +131,7 @@ def bench(
     """Benchmark every method on the same models, prompts and seeds; the summary on stdout."""
     log = (lambda msg: None) if quiet else (lambda msg: typer.echo(msg, err=True))
     if synthetic is not None:
-        return _synthetic(synthetic, device, dtype, gamma, acceptance_from, force, out, as_json, log)
+        return _synthetic(synthetic, opts.device, opts.dtype, gamma, acceptance_from, force, out, as_json, log)
     if acceptance_from is not None or force:
         raise UsageError("--acceptance-from and --force only apply with --synthetic")
     config = core.BenchConfig(methods=core.parse_methods(methods), max_new_tokens=max_new_tokens, gamma=gamma,
@@ -150,9 +142,6 @@ def bench(
     if limit is not None and limit < 1:
         raise UsageError(f"--limit must be at least 1 (got {limit})")
     prompt_list = load_prompts(prompts, limit=limit, categories=cats)
-    opts = ModelOptions(model=model, draft=draft, revision=revision, dtype=dtype, device=device, quant=quant,
-                        draft_quant=draft_quant, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                        profile=profile)
     needs_draft = any(m in core.NEEDS_DRAFT for m in config.methods) or bool(config.viasd_profiles)
     session = build_session(opts, mode="sd" if needs_draft else "ar", progress=log, need_profile=False)
     runners = core.make_runners(session, config)

@@ -1,8 +1,11 @@
-"""Option definitions shared by the commands, and the one rule that turns an error into one line."""
+"""What the commands share: option definitions, the model and generation option groups (each
+declared once, passed to a command as one ModelOptions / GenerationConfig), and the one rule that
+turns an error into one line."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from typing import Annotated, Optional
 
@@ -39,6 +42,80 @@ TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass i
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling (reproducible runs).")]
 StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")]
 ProfileOpt = Annotated[Optional[str], typer.Option("--profile", help="Calibration profile file (default: the one saved for this pair).")]
+
+
+def _option_group(options: dict[str, tuple[object, object]], name: str, build):
+    """A decorator that gives a command the `options` (parameter -> (Annotated type, default)) in
+    place of its parameter `name`, which receives `build(**their values)`."""
+
+    def decorate(command):
+        own = inspect.signature(command, eval_str=True)
+        params = []
+        for param in own.parameters.values():
+            if param.name == name:
+                params += [inspect.Parameter(option, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=hint)
+                           for option, (hint, default) in options.items()]
+            else:
+                params.append(param.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+
+        @functools.wraps(command)
+        def wrapper(**kwargs):
+            value = build(**{option: kwargs.pop(option) for option in options})
+            return command(**kwargs, **{name: value})
+
+        wrapper.__signature__ = own.replace(parameters=params)  # what Typer reads
+        wrapper.__annotations__ = {p.name: p.annotation for p in params}
+        return wrapper
+
+    return decorate
+
+
+def _model_options(**values):
+    from viasd_core.session import ModelOptions
+
+    return ModelOptions(**values)
+
+
+MODEL_OPTIONS = {
+    "model": (ModelOpt, DEFAULT_MODEL), "draft": (DraftOpt, None), "revision": (RevisionOpt, None),
+    "dtype": (DtypeOpt, None), "device": (DeviceOpt, None), "quant": (QuantOpt, "none"),
+    "draft_quant": (DraftQuantOpt, "none"), "trust_remote_code": (TrustOpt, False),
+    "allow_pickle": (AllowPickleOpt, False), "profile": (ProfileOpt, None),
+}
+
+
+def model_options(command):
+    """Give `command` the model options (--model ... --profile), passed to it as `opts: ModelOptions`."""
+    return _option_group(MODEL_OPTIONS, "opts", _model_options)(command)
+
+
+def _generation_config(stop, **values):
+    from viasd_core.engine import GenerationConfig
+
+    config = GenerationConfig(stop=tuple(stop or ()), **values)
+    if config.mode != "viasd":  # viasd needs the profile's thresholds: open_session validates it
+        config.validate()  # fail fast, before loading models
+    return config
+
+
+def generation_options(max_new_tokens: int):
+    """Give a command the generation options (--mode ... --stop), passed to it as `config: GenerationConfig`."""
+    return _option_group(
+        {"mode": (ModeOpt, "sd"), "gamma": (GammaOpt, 5), "adaptive": (AdaptiveOpt, True),
+         "max_new_tokens": (MaxNewOpt, max_new_tokens), "temperature": (TempOpt, 0.0), "top_k": (TopKOpt, 0),
+         "top_p": (TopPOpt, 1.0), "seed": (SeedOpt, None), "stop": (StopOpt, None)},
+        "config", _generation_config,
+    )
+
+
+def open_session(opts, config, progress):
+    """The session for `config.mode`; the config then gets the profile's thresholds and is validated."""
+    from viasd_core.session import build_session, thresholds_of
+
+    session = build_session(opts, mode=config.mode, progress=progress)
+    config.thresholds = thresholds_of(session.profile)
+    config.validate()
+    return session
 
 
 def report_error(error: BaseException) -> int:

@@ -7,6 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
+from viasd_core.errors import ViasdError
 
 PROMPT = "w1 w2 w3 w4 w5 w6"
 
@@ -125,3 +126,32 @@ def test_text_stream_releases_only_settled_text():
     assert out.getvalue() == "abcé!"
     stream.finish("abcé! the end")
     assert out.getvalue() == "abcé! the end\n"
+
+
+def test_main_reports_any_error_in_one_line(tiny_dirs, viasd_home, monkeypatch, capsys):
+    import sys
+
+    import viasd_cli.app as cli_app
+    import viasd_cli.generate
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(viasd_cli.generate, "open_session", broken)
+    monkeypatch.setattr(sys, "argv", ["viasd", "generate", PROMPT, "-m", str(tiny_dirs["target"])])
+    monkeypatch.delenv("VIASD_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as info:
+        cli_app.main()
+    assert info.value.code == 1
+    assert capsys.readouterr().err == "Error: RuntimeError: boom (set VIASD_DEBUG=1 for the traceback)\n"
+    monkeypatch.setattr(sys, "argv", ["viasd", "generate", PROMPT, "--gamma", "0"])
+    with pytest.raises(SystemExit) as info:  # a ViasdError raised before any model is loaded
+        cli_app.main()
+    assert info.value.code == 2 and capsys.readouterr().err == "Error: gamma must be at least 1 (got 0): pass --gamma 1 or more\n"
+    monkeypatch.setenv("VIASD_DEBUG", "1")  # the same rule for both: the traceback instead of the line
+    monkeypatch.setattr(sys, "argv", ["viasd", "generate", PROMPT, "-m", str(tiny_dirs["target"])])
+    with pytest.raises(RuntimeError, match="boom"):
+        cli_app.main()
+    monkeypatch.setattr(sys, "argv", ["viasd", "generate", PROMPT, "--gamma", "0"])
+    with pytest.raises(ViasdError, match="gamma must be at least 1"):
+        cli_app.main()
