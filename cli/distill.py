@@ -42,7 +42,7 @@ def distill(
     time_limit: Annotated[Optional[float], typer.Option("--time-limit", help="Stop training after this many seconds (the cosine schedule follows time).")] = DEFAULT.time_limit_s,
     bf16: Annotated[bool, typer.Option("--bf16/--fp32", help="Train with bfloat16 autocast (fp32 master weights).")] = DEFAULT.bf16,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Tokens the target generates per prompt.")] = DEFAULT.max_new_tokens,
-    sampled_every: Annotated[int, typer.Option("--sampled-every", help="Also sample (T=0.8) a continuation for every k-th prompt (from the 2nd), labelled with the target's argmax; 0 = greedy only.")] = DEFAULT.sampled_every,
+    sampled_every: Annotated[int, typer.Option("--sampled-every", help=f"Also sample (T={DEFAULT.sampled_temperature:g}) a continuation for every k-th prompt (from the 2nd), labelled with the target's argmax; 0 = greedy only.")] = DEFAULT.sampled_every,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="Prompts file (default: viasd's own distillation prompts).")] = DEFAULT.prompts,
     eval_prompts: Annotated[Optional[Path], typer.Option("--eval-prompts", help="Prompts file to measure top-1 agreement on after training.")] = DEFAULT.eval_prompts,
     eval_limit: Annotated[int, typer.Option("--eval-limit", help="Use the first N evaluation prompts.")] = DEFAULT.eval_limit,

@@ -279,3 +279,17 @@ def test_synthetic_cli_is_labelled_a_projection(viasd_home, tmp_path, monkeypatc
     assert big.exit_code == 2 and "--force" in big.stderr and big.stdout == ""
     unknown = run("--synthetic", "gpt-5", "--device", "cpu")
     assert unknown.exit_code == 2 and "unknown --synthetic shape" in unknown.stderr
+
+
+def test_eos_and_pad_ids_one_rule():
+    from types import SimpleNamespace
+
+    from viasd_core.loading import eos_ids, pad_token_id
+
+    def loaded(model_eos, tok_eos, tok_pad):
+        model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=model_eos))
+        return SimpleNamespace(model=model, tokenizer=SimpleNamespace(eos_token_id=tok_eos, pad_token_id=tok_pad))
+
+    assert eos_ids(loaded([7, 5], 9, None)) == {5, 7, 9} and pad_token_id(loaded([7, 5], 9, None)) == 5
+    assert eos_ids(loaded(3, None, 0)) == {3} and pad_token_id(loaded(3, None, 0)) == 0  # pad 0 is a pad
+    assert eos_ids(loaded(None, None, None)) == set() and pad_token_id(loaded(None, None, None)) == 0

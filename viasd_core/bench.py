@@ -31,7 +31,7 @@ from .bench_runners import Broken, EngineRunner, HFRunner, Output, Skip, full_vo
 from .engine import Engine, GenerationConfig
 from .errors import UsageError, ViasdError
 from .fidelity import fidelity
-from .loading import eos_ids
+from .loading import eos_ids, pad_token_id
 from .model import FastModel
 from .prompts import Prompt, encode
 from .router import Thresholds
@@ -121,8 +121,7 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
     engine = session.engine
     target_hf = session.target.model
     eos = eos_ids(session.target)
-    tok = session.tokenizer
-    pad = getattr(tok, "pad_token_id", None)
+    pad = pad_token_id(session.target)
     draft_id = session.draft_id
     runners: dict[str, object] = {}
     slim_engine = None

@@ -123,7 +123,7 @@ def hf_accepted_lengths(prompt_len: int, total_new: int, cache_lens: list[int | 
 class HFRunner:
     """transformers `generate()` on the target: greedy, assisted (draft) or prompt lookup."""
 
-    def __init__(self, target_hf, eos: set[int], max_new_tokens: int, pad_token_id: int | None,
+    def __init__(self, target_hf, eos: set[int], max_new_tokens: int, pad_token_id: int,
                  assistant=None, prompt_lookup: int | None = None, gamma: int = 5, adaptive: bool = True):
         self.model = target_hf
         self.eos = set(eos)
@@ -132,7 +132,7 @@ class HFRunner:
         self.adaptive = adaptive
         self.kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                            eos_token_id=sorted(self.eos) or None,
-                           pad_token_id=pad_token_id if pad_token_id is not None else (min(self.eos) if self.eos else 0))
+                           pad_token_id=pad_token_id)
         if prompt_lookup:
             self.kwargs["prompt_lookup_num_tokens"] = prompt_lookup
         self.device = next(target_hf.parameters()).device

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from viasd_core.draft_model import build_draft, draft_llama_config, save_draft
 from viasd_core.errors import UsageError, ViasdError
-from viasd_core.loading import Loaded, eos_ids, load_model
+from viasd_core.loading import Loaded, eos_ids, load_model, pad_token_id
 from viasd_core.model import model_shape
 from viasd_core.prompts import encode, load_prompts
 
@@ -165,16 +165,14 @@ def build_dataset(
 
     Prompts are processed in length-sorted batches (less padding); the result keeps prompt order.
     """
-    tokenizer = target.tokenizer
     eos = eos_ids(target)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos) if eos else 0
-    ids = [encode(tokenizer, p)[-max_prompt_tokens:] for p in prompts]
+    ids = [encode(target.tokenizer, p)[-max_prompt_tokens:] for p in prompts]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     gen = torch.Generator().manual_seed(seed)
     records: list[Optional[Record]] = [None] * len(ids)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        outs = generate_batch(target.model, [ids[i] for i in chunk], max_new_tokens, eos, pad, temperature, gen)
+        outs = generate_batch(target.model, [ids[i] for i in chunk], max_new_tokens, eos, pad_token_id(target), temperature, gen)
         for i, (toks, labs) in zip(chunk, outs):
             records[i] = Record(
                 input_ids=torch.tensor(ids[i] + toks, dtype=torch.long),
@@ -529,7 +527,7 @@ def run_distill(target_ref: str, out: str | Path, config: DistillConfig, device:
     eval_fn = (lambda d: evaluate_agreement(d, held, vocab_map)["agreement"]) if held else None
     losses = train_draft(draft, records, vocab_map, steps=config.steps, batch_size=config.batch_size, lr=config.lr,
                          warmup=config.warmup, weight_decay=config.weight_decay, seed=config.seed,
-                         pad_id=tok.pad_token_id or 0, log_every=config.eval_every, log=log,
+                         pad_id=pad_token_id(target), log_every=config.eval_every, log=log,
                          time_limit_s=config.time_limit_s, bf16_autocast=config.bf16, eval_fn=eval_fn,
                          eval_every=config.eval_every)
     train_log = draft.viasd_train_log

@@ -55,6 +55,15 @@ def eos_ids(loaded: Loaded) -> set[int]:
     return ids
 
 
+def pad_token_id(loaded: Loaded) -> int:
+    """The id to pad batches with: the tokenizer's pad token, else the smallest EOS id, else 0."""
+    pad = getattr(loaded.tokenizer, "pad_token_id", None)
+    if pad is not None:
+        return int(pad)
+    eos = eos_ids(loaded)
+    return min(eos) if eos else 0
+
+
 def resolve_device(device: str | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
