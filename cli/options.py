@@ -12,8 +12,9 @@ from typing import Annotated, Optional
 import typer
 
 from viasd_core.errors import ViasdError
+from viasd_core.loading import EMBEDDED_TARGET
 
-DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MODEL = EMBEDDED_TARGET
 
 ModelOpt = Annotated[
     str,
