@@ -11,8 +11,10 @@ from typing import Annotated, Optional
 
 import typer
 
+from viasd_core.engine import GenerationConfig
 from viasd_core.errors import ViasdError
 from viasd_core.loading import EMBEDDED_TARGET
+from viasd_core.session import ModelOptions, Session, build_session, thresholds_of
 
 DEFAULT_MODEL = EMBEDDED_TARGET
 
@@ -71,12 +73,6 @@ def _option_group(options: dict[str, tuple[object, object]], name: str, build):
     return decorate
 
 
-def _model_options(**values):
-    from viasd_core.session import ModelOptions
-
-    return ModelOptions(**values)
-
-
 MODEL_OPTIONS = {
     "model": (ModelOpt, DEFAULT_MODEL), "draft": (DraftOpt, None), "revision": (RevisionOpt, None),
     "dtype": (DtypeOpt, None), "device": (DeviceOpt, None), "quant": (QuantOpt, "none"),
@@ -87,12 +83,10 @@ MODEL_OPTIONS = {
 
 def model_options(command):
     """Give `command` the model options (--model ... --profile), passed to it as `opts: ModelOptions`."""
-    return _option_group(MODEL_OPTIONS, "opts", _model_options)(command)
+    return _option_group(MODEL_OPTIONS, "opts", ModelOptions)(command)
 
 
-def _generation_config(stop, **values):
-    from viasd_core.engine import GenerationConfig
-
+def _generation_config(stop, **values) -> GenerationConfig:
     config = GenerationConfig(stop=tuple(stop or ()), **values)
     if config.mode != "viasd":  # viasd needs the profile's thresholds: open_session validates it
         config.validate()  # fail fast, before loading models
@@ -109,10 +103,8 @@ def generation_options(max_new_tokens: int):
     )
 
 
-def open_session(opts, config, progress):
+def open_session(opts: ModelOptions, config: GenerationConfig, progress) -> Session:
     """The session for `config.mode`; the config then gets the profile's thresholds and is validated."""
-    from viasd_core.session import build_session, thresholds_of
-
     session = build_session(opts, mode=config.mode, progress=progress)
     config.thresholds = thresholds_of(session.profile)
     config.validate()
