@@ -22,6 +22,8 @@ import torch
 
 from viasd_core import distill
 from viasd_core.draft_model import load_draft, save_draft
+from viasd_core.loading import load_model
+from viasd_core.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "viasd_core/data/distill_prompts.jsonl"
@@ -32,19 +34,9 @@ def log(msg: str) -> None:
     print(time.strftime("%H:%M:%S"), msg, file=sys.stderr, flush=True)
 
 
-def load_target(ref: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(ref, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(ref)
-
-
-def read_prompts(path: Path, limit: int | None = None, dev: bool = False):
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    rows = rows[:limit] if limit else rows
-    if dev:
-        return [r["turns"][0] for r in rows], [r["category"] for r in rows]
-    return [r["prompt"] for r in rows], [r["category"] for r in rows]
+def read_prompts(path: Path, limit: int | None = None):
+    prompts = load_prompts(path, limit=limit)
+    return [p.text for p in prompts], [p.category for p in prompts]
 
 
 def main() -> None:
@@ -78,16 +70,17 @@ def main() -> None:
     torch.manual_seed(args.seed)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    target, tok = load_target(args.target)
+    loaded = load_model(args.target, dtype="float32", device="cpu")
+    target, tok = loaded.model, loaded.tokenizer
 
     if args.stage == "gen":
         dev = args.split == "dev"
-        prompts, cats = read_prompts(DEV if dev else PROMPTS, args.limit, dev=dev)
+        prompts, cats = read_prompts(DEV if dev else PROMPTS, args.limit)
         prompts, cats = prompts[args.offset :: args.every], cats[args.offset :: args.every]
         temp = 0.8 if args.split == "sampled" else 0.0
         t0 = time.perf_counter()
         recs = distill.build_dataset(
-            target, tok, prompts, args.max_new_tokens, batch_size=args.gen_batch_size, temperature=temp, seed=args.seed,
+            loaded, prompts, args.max_new_tokens, batch_size=args.gen_batch_size, temperature=temp, seed=args.seed,
             categories=cats, progress=lambda i, n: log(f"{args.split}: {i}/{n} prompts"),
         )
         torch.save([r.to_dict() for r in recs], work / f"{args.name or args.split}.pt")
@@ -98,15 +91,16 @@ def main() -> None:
         return [distill.Record(**d) for d in torch.load(work / f"{split}.pt")]
 
     if args.stage == "train":
-        # Hold out the prompts with index % 20 == 0 (all their sequences) for early stopping.
+        # Hold out the prompts the recipe holds out (all their sequences) for early stopping.
         # Splits: greedy = every prompt; sampled / sampled_c = odd prompts; sampled_b = even prompts.
         parts = {"greedy": (0, 1), "sampled": (1, 2), "sampled_b": (0, 2), "sampled_c": (1, 2)}
+        recipe = distill.DistillConfig()
         train, held = [], []
         for split, (offset, every) in parts.items():
             if not (work / f"{split}.pt").exists():
                 continue
             for j, r in enumerate(records(split)):
-                (held if (offset + every * j) % 20 == 0 else train).append(r)
+                (held if recipe.is_held_out(offset + every * j) else train).append(r)
         held = [r for r in held if r.labels.numel() > 0]
         vocab_map = distill.choose_vocab(train, args.draft_vocab, always=[tok.eos_token_id])
         log(f"{len(train)} records, {sum(r.labels.numel() for r in train)} labels; vocab coverage {distill.vocab_coverage(train, vocab_map):.4f}")
@@ -132,7 +126,7 @@ def main() -> None:
             "vocab": "most frequent target argmax ids, then the lowest unused ids (BPE merge order)", "warmup": args.warmup, "time_limit_s": args.time_limit,
             "layers_from_target": distill.default_layer_ids(target.config.num_hidden_layers, args.layers),
             "steps": len(losses), "best_step": draft.viasd_train_log["best_step"],
-            "held_out": {"sequences": len(held), "rule": "prompt index % 20 == 0", "evals": draft.viasd_train_log["evals"]},
+            "held_out": {"sequences": len(held), "rule": f"prompt index % {recipe.held_out_every} == 0", "evals": draft.viasd_train_log["evals"]},
             "weight_decay": args.weight_decay, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
             "threads": args.threads, "train_wall_s": round(wall, 1), "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4), "splits": [p for p in parts if (work / f"{p}.pt").exists()],
             "loss": "cross-entropy on the target's argmax labels over the draft vocabulary",

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import typer
-
-from viasd_core.errors import ViasdError
 
 app = typer.Typer(
     name="viasd",
@@ -36,23 +33,17 @@ def _register() -> None:
 
 def main() -> None:
     """Entry point: click's standalone mode prints usage errors (exit 2) and applies exit codes;
-    commands turn ViasdError into one line (options.handle_errors); anything else is one line too."""
+    every other error is one line (options.report_error), Ctrl-C exits 130."""
+    from viasd_cli.options import report_error
+
     _register()
     try:
         app()
-    except ViasdError as e:
-        if os.environ.get("VIASD_DEBUG"):
-            raise
-        typer.echo(f"Error: {e.message}", err=True)
-        sys.exit(e.exit_code)
     except KeyboardInterrupt:
         typer.echo("Interrupted.", err=True)
         sys.exit(130)
     except Exception as e:
-        if os.environ.get("VIASD_DEBUG"):
-            raise
-        typer.echo(f"Error: {type(e).__name__}: {e} (set VIASD_DEBUG=1 for the traceback)", err=True)
-        sys.exit(1)
+        sys.exit(report_error(e))
 
 
 def get_app() -> typer.Typer:
@@ -62,6 +53,6 @@ def get_app() -> typer.Typer:
 
 
 if __name__ == "__main__":  # `python -m viasd_cli.app`: run the imported module's app, where commands attach
-    from viasd_cli.app import main as _main
+    import viasd_cli.app
 
-    _main()
+    viasd_cli.app.main()

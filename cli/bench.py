@@ -3,20 +3,20 @@ models, prompts and seeds in one process; a table on stdout, files and plots wit
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Annotated, Optional
 
 import typer
 
 from viasd_core import bench as core
+from viasd_core.bench_files import make_meta, session_meta, summary_json, write_outputs, write_summary
+from viasd_core.bench_summary import summarize
 from viasd_core.errors import UsageError
 from viasd_core.prompts import load_prompts
 from viasd_core.session import ModelOptions, build_session
 
 from .app import app
-from .options import (DEFAULT_MODEL, AdaptiveOpt, AllowPickleOpt, DeviceOpt, DraftOpt, DraftQuantOpt, DtypeOpt,
-                      GammaOpt, ModelOpt, ProfileOpt, QuantOpt, RevisionOpt, TrustOpt, handle_errors)
+from .options import AdaptiveOpt, GammaOpt, handle_errors, model_options
 
 EXAMPLES = """
 EXAMPLES
@@ -104,17 +104,10 @@ def print_projection(summary: dict) -> None:
 
 @app.command(epilog=EXAMPLES)
 @handle_errors
+@model_options
 def bench(
-    model: ModelOpt = DEFAULT_MODEL,
-    draft: DraftOpt = None,
-    revision: RevisionOpt = None,
-    dtype: DtypeOpt = None,
-    device: DeviceOpt = None,
-    quant: QuantOpt = "none",
-    draft_quant: DraftQuantOpt = "none",
-    trust_remote_code: TrustOpt = False,
-    allow_pickle: AllowPickleOpt = False,
-    profile: ProfileOpt = None,
+    *,
+    opts: ModelOptions,
     methods: Annotated[str, typer.Option("--methods", help=f"Comma-separated subset of {','.join(core.METHODS)}, or 'all'.")] = "all",
     gamma: GammaOpt = 5,
     adaptive: AdaptiveOpt = True,
@@ -138,7 +131,7 @@ def bench(
     """Benchmark every method on the same models, prompts and seeds; the summary on stdout."""
     log = (lambda msg: None) if quiet else (lambda msg: typer.echo(msg, err=True))
     if synthetic is not None:
-        return _synthetic(synthetic, device, dtype, gamma, acceptance_from, force, out, as_json, log)
+        return _synthetic(synthetic, opts.device, opts.dtype, gamma, acceptance_from, force, out, as_json, log)
     if acceptance_from is not None or force:
         raise UsageError("--acceptance-from and --force only apply with --synthetic")
     config = core.BenchConfig(methods=core.parse_methods(methods), max_new_tokens=max_new_tokens, gamma=gamma,
@@ -149,22 +142,19 @@ def bench(
     if limit is not None and limit < 1:
         raise UsageError(f"--limit must be at least 1 (got {limit})")
     prompt_list = load_prompts(prompts, limit=limit, categories=cats)
-    opts = ModelOptions(model=model, draft=draft, revision=revision, dtype=dtype, device=device, quant=quant,
-                        draft_quant=draft_quant, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                        profile=profile)
     needs_draft = any(m in core.NEEDS_DRAFT for m in config.methods) or bool(config.viasd_profiles)
     session = build_session(opts, mode="sd" if needs_draft else "ar", progress=log, need_profile=False)
     runners = core.make_runners(session, config)
     result = _run_with_progress(session, prompt_list, config, runners, quiet)
     summary = {
-        "meta": core.session_meta(session, config, prompts, len(prompt_list)),
-        "methods": core.summarize(result.rows, result.statuses, result.peak_memory, config.methods),
+        "meta": session_meta(session, config, prompts, len(prompt_list)),
+        "methods": summarize(result.rows, result.statuses, result.peak_memory, config.methods),
     }
     if out:
-        paths = core.write_outputs(out, result.rows, summary)
+        paths = write_outputs(out, result.rows, summary)
         log("wrote " + ", ".join(str(p) for p in paths))
     if as_json:
-        sys.stdout.write(json.dumps(core._clean(summary), indent=2) + "\n")
+        sys.stdout.write(summary_json(summary))
     else:
         print_summary(summary, breakdown)
 
@@ -187,8 +177,6 @@ def _run_with_progress(session, prompt_list, config, runners, quiet):
 
 
 def _synthetic(name, device, dtype, gamma, acceptance_from, force, out, as_json, log):
-    from pathlib import Path
-
     from viasd_core import synthetic as syn
     from viasd_core.loading import resolve_device
 
@@ -197,15 +185,11 @@ def _synthetic(name, device, dtype, gamma, acceptance_from, force, out, as_json,
                              acceptance_from=acceptance_from)
     syn.check_plan(plan)
     projection = syn.run_synthetic(plan, progress=log)
-    summary = {"meta": core.make_meta(dev, label=syn.LABEL, synthetic=name, gamma=gamma,
-                                      acceptance_from=acceptance_from), "projection": projection}
+    summary = {"meta": make_meta(dev, label=syn.LABEL, synthetic=name, gamma=gamma, acceptance_from=acceptance_from),
+               "projection": projection}
     if out:
-        folder = Path(out)
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / "summary.json"
-        path.write_text(json.dumps(core._clean(summary), indent=2) + "\n", encoding="utf-8")
-        log(f"wrote {path} (a PROJECTION)")
+        log(f"wrote {write_summary(out, summary)} (a PROJECTION)")
     if as_json:
-        sys.stdout.write(json.dumps(core._clean(summary), indent=2) + "\n")
+        sys.stdout.write(summary_json(summary))
     else:
         print_projection(summary)

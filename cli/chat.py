@@ -17,16 +17,14 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from viasd_core.chat import (STATS_COLUMNS, TIER_LEGEND, Chat, TieredText, parse_command, session_summary,
-                             stats_rows, turn_summary)
+from viasd_core.chat import STATS_COLUMNS, TIER_LEGEND, Chat, parse_command, session_summary, stats_rows, turn_summary
 from viasd_core.engine import GenerationConfig
 from viasd_core.errors import ViasdError
-from viasd_core.session import ModelOptions, build_session, thresholds_of
+from viasd_core.session import ModelOptions
+from viasd_core.streaming import TextStream, TieredText
 
 from .app import app
-from .options import (DEFAULT_MODEL, AdaptiveOpt, AllowPickleOpt, DeviceOpt, DraftOpt, DraftQuantOpt, DtypeOpt,
-                      GammaOpt, MaxNewOpt, ModeOpt, ModelOpt, ProfileOpt, QuantOpt, RevisionOpt, SeedOpt, StopOpt,
-                      TempOpt, TopKOpt, TopPOpt, TrustOpt, handle_errors)
+from .options import generation_options, handle_errors, model_options, open_session
 
 EXAMPLES = """
 EXAMPLES
@@ -144,23 +142,6 @@ class LiveAnswer:
         self.console.print(self.line)
 
 
-class PlainAnswer:
-    """Plain text on stdout, flushed as soon as a later token cannot change it."""
-
-    def __init__(self, chat: Chat):
-        self.decoder = TieredText(chat.session.tokenizer)
-
-    def __call__(self, tokens, tiers) -> None:
-        text = "".join(t for t, _ in self.decoder.feed(tokens, tiers))
-        if text:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-
-    def finish(self, final_text: str) -> None:
-        sys.stdout.write(self.decoder.finish(final_text) + "\n")
-        sys.stdout.flush()
-
-
 def read_lines(interactive: bool, display: Display):
     """User lines; Ctrl-C at the prompt only clears the line. Ends at Ctrl-D / end of input."""
     if not interactive:
@@ -191,7 +172,7 @@ def read_lines(interactive: bool, display: Display):
 
 
 def run_turn(chat: Chat, text: str, display: Display) -> None:
-    streamer = LiveAnswer(display.out, chat) if display.fancy else PlainAnswer(chat)
+    streamer = LiveAnswer(display.out, chat) if display.fancy else TextStream(chat.session.tokenizer, sys.stdout)
     try:
         if display.fancy:
             streamer.live.start()
@@ -214,47 +195,23 @@ def run_turn(chat: Chat, text: str, display: Display) -> None:
 
 @app.command(epilog=EXAMPLES)
 @handle_errors
+@generation_options(max_new_tokens=256)
+@model_options
 def chat(
-    model: ModelOpt = DEFAULT_MODEL,
-    draft: DraftOpt = None,
-    revision: RevisionOpt = None,
-    mode: ModeOpt = "sd",
-    gamma: GammaOpt = 5,
-    adaptive: AdaptiveOpt = True,
-    max_new_tokens: MaxNewOpt = 256,
-    temperature: TempOpt = 0.0,
-    top_k: TopKOpt = 0,
-    top_p: TopPOpt = 1.0,
-    seed: SeedOpt = None,
-    stop: StopOpt = None,
-    dtype: DtypeOpt = None,
-    device: DeviceOpt = None,
-    quant: QuantOpt = "none",
-    draft_quant: DraftQuantOpt = "none",
-    trust_remote_code: TrustOpt = False,
-    allow_pickle: AllowPickleOpt = False,
-    profile: ProfileOpt = None,
+    *,
+    opts: ModelOptions,
+    config: GenerationConfig,
     system: Annotated[Optional[str], typer.Option("--system", help="System message for the chat template.")] = None,
     plain: Annotated[bool, typer.Option("--plain", help="No colors and no live status line (NO_COLOR turns colors off too).")] = False,
     fidelity_check: Annotated[Optional[bool], typer.Option("--fidelity/--no-fidelity", help="Measure each answer's fidelity with one teacher-forced target pass (default: on in viasd mode).")] = None,
 ):
     """Chat with the model, keeping the KV caches across turns; /help lists the commands."""
-    config = GenerationConfig(mode=mode, max_new_tokens=max_new_tokens, gamma=gamma, adaptive=adaptive,
-                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=tuple(stop or ()),
-                              thresholds=None)
-    if mode != "viasd":
-        config.validate()  # fail fast, before loading models
     interactive = sys.stdin is not None and sys.stdin.isatty()
     display = Display(fancy=not plain and sys.stdout.isatty())
-    opts = ModelOptions(model=model, draft=draft, revision=revision, dtype=dtype, device=device, quant=quant,
-                        draft_quant=draft_quant, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                        profile=profile)
-    session = build_session(opts, mode=mode, progress=display.note)
-    config.thresholds = thresholds_of(session.profile)
-    config.validate()
+    session = open_session(opts, config, progress=display.note)
     chat = Chat(session, config, system=system, measure_fidelity=fidelity_check, progress=display.note)
-    budget = f", fidelity budget >= {1 - session.profile.budget:.3f}" if mode == "viasd" else ""
-    display.note(f"viasd chat: {session.target.model_id}, draft {session.draft_id}, mode {mode}{budget}; /help for commands")
+    budget = f", fidelity budget >= {1 - session.profile.budget:.3f}" if config.mode == "viasd" else ""
+    display.note(f"viasd chat: {session.target.model_id}, draft {session.draft_id}, mode {config.mode}{budget}; /help for commands")
     display.legend()
 
     for line in read_lines(interactive, display):

@@ -12,12 +12,11 @@ from viasd_core.engine import GenerationConfig
 from viasd_core.errors import UsageError
 from viasd_core.fidelity import fidelity
 from viasd_core.prompts import encode
-from viasd_core.session import ModelOptions, build_session, thresholds_of
+from viasd_core.session import ModelOptions
+from viasd_core.streaming import TextStream, stats_line
 
 from .app import app
-from .options import (DEFAULT_MODEL, AdaptiveOpt, AllowPickleOpt, DeviceOpt, DraftOpt, DraftQuantOpt, DtypeOpt,
-                      GammaOpt, MaxNewOpt, ModeOpt, ModelOpt, ProfileOpt, QuantOpt, RevisionOpt, SeedOpt, StopOpt,
-                      TempOpt, TopKOpt, TopPOpt, TrustOpt, handle_errors)
+from .options import generation_options, handle_errors, model_options, open_session
 
 EXAMPLES = """
 EXAMPLES
@@ -47,68 +46,15 @@ def read_prompts(prompts: list[str], lines: bool) -> list[str]:
     return out
 
 
-class TextStreamer:
-    """Incremental detokenization: prints only text that a later token cannot change."""
-
-    def __init__(self, tokenizer, out):
-        self.tokenizer = tokenizer
-        self.out = out
-        self.tokens: list[int] = []
-        self.printed = 0
-
-    def __call__(self, tokens, tiers):
-        self.tokens.extend(tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
-            return
-        self.out.write(text[self.printed :])
-        self.out.flush()
-        self.printed = len(text)
-
-    def finish(self, final_text: str):
-        if len(final_text) > self.printed:
-            self.out.write(final_text[self.printed :])
-        self.out.write("\n")
-        self.out.flush()
-
-
-def stats_line(result, mode: str) -> str:
-    s = result.stats
-    parts = [f"[{mode}] {s.new_tokens} tokens in {s.time_total:.2f} s ({s.tokens_per_s:.1f} tok/s)"]
-    if mode != "ar":
-        parts.append(f"{s.mean_accepted_length:.2f} tokens/target pass")
-        parts.append(f"acceptance {s.acceptance_rate:.2f}")
-    if mode == "viasd":
-        sh = s.tier_shares
-        parts.append(f"tiers accept {sh['accept']:.2f} / slim {sh['slim']:.2f} / full {sh['full'] + sh['bonus']:.2f}")
-    if s.fidelity is not None:
-        parts.append(f"fidelity {s.fidelity:.3f}")
-    return ", ".join(parts)
-
-
 @app.command(epilog=EXAMPLES)
 @handle_errors
+@generation_options(max_new_tokens=128)
+@model_options
 def generate(
     prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompt(s); none or '-' reads stdin.")] = None,
-    model: ModelOpt = DEFAULT_MODEL,
-    draft: DraftOpt = None,
-    revision: RevisionOpt = None,
-    mode: ModeOpt = "sd",
-    gamma: GammaOpt = 5,
-    adaptive: AdaptiveOpt = True,
-    max_new_tokens: MaxNewOpt = 128,
-    temperature: TempOpt = 0.0,
-    top_k: TopKOpt = 0,
-    top_p: TopPOpt = 1.0,
-    seed: SeedOpt = None,
-    stop: StopOpt = None,
-    dtype: DtypeOpt = None,
-    device: DeviceOpt = None,
-    quant: QuantOpt = "none",
-    draft_quant: DraftQuantOpt = "none",
-    trust_remote_code: TrustOpt = False,
-    allow_pickle: AllowPickleOpt = False,
-    profile: ProfileOpt = None,
+    *,
+    opts: ModelOptions,
+    config: GenerationConfig,
     lines: Annotated[bool, typer.Option("--lines", help="Read one prompt per stdin line.")] = False,
     raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
     system: Annotated[Optional[str], typer.Option("--system", help="System message for the chat template.")] = None,
@@ -117,24 +63,15 @@ def generate(
     fidelity_check: Annotated[Optional[bool], typer.Option("--fidelity/--no-fidelity", help="Measure fidelity with one teacher-forced target pass (default: on in viasd mode).")] = None,
 ):
     """Generate text for each prompt; text (or JSON lines) on stdout, statistics on stderr."""
-    config = GenerationConfig(mode=mode, max_new_tokens=max_new_tokens, gamma=gamma, adaptive=adaptive,
-                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, stop=tuple(stop or ()),
-                              thresholds=None)
-    if mode != "viasd":
-        config.validate()  # fail fast, before loading models
     texts = read_prompts(prompts or [], lines)
-    opts = ModelOptions(model=model, draft=draft, revision=revision, dtype=dtype, device=device, quant=quant,
-                        draft_quant=draft_quant, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle,
-                        profile=profile)
     log = (lambda msg: None) if quiet else (lambda msg: typer.echo(msg, err=True))
-    session = build_session(opts, mode=mode, progress=log)
-    config.thresholds = thresholds_of(session.profile)
-    config.validate()
+    session = open_session(opts, config, progress=log)
+    mode = config.mode
     measure = fidelity_check if fidelity_check is not None else mode == "viasd"
     for i, text in enumerate(texts):
         ids = encode(session.tokenizer, text, raw=raw, system=system)
         session.engine.reset()
-        streamer = None if as_json else TextStreamer(session.tokenizer, sys.stdout)
+        streamer = None if as_json else TextStream(session.tokenizer, sys.stdout)
         result = session.engine.generate(ids, config, on_emit=streamer)
         if measure:
             result.stats.fidelity = fidelity(session.target.model, ids, result.tokens)
@@ -149,4 +86,4 @@ def generate(
             sys.stdout.flush()
         else:
             streamer.finish(result.text)
-        log(stats_line(result, mode))
+        log(stats_line(result.stats, mode))

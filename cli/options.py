@@ -1,16 +1,22 @@
-"""Option definitions shared by the commands, and the error wrapper every command uses."""
+"""What the commands share: option definitions, the model and generation option groups (each
+declared once, passed to a command as one ModelOptions / GenerationConfig), and the one rule that
+turns an error into one line."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from typing import Annotated, Optional
 
 import typer
 
+from viasd_core.engine import GenerationConfig
 from viasd_core.errors import ViasdError
+from viasd_core.loading import EMBEDDED_TARGET
+from viasd_core.session import ModelOptions, Session, build_session, thresholds_of
 
-DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MODEL = EMBEDDED_TARGET
 
 ModelOpt = Annotated[
     str,
@@ -41,17 +47,90 @@ StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop strin
 ProfileOpt = Annotated[Optional[str], typer.Option("--profile", help="Calibration profile file (default: the one saved for this pair).")]
 
 
+def _option_group(options: dict[str, tuple[object, object]], name: str, build):
+    """A decorator that gives a command the `options` (parameter -> (Annotated type, default)) in
+    place of its parameter `name`, which receives `build(**their values)`."""
+
+    def decorate(command):
+        own = inspect.signature(command, eval_str=True)
+        params = []
+        for param in own.parameters.values():
+            if param.name == name:
+                params += [inspect.Parameter(option, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=hint)
+                           for option, (hint, default) in options.items()]
+            else:
+                params.append(param.replace(kind=inspect.Parameter.KEYWORD_ONLY))
+
+        @functools.wraps(command)
+        def wrapper(**kwargs):
+            value = build(**{option: kwargs.pop(option) for option in options})
+            return command(**kwargs, **{name: value})
+
+        wrapper.__signature__ = own.replace(parameters=params)  # what Typer reads
+        wrapper.__annotations__ = {p.name: p.annotation for p in params}
+        return wrapper
+
+    return decorate
+
+
+MODEL_OPTIONS = {
+    "model": (ModelOpt, DEFAULT_MODEL), "draft": (DraftOpt, None), "revision": (RevisionOpt, None),
+    "dtype": (DtypeOpt, None), "device": (DeviceOpt, None), "quant": (QuantOpt, "none"),
+    "draft_quant": (DraftQuantOpt, "none"), "trust_remote_code": (TrustOpt, False),
+    "allow_pickle": (AllowPickleOpt, False), "profile": (ProfileOpt, None),
+}
+
+
+def model_options(command):
+    """Give `command` the model options (--model ... --profile), passed to it as `opts: ModelOptions`."""
+    return _option_group(MODEL_OPTIONS, "opts", ModelOptions)(command)
+
+
+def _generation_config(stop, **values) -> GenerationConfig:
+    config = GenerationConfig(stop=tuple(stop or ()), **values)
+    if config.mode != "viasd":  # viasd needs the profile's thresholds: open_session validates it
+        config.validate()  # fail fast, before loading models
+    return config
+
+
+def generation_options(max_new_tokens: int):
+    """Give a command the generation options (--mode ... --stop), passed to it as `config: GenerationConfig`."""
+    return _option_group(
+        {"mode": (ModeOpt, "sd"), "gamma": (GammaOpt, 5), "adaptive": (AdaptiveOpt, True),
+         "max_new_tokens": (MaxNewOpt, max_new_tokens), "temperature": (TempOpt, 0.0), "top_k": (TopKOpt, 0),
+         "top_p": (TopPOpt, 1.0), "seed": (SeedOpt, None), "stop": (StopOpt, None)},
+        "config", _generation_config,
+    )
+
+
+def open_session(opts: ModelOptions, config: GenerationConfig, progress) -> Session:
+    """The session for `config.mode`; the config then gets the profile's thresholds and is validated."""
+    session = build_session(opts, mode=config.mode, progress=progress)
+    config.thresholds = thresholds_of(session.profile)
+    config.validate()
+    return session
+
+
+def report_error(error: BaseException) -> int:
+    """Print `error` as one line on stderr and return its exit code; with VIASD_DEBUG set, re-raise
+    it instead (the traceback). A ViasdError is its own message; anything else names its type."""
+    if os.environ.get("VIASD_DEBUG"):
+        raise error
+    if isinstance(error, ViasdError):
+        typer.echo(f"Error: {error.message}", err=True)
+        return error.exit_code
+    typer.echo(f"Error: {type(error).__name__}: {error} (set VIASD_DEBUG=1 for the traceback)", err=True)
+    return 1
+
+
 def handle_errors(fn):
-    """Turn a ViasdError into a one-line message on stderr and its exit code (no traceback)."""
+    """Turn a ViasdError raised by a command into its one line and exit code (no traceback)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except ViasdError as e:
-            if os.environ.get("VIASD_DEBUG"):
-                raise
-            typer.echo(f"Error: {e.message}", err=True)
-            raise typer.Exit(e.exit_code)
+            raise typer.Exit(report_error(e))
 
     return wrapper

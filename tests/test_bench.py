@@ -12,7 +12,9 @@ from typer.testing import CliRunner
 from conftest import tiny_model
 from viasd_cli.app import get_app
 from viasd_core import bench as core
+from viasd_core import bench_runners as runners
 from viasd_core import synthetic as syn
+from viasd_core.bench_plots import PLOTS
 
 PROMPTS = [
     {"question_id": 81, "category": "writing", "turns": ["w1 w2 w3 w4 w1 w2 w3"]},
@@ -107,9 +109,10 @@ def test_full_run_files_schema_summary_plots(tiny_dirs, viasd_home, prompt_file,
     assert methods["hf"]["tier_shares"] is None and methods["hf"]["acceptance_rate"] is None
     assert set(methods["sd"]["breakdown"]) == set(core.PHASES)
 
-    for name in core.PLOTS:
+    for name in PLOTS:
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1024, name
+    assert sorted(p.name for p in out.iterdir()) == sorted(["results.jsonl", "summary.json", *PLOTS])  # no temporary files
 
 
 def test_exact_and_viasd_with_a_profile(tiny_dirs, viasd_home, prompt_file, tmp_path):
@@ -180,7 +183,7 @@ def test_reduced_vocab_draft_as_transformers_assistant():
     draft = build_draft(draft_llama_config(target.config, 1), 100, target.get_input_embeddings()).eval()
     draft.viasd_vocab_map = vocab_map
     head = draft.lm_head
-    assistant = core.full_vocab_assistant(draft, target)
+    assistant = runners.full_vocab_assistant(draft, target)
     assert assistant is not draft and draft.lm_head is head and draft.config.vocab_size == 256  # draft untouched
     assert assistant.model is draft.model  # shared decoder, no copy
     ids = torch.tensor([[3, 4, 5, 6]])
@@ -192,19 +195,24 @@ def test_reduced_vocab_draft_as_transformers_assistant():
     others[vocab_map] = False
     assert torch.isinf(full[..., others]).all()
     # Assisted greedy generation with the wrapped draft equals plain greedy generation.
-    plain = core.HFRunner(target, {2}, 12, 0)([5, 9, 11, 5, 9])
-    runner = core.HFRunner(target, {2}, 12, 0, assistant=core._own_generation_config(assistant), gamma=3)
+    assert assistant.generation_config is not draft.generation_config  # transformers adapts it in place
+    plain = runners.HFRunner(target, {2}, 12, 0)([5, 9, 11, 5, 9])
+    runner = runners.HFRunner(target, {2}, 12, 0, assistant=assistant, gamma=3)
     runner.reset()
     assisted = runner([5, 9, 11, 5, 9])
     assert assisted.tokens == plain.tokens and plain.target_passes == len(plain.tokens)
     assert sum(assisted.accepted_lengths) == len(assisted.tokens)
+    # A draft of the target's vocabulary is its own assistant, with a generation config of its own
+    same = tiny_model("llama", n_layers=1, seed=7)
+    config_before = same.generation_config
+    assert runners.full_vocab_assistant(same, target) is same and same.generation_config is not config_before
 
 
 def test_hf_accepted_lengths_from_cache_lengths():
-    assert core.hf_accepted_lengths(5, 4, [0, 5, 6, 7]) == [1, 1, 1, 1]  # greedy: one token per pass
-    assert core.hf_accepted_lengths(5, 6, [0, 7, 8]) == [3, 1, 2]  # assisted: prefill + 2 kept + bonus ...
-    assert core.hf_accepted_lengths(5, 6, [0, None]) == []
-    assert core.hf_accepted_lengths(5, 1, []) == []
+    assert runners.hf_accepted_lengths(5, 4, [0, 5, 6, 7]) == [1, 1, 1, 1]  # greedy: one token per pass
+    assert runners.hf_accepted_lengths(5, 6, [0, 7, 8]) == [3, 1, 2]  # assisted: prefill + 2 kept + bonus ...
+    assert runners.hf_accepted_lengths(5, 6, [0, None]) == []
+    assert runners.hf_accepted_lengths(5, 1, []) == []
     assert core.parse_methods("sd, ar,sd") == ["sd", "ar"] and core.parse_methods(None) == list(core.METHODS)
 
 
@@ -216,10 +224,11 @@ def test_projection_maths_on_hand_made_numbers():
     assert syn.expected_tokens_per_pass(0.8, 4) == pytest.approx(sum(0.8 ** k for k in range(5)))
     with pytest.raises(ValueError):
         syn.expected_tokens_per_pass(1.2, 3)
-    # Flat target cost, no slim, target every step: ALGORITHM.md's E / (1 + g c)
+    # Flat target cost, no slim, target every step: ALGORITHM.md's E / (1 + g c), c = 1 / 10
     e = syn.expected_tokens_per_pass(0.7, 4)
-    assert syn.projected_speedup(0.7, 4, cost_target_1=10.0, cost_draft=1.0) == pytest.approx(e / 1.4)
-    assert syn.simple_speedup(0.7, 4, 0.1) == pytest.approx(e / 1.4)
+    flat = {"draft_step": 1.0, "slim_block": 6.0, "target": {str(t): 10.0 for t in range(1, 6)}}
+    flat_sd = syn.project(flat, 4, {m: syn.Assumption(0.7, "t") for m in syn.PROJECTED_METHODS})["sd"]
+    assert flat_sd["speedup_vs_ar"] == pytest.approx(e / 1.4) and flat_sd["step_s"] == pytest.approx(14.0)
     assert syn.step_time(4, 1.0, 12.0, 6.0, slim_passes=1, full_fraction=0.5) == pytest.approx(4 + 6 + 6)
     costs = {"draft_step": 1.0, "slim_block": 6.0, "target": {"1": 10.0, "2": 10.5, "3": 11.0, "4": 11.5, "5": 12.0}}
     assume = {"sd": syn.Assumption(0.5, "t"), "exact": syn.Assumption(0.5, "t"), "viasd": syn.Assumption(0.5, "t", 0.5)}
@@ -270,3 +279,17 @@ def test_synthetic_cli_is_labelled_a_projection(viasd_home, tmp_path, monkeypatc
     assert big.exit_code == 2 and "--force" in big.stderr and big.stdout == ""
     unknown = run("--synthetic", "gpt-5", "--device", "cpu")
     assert unknown.exit_code == 2 and "unknown --synthetic shape" in unknown.stderr
+
+
+def test_eos_and_pad_ids_one_rule():
+    from types import SimpleNamespace
+
+    from viasd_core.loading import eos_ids, pad_token_id
+
+    def loaded(model_eos, tok_eos, tok_pad):
+        model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=model_eos))
+        return SimpleNamespace(model=model, tokenizer=SimpleNamespace(eos_token_id=tok_eos, pad_token_id=tok_pad))
+
+    assert eos_ids(loaded([7, 5], 9, None)) == {5, 7, 9} and pad_token_id(loaded([7, 5], 9, None)) == 5
+    assert eos_ids(loaded(3, None, 0)) == {3} and pad_token_id(loaded(3, None, 0)) == 0  # pad 0 is a pad
+    assert eos_ids(loaded(None, None, None)) == set() and pad_token_id(loaded(None, None, None)) == 0

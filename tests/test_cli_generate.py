@@ -7,6 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
+from viasd_core.errors import ViasdError
 
 PROMPT = "w1 w2 w3 w4 w5 w6"
 
@@ -86,9 +87,71 @@ def test_bad_models_and_prompts(tiny_dirs, viasd_home, tmp_path):
     shutil.copytree(tiny_dirs["target"], pickle_only)
     (pickle_only / "model.safetensors").rename(pickle_only / "pytorch_model.bin")
     check(run(PROMPT, "-m", pickle_only), 1, "--allow-pickle")
-    check(run(PROMPT, "-m", tiny_dirs["target"], "-d", tiny_dirs["other"]), 1, "different tokenizers")
+    # one vocabulary check (shared with `viasd pull`): it names both models and a differing token
+    check(run(PROMPT, "-m", tiny_dirs["target"], "-d", tiny_dirs["other"]), 1,
+          f"target {tiny_dirs['target']} and draft {tiny_dirs['other']} use different tokenizers (256 vs 256 tokens, 496 differ, e.g. 'w0': id 8 vs None)")
+    # one hub-id rule (shared with `viasd pull`): a malformed id is no id, so the model is not found
+    check(run(PROMPT, "-m", "org/name with spaces"), 1, "model 'org/name with spaces' not found")
     check(run("   ", "-m", tiny_dirs["target"]), 2, "prompt is empty")
     long_prompt = " ".join(["w1"] * 600)  # the tiny models have 512 positions
     check(run(long_prompt, "-m", tiny_dirs["target"]), 1, "shorten the prompt")
     check(run(PROMPT, "-m", tiny_dirs["target"], "--mode", "viasd"), 1, "run `viasd calibrate")
     check(run(PROMPT, "-m", tiny_dirs["target"], "--dtype", "int3"), 2, "unknown dtype")
+
+
+class ScriptedTokenizer:
+    """decode() returns a scripted text per prefix length: lets a test shrink the text or leave a
+    multi-byte character half-decoded, as real tokenizers do."""
+
+    def __init__(self, texts):
+        self.texts = texts
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.texts[len(ids) - 1]
+
+
+def test_text_stream_releases_only_settled_text():
+    import io
+
+    from viasd_core.streaming import TextStream
+
+    out = io.StringIO()
+    stream = TextStream(ScriptedTokenizer(["ab", "a", "abc\ufffd", "abcé", "abcé!"]), out)
+    stream([1], ["full"])
+    stream([2], ["accept"])  # the text shrank: nothing is taken back, nothing printed twice
+    assert out.getvalue() == "ab"
+    stream([3], ["accept"])  # a half-decoded character is held back
+    assert out.getvalue() == "ab"
+    stream([4, 5], ["slim", "bonus"])
+    assert out.getvalue() == "abcé!"
+    stream.finish("abcé! the end")
+    assert out.getvalue() == "abcé! the end\n"
+
+
+def test_main_reports_any_error_in_one_line(tiny_dirs, viasd_home, monkeypatch, capsys):
+    import sys
+
+    import viasd_cli.app as cli_app
+    import viasd_cli.generate
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(viasd_cli.generate, "open_session", broken)
+    monkeypatch.setattr(sys, "argv", ["viasd", "generate", PROMPT, "-m", str(tiny_dirs["target"])])
+    monkeypatch.delenv("VIASD_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as info:
+        cli_app.main()
+    assert info.value.code == 1
+    assert capsys.readouterr().err == "Error: RuntimeError: boom (set VIASD_DEBUG=1 for the traceback)\n"
+    monkeypatch.setattr(sys, "argv", ["viasd", "generate", PROMPT, "--gamma", "0"])
+    with pytest.raises(SystemExit) as info:  # a ViasdError raised before any model is loaded
+        cli_app.main()
+    assert info.value.code == 2 and capsys.readouterr().err == "Error: gamma must be at least 1 (got 0): pass --gamma 1 or more\n"
+    monkeypatch.setenv("VIASD_DEBUG", "1")  # the same rule for both: the traceback instead of the line
+    monkeypatch.setattr(sys, "argv", ["viasd", "generate", PROMPT, "-m", str(tiny_dirs["target"])])
+    with pytest.raises(RuntimeError, match="boom"):
+        cli_app.main()
+    monkeypatch.setattr(sys, "argv", ["viasd", "generate", PROMPT, "--gamma", "0"])
+    with pytest.raises(ViasdError, match="gamma must be at least 1"):
+        cli_app.main()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .stats import TIERS
@@ -75,9 +76,15 @@ def _legend_or_note(ax, shown: list[str]) -> None:
 
 
 def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    """Write the figure atomically (a temporary file beside it, then a rename) and close it."""
     import matplotlib.pyplot as plt
 
-    plt.close(fig)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    try:
+        fig.savefig(tmp, dpi=100)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        plt.close(fig)
     return path

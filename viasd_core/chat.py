@@ -26,6 +26,7 @@ from .fidelity import fidelity
 from .prompts import encode
 from .session import Session, load_drafter, thresholds_of
 from .stats import TIERS, RunStats
+from .streaming import stats_line
 
 SAVE_VERSION = 1
 
@@ -400,16 +401,7 @@ class Chat:
 # ---------------------------------------------------------------------- text
 def turn_summary(turn: Turn) -> str:
     """One line after each answer."""
-    s = turn.stats
-    parts = [f"[{turn.mode}] {turn.new_tokens} tokens in {s.time_total:.2f} s ({s.tokens_per_s:.1f} tok/s)"]
-    if turn.mode != "ar":
-        parts.append(f"{s.mean_accepted_length:.2f} tokens/target pass")
-        parts.append(f"acceptance {s.acceptance_rate:.2f}")
-    if turn.mode == "viasd":
-        sh = s.tier_shares
-        parts.append(f"tiers accept {sh['accept']:.2f} / slim {sh['slim']:.2f} / full {sh['full'] + sh['bonus']:.2f}")
-    if turn.fidelity is not None:
-        parts.append(f"fidelity {turn.fidelity:.3f}")
+    parts = [stats_line(turn.stats, turn.mode)]
     parts.append(f"prefill {turn.processed_tokens} processed, {turn.reused_tokens} from cache")
     if turn.mismatch_tokens and turn.reused_tokens:
         parts.append(f"{turn.mismatch_tokens} cached tokens re-encoded differently")
@@ -450,30 +442,3 @@ def stats_rows(chat: Chat) -> list[list[str]]:
         rows.append(row("all", "/".join(modes), sum(t.prompt_tokens for t in chat.turns), reused, processed,
                         chat.totals(), ""))
     return rows
-
-
-class TieredText:
-    """Incremental detokenization that keeps each token's tier: feed() returns (text, tier)
-    chunks that a later token cannot change; finish() returns what is left of the final text."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.printed = 0
-
-    def feed(self, tokens: list[int], tiers: list[str]) -> list[tuple[str, str]]:
-        out = []
-        for token, tier in zip(tokens, tiers):
-            self.tokens.append(token)
-            text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-            if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for more
-                continue
-            if len(text) > self.printed:
-                out.append((text[self.printed :], tier))
-            self.printed = max(self.printed, len(text))
-        return out
-
-    def finish(self, final_text: str) -> str:
-        rest = final_text[self.printed :] if len(final_text) > self.printed else ""
-        self.printed = max(self.printed, len(final_text))
-        return rest

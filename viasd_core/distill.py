@@ -1,4 +1,4 @@
-"""Distil a small draft from a Llama-family target, trained on the target's own greedy outputs.
+"""Distil a small draft from a target whose layers fit a Llama draft, trained on the target's own outputs.
 
 Pipeline (each step a function, so `viasd distill`, the benchmark script and the tests share it):
 
@@ -11,6 +11,9 @@ Pipeline (each step a function, so `viasd distill`, the benchmark script and the
 4. `train_draft`     cross-entropy on the target's argmax labels (over the Vd draft ids).
 5. `evaluate_agreement` / `measure_cost`  top-1 agreement (teacher-forced) and decode cost ratio.
 
+`DistillConfig` holds the recipe's hyper-parameters (their defaults made the shipped draft) and
+`run_distill` runs the whole recipe: what `viasd distill` does.
+
 Seeds are fixed; runs are reproducible for a given thread count.
 """
 
@@ -21,14 +24,66 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from viasd_core.draft_model import build_draft, draft_llama_config
+from viasd_core.draft_model import build_draft, draft_llama_config, save_draft
+from viasd_core.errors import UsageError, ViasdError
+from viasd_core.loading import Loaded, eos_ids, load_model, pad_token_id
+from viasd_core.model import model_shape
+from viasd_core.prompts import encode, load_prompts
 
 IGNORE = -100
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "distill_prompts.jsonl"
+
+
+@dataclass
+class DistillConfig:
+    """The `viasd distill` recipe. The defaults are the values that made the shipped draft."""
+
+    layers: int = 2  # decoder layers of the draft, copied from the target's first ones
+    draft_vocab: int = 4096  # output vocabulary: the ids most frequent among the target's labels
+    steps: int = 500
+    batch_size: int = 8  # sequences per training step
+    lr: float = 1e-3  # peak (AdamW, linear warm-up, cosine to 0.1x)
+    warmup: int = 30
+    weight_decay: float = 0.1
+    time_limit_s: Optional[float] = None  # stop training after this long (the cosine follows time)
+    bf16: bool = True  # bfloat16 autocast, fp32 master weights
+    max_new_tokens: int = 128  # tokens the target generates per prompt
+    generate_batch_size: int = 32  # prompts per batched generation
+    sampled_every: int = 2  # also a sampled continuation for every k-th prompt from the 2nd; 0 = greedy only
+    sampled_temperature: float = 0.8
+    held_out_every: int = 20  # prompts with index % this == 0 are held out (greedy only) for early stopping
+    eval_every: int = 50  # steps between held-out evaluations (and loss log lines)
+    prompts: Optional[Path] = None  # JSONL or plain text; None = DEFAULT_PROMPTS
+    eval_prompts: Optional[Path] = None  # measure top-1 agreement on these after training
+    eval_limit: int = 80  # the first N evaluation prompts
+    seed: int = 0  # sampling, initialisation and batch order
+    threads: int = 1  # torch.set_num_threads
+
+    def validate(self) -> None:
+        """Raise a one-line UsageError naming the option (or field) whose value the recipe cannot use."""
+        at_least = {"--layers": (self.layers, 1), "--draft-vocab": (self.draft_vocab, 16), "--steps": (self.steps, 1),
+                    "--batch-size": (self.batch_size, 1), "--max-new-tokens": (self.max_new_tokens, 1),
+                    "--sampled-every": (self.sampled_every, 0), "--eval-limit": (self.eval_limit, 1),
+                    "--threads": (self.threads, 1), "warmup": (self.warmup, 0), "weight_decay": (self.weight_decay, 0),
+                    "generate_batch_size": (self.generate_batch_size, 1), "held_out_every": (self.held_out_every, 1),
+                    "eval_every": (self.eval_every, 1)}
+        for name, (value, low) in at_least.items():
+            if not value >= low:
+                raise UsageError(f"{name} must be at least {low} (got {value})")
+        positive = {"--lr": self.lr, "--time-limit": self.time_limit_s, "sampled_temperature": self.sampled_temperature}
+        for name, value in positive.items():
+            if value is not None and not value > 0:
+                raise UsageError(f"{name} must be > 0 (got {value})")
+
+    def is_held_out(self, prompt_index: int) -> bool:
+        """The held-out rule: these prompts (greedy continuation only) pick the best step."""
+        return prompt_index % self.held_out_every == 0
 
 
 @dataclass
@@ -43,30 +98,6 @@ class Record:
 
     def to_dict(self) -> dict:
         return {"input_ids": self.input_ids, "prompt_len": self.prompt_len, "labels": self.labels, "category": self.category}
-
-
-def chat_ids(tokenizer, prompt: str, max_prompt_tokens: int = 384) -> list[int]:
-    """Token ids of `prompt` as one user turn in the tokenizer's chat template (plain text if it has none)."""
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-    else:
-        ids = tokenizer(prompt)["input_ids"]
-    ids = list(ids)
-    return ids[-max_prompt_tokens:]
-
-
-def _eos_ids(target, tokenizer) -> set[int]:
-    eos = set()
-    for v in (getattr(target.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(v, int):
-            eos.add(v)
-        elif v:
-            eos.update(int(x) for x in v)
-    return eos
 
 
 @torch.no_grad()
@@ -119,8 +150,7 @@ def generate_batch(
 
 
 def build_dataset(
-    target,
-    tokenizer,
+    target: Loaded,
     prompts: Sequence[str],
     max_new_tokens: int = 128,
     batch_size: int = 16,
@@ -130,19 +160,19 @@ def build_dataset(
     max_prompt_tokens: int = 384,
     progress: Optional[Callable[[int, int], None]] = None,
 ) -> list[Record]:
-    """Generate with the target on chat-templated `prompts` (greedy, or sampled at `temperature`).
+    """Generate with the target on chat-templated `prompts` (greedy, or sampled at `temperature`);
+    a prompt longer than `max_prompt_tokens` keeps its end.
 
     Prompts are processed in length-sorted batches (less padding); the result keeps prompt order.
     """
-    eos = _eos_ids(target, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos) if eos else 0
-    ids = [chat_ids(tokenizer, p, max_prompt_tokens) for p in prompts]
+    eos = eos_ids(target)
+    ids = [encode(target.tokenizer, p)[-max_prompt_tokens:] for p in prompts]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     gen = torch.Generator().manual_seed(seed)
     records: list[Optional[Record]] = [None] * len(ids)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
-        outs = generate_batch(target, [ids[i] for i in chunk], max_new_tokens, eos, pad, temperature, gen)
+        outs = generate_batch(target.model, [ids[i] for i in chunk], max_new_tokens, eos, pad_token_id(target), temperature, gen)
         for i, (toks, labs) in zip(chunk, outs):
             records[i] = Record(
                 input_ids=torch.tensor(ids[i] + toks, dtype=torch.long),
@@ -215,6 +245,24 @@ def _pruned_layer_state(layer, keep: int) -> dict[str, torch.Tensor]:
     return state
 
 
+def check_target(target) -> None:
+    """Raise a one-line ViasdError unless a draft can be distilled from `target`: a supported family
+    (model.SUPPORTED_FAMILIES) whose decoder layers hold exactly the weights of a Llama layer."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    family = model_shape(target).family
+    with torch.device("meta"):
+        llama_keys = set(LlamaDecoderLayer(LlamaConfig(**draft_llama_config(target.config, 1)), 0).state_dict())
+    target_keys = set(target.model.layers[0].state_dict())
+    if target_keys != llama_keys:
+        extra, missing = sorted(target_keys - llama_keys), sorted(llama_keys - target_keys)
+        raise ViasdError(
+            f"distill copies the target's layers into a Llama draft, and {family} layers do not fit "
+            f"(extra weights {extra[:3]}, missing {missing[:3]}): use a draft model of the family, or --draft ngram"
+        )
+
+
 def init_draft(
     target,
     num_layers: int,
@@ -228,6 +276,7 @@ def init_draft(
     layer_ids = list(layer_ids) if layer_ids is not None else default_layer_ids(target.config.num_hidden_layers, num_layers)
     if len(layer_ids) != num_layers:
         raise ValueError(f"layer_ids has {len(layer_ids)} entries for {num_layers} layers")
+    check_target(target)
     cfg = draft_llama_config(target.config, num_layers)
     if intermediate_size:
         cfg["intermediate_size"] = min(int(intermediate_size), target.config.intermediate_size)
@@ -371,27 +420,13 @@ def train_draft(
 
 
 @torch.no_grad()
-def evaluate_agreement(
-    draft,
-    target=None,
-    tokenizer=None,
-    prompts: Optional[Sequence[str]] = None,
-    max_new_tokens: int = 128,
-    batch_size: int = 16,
-    records: Optional[Sequence[Record]] = None,
-    vocab_map: Optional[torch.Tensor] = None,
-) -> dict:
-    """Teacher-forced top-1 agreement on the target's greedy continuations.
+def evaluate_agreement(draft, records: Sequence[Record], vocab_map: Optional[torch.Tensor] = None) -> dict:
+    """Teacher-forced top-1 agreement on the target's continuations (`records` from `build_dataset`).
 
-    For each prompt, the target's greedy continuation is generated (or `records` from
-    `build_dataset(temperature=0)` are reused); the draft runs once over prompt + continuation and
-    its argmax, mapped through vocab_map, is compared with the target's argmax at every generated
-    position. Returns {"agreement", "tokens", "prompts", "by_category"}.
+    The draft runs once over prompt + continuation and its argmax, mapped through vocab_map, is
+    compared with the target's argmax at every generated position.
+    Returns {"agreement", "tokens", "prompts", "by_category"}.
     """
-    if records is None:
-        if target is None or tokenizer is None or prompts is None:
-            raise ValueError("evaluate_agreement needs records, or target + tokenizer + prompts")
-        records = build_dataset(target, tokenizer, prompts, max_new_tokens, batch_size)
     vocab_map = vocab_map if vocab_map is not None else draft.viasd_vocab_map
     device = draft.get_input_embeddings().weight.device
     vocab_map = vocab_map.to(device)
@@ -447,3 +482,73 @@ def measure_cost(draft, target, prompt_len: int = 64, steps: int = 100, warmup: 
         draft_ms += _decode_times_ms(draft, prompt, steps, warmup)
     d, t = statistics.median(draft_ms), statistics.median(target_ms)
     return {"draft_ms": d, "target_ms": t, "ratio": d / t, "steps": len(draft_ms), "threads": torch.get_num_threads()}
+
+
+# ---------------------------------------------------------------------- the recipe
+def run_distill(target_ref: str, out: str | Path, config: DistillConfig, device: Optional[str] = None,
+                trust_remote_code: bool = False, log: Callable[[str], None] = lambda msg: None) -> Path:
+    """`viasd distill`: load the target (fp32), generate its data (greedy for every prompt, sampled
+    for every `sampled_every`-th; the held-out prompts, greedy only, choose the best step), train
+    the draft, measure its agreement on `eval_prompts` if given, and save it to `out` (atomically).
+    Returns the draft folder. Every input is checked before the target is loaded."""
+    config.validate()
+    prompts_path = Path(config.prompts) if config.prompts is not None else DEFAULT_PROMPTS
+    prompts = load_prompts(prompts_path)
+    evaluation = load_prompts(config.eval_prompts, limit=config.eval_limit) if config.eval_prompts is not None else None
+    if all(config.is_held_out(i) for i in range(len(prompts))):
+        raise UsageError(f"{prompts_path} has {len(prompts)} prompt(s), all held out for early stopping: give more prompts")
+    torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    target = load_model(target_ref, dtype="float32", device=device, trust_remote_code=trust_remote_code)
+    check_target(target.model)
+    tok = target.tokenizer
+
+    def generate(split: str, indices: list[int], temperature: float) -> list[Record]:
+        return build_dataset(target, [prompts[i].text for i in indices], config.max_new_tokens,
+                             batch_size=config.generate_batch_size, temperature=temperature, seed=config.seed,
+                             categories=[prompts[i].category for i in indices],
+                             progress=lambda i, n: log(f"{split}: {i}/{n} prompts"))
+
+    t0 = time.perf_counter()
+    greedy = generate("greedy", list(range(len(prompts))), 0.0)
+    records = [r for i, r in enumerate(greedy) if not config.is_held_out(i)]
+    held = [r for i, r in enumerate(greedy) if config.is_held_out(i) and r.labels.numel() > 0]
+    if config.sampled_every > 0:
+        k = config.sampled_every
+        picked = [i for i in range(len(prompts)) if i % k == 1 % k and not config.is_held_out(i)]
+        records += generate("sampled", picked, config.sampled_temperature)
+    gen_s = time.perf_counter() - t0
+    vocab_map = choose_vocab(records, config.draft_vocab, always=[tok.eos_token_id] if tok.eos_token_id is not None else [])
+    n_labels = sum(r.labels.numel() for r in records)
+    log(f"{len(records)} sequences, {n_labels} labels in {gen_s:.0f}s; draft vocab covers {vocab_coverage(records, vocab_map):.3f} of them")
+
+    draft = init_draft(target.model, config.layers, vocab_map)
+    t1 = time.perf_counter()
+    eval_fn = (lambda d: evaluate_agreement(d, held, vocab_map)["agreement"]) if held else None
+    losses = train_draft(draft, records, vocab_map, steps=config.steps, batch_size=config.batch_size, lr=config.lr,
+                         warmup=config.warmup, weight_decay=config.weight_decay, seed=config.seed,
+                         pad_id=pad_token_id(target), log_every=config.eval_every, log=log,
+                         time_limit_s=config.time_limit_s, bf16_autocast=config.bf16, eval_fn=eval_fn,
+                         eval_every=config.eval_every)
+    train_log = draft.viasd_train_log
+    info = {
+        "recipe": "viasd distill", "prompts": str(prompts_path), "records": len(records), "label_tokens": n_labels,
+        "max_new_tokens": config.max_new_tokens, "sampled_every": config.sampled_every,
+        "sampled_temperature": config.sampled_temperature if config.sampled_every else None,
+        "layers_from_target": default_layer_ids(target.model.config.num_hidden_layers, config.layers),
+        "steps": len(losses), "best_step": train_log["best_step"],
+        "held_out": {"sequences": len(held), "rule": f"prompt index % {config.held_out_every} == 0",
+                     "evals": train_log["evals"]},
+        "warmup": config.warmup, "weight_decay": config.weight_decay, "batch_size": config.batch_size, "lr": config.lr,
+        "bf16_autocast": config.bf16, "time_limit_s": config.time_limit_s, "seed": config.seed, "threads": config.threads,
+        "generate_wall_s": round(gen_s, 1), "train_wall_s": round(time.perf_counter() - t1, 1),
+        "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
+        "loss": "cross-entropy on the target's argmax labels over the draft vocabulary",
+    }
+    if evaluation is not None:
+        records_eval = build_dataset(target, [p.text for p in evaluation], config.max_new_tokens,
+                                     categories=[p.category for p in evaluation])
+        scores = evaluate_agreement(draft, records_eval)
+        info["eval"] = {k: v for k, v in scores.items() if k != "by_category"} | {"file": str(config.eval_prompts)}
+        log(f"top-1 agreement {scores['agreement']:.3f} on {scores['prompts']} prompts")
+    return save_draft(out, draft, vocab_map, tok, target=str(target.model_id).replace("/", "--"), training=info)

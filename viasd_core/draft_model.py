@@ -26,12 +26,12 @@ import torch
 from torch import nn
 
 from viasd_core.errors import ViasdError
+from viasd_core.loading import EMBEDDED_TARGET
 
 FORMAT = "viasd-draft"
 VERSION = 1
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
-EMBEDDED_TARGET = "smollm2-135m"
 
 
 def embedded_draft_dir(target: str = EMBEDDED_TARGET) -> Path:

@@ -116,15 +116,18 @@ def _pull_hint(repo_id: str, revision: str | None) -> str:
 # The local cache
 
 
+def _well_formed(repo_id: str) -> bool:
+    """The hub's id syntax: `org/name`, letters, digits, `_.-`, no `..`, no trailing `.` or `-`."""
+    return bool(_REPO_ID.match(repo_id)) and ".." not in repo_id and not repo_id.endswith((".", "-"))
+
+
 def is_repo_id(ref: str) -> bool:
-    """True when `ref` looks like a hub id (`org/name`) and is not an existing local path."""
-    if not _REPO_ID.match(ref) or ".." in ref or ref.endswith((".", "-")):
-        return False
-    return not Path(ref).expanduser().exists()
+    """True when `ref` is a well-formed hub id (`org/name`) and not an existing local path."""
+    return _well_formed(ref) and not Path(ref).expanduser().exists()
 
 
 def _check_repo_id(repo_id: str) -> None:
-    if not _REPO_ID.match(repo_id) or ".." in repo_id:
+    if not _well_formed(repo_id):
         raise UsageError(f"{repo_id!r} is not a hub model id; use the form org/name, e.g. Qwen/Qwen2.5-0.5B-Instruct")
 
 
@@ -525,23 +528,30 @@ def pull(repo_id: str, revision: str | None = None, progress: bool = True) -> Pa
 # Pairs
 
 
+SAME_FAMILY_FIX = "pick a draft from the same model family (see `viasd models`)"
+
+
 def check_same_tokenizer(
     target_path: str | Path,
     draft_path: str | Path,
     target_name: str | None = None,
     draft_name: str | None = None,
 ) -> None:
-    """Raise a ViasdError naming both models when their tokenizers' vocabularies differ.
+    """Raise a ViasdError naming both models when the tokenizers saved in two folders differ."""
+    target_name = target_name or str(target_path)
+    draft_name = draft_name or str(draft_path)
+    check_vocabularies(_load_vocab(target_path, target_name), _load_vocab(draft_path, draft_name), target_name, draft_name)
+
+
+def check_vocabularies(target_vocab: dict[str, int], draft_vocab: dict[str, int], target_name: str, draft_name: str,
+                       fix: str = SAME_FAMILY_FIX) -> None:
+    """Raise a ViasdError naming both models (and `fix`) when two vocabularies (token -> id) differ.
 
     Speculative decoding compares token ids, so target and draft must map every token to the
     same id. Only the tokenizers are compared: a model whose embedding matrix has padding rows
     beyond the tokenizer (config vocab_size larger, like Qwen2.5-7B's 152064 for 151665 tokens)
     is fine.
     """
-    target_name = target_name or str(target_path)
-    draft_name = draft_name or str(draft_path)
-    target_vocab = _load_vocab(target_path, target_name)
-    draft_vocab = _load_vocab(draft_path, draft_name)
     if target_vocab == draft_vocab:
         return
     differing = sorted(
@@ -552,8 +562,7 @@ def check_same_tokenizer(
     raise ViasdError(
         f"target {target_name} and draft {draft_name} use different tokenizers "
         f"({len(target_vocab)} vs {len(draft_vocab)} tokens, {len(differing)} differ, e.g. {example!r}: "
-        f"id {target_vocab.get(example)} vs {draft_vocab.get(example)}); "
-        "pick a draft from the same model family (see `viasd models`)"
+        f"id {target_vocab.get(example)} vs {draft_vocab.get(example)}); {fix}"
     )
 
 

@@ -41,6 +41,29 @@ class Loaded:
     quant: str = "none"
 
 
+def eos_ids(loaded: Loaded) -> set[int]:
+    """The token ids that end generation: the model's generation config's EOS id(s) and the tokenizer's."""
+    ids: set[int] = set()
+    eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(e) for e in eos)
+    tok_eos = getattr(loaded.tokenizer, "eos_token_id", None)
+    if tok_eos is not None:
+        ids.add(int(tok_eos))
+    return ids
+
+
+def pad_token_id(loaded: Loaded) -> int:
+    """The id to pad batches with: the tokenizer's pad token, else the smallest EOS id, else 0."""
+    pad = getattr(loaded.tokenizer, "pad_token_id", None)
+    if pad is not None:
+        return int(pad)
+    eos = eos_ids(loaded)
+    return min(eos) if eos else 0
+
+
 def resolve_device(device: str | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -143,16 +166,11 @@ def resolve_ref(ref: str, revision: str | None = None, progress=None) -> tuple[P
         if not local.is_dir():
             raise ViasdError(f"model path '{ref}' is a file: give the folder that holds config.json and the weights")
         return local.resolve(), local.resolve().name
-    if _looks_like_repo_id(ref):
-        from .hub import resolve_local
+    from .hub import is_repo_id, resolve_local
 
+    if is_repo_id(ref):
         return Path(resolve_local(ref, revision)), ref
     raise ViasdError(f"model '{ref}' not found: give an existing folder, a hub id (org/name) pulled with `viasd pull`, or 'smollm2-135m'")
-
-
-def _looks_like_repo_id(ref: str) -> bool:
-    parts = ref.split("/")
-    return len(parts) == 2 and all(parts) and not ref.startswith((".", "/", "~"))
 
 
 def _check_weights(folder: Path, allow_pickle: bool) -> bool:
@@ -231,8 +249,7 @@ def check_same_vocab(target: Loaded, draft: Loaded) -> None:
     """Draft and target must share a tokenizer (padded embedding rows are fine)."""
     if draft.tokenizer is None or target.tokenizer is None:
         return
-    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
-        raise ViasdError(
-            f"draft '{draft.ref}' and target '{target.ref}' use different tokenizers: pick a draft from the target's family "
-            "(see `viasd models`) or use --draft ngram"
-        )
+    from .hub import SAME_FAMILY_FIX, check_vocabularies
+
+    check_vocabularies(target.tokenizer.get_vocab(), draft.tokenizer.get_vocab(), target.ref, draft.ref,
+                       fix=f"{SAME_FAMILY_FIX} or use --draft ngram")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from .drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from .engine import Engine
 from .errors import UsageError
-from .loading import EMBEDDED_TARGET, Loaded, check_same_vocab, load_model
+from .loading import EMBEDDED_TARGET, Loaded, check_same_vocab, eos_ids, load_model
 from .model import FastModel
 from .profile import Profile, find_profile
 from .router import Thresholds
@@ -110,20 +110,6 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
         slim = FastModel(target.model, layer_ids=profile.layer_ids, max_len=512, name="slim")
     engine = Engine(target_fast, target.tokenizer, drafter=drafter, slim=slim, eos_token_ids=eos_ids(target))
     return Session(engine, target, draft_id, draft, profile, opts)
-
-
-def eos_ids(loaded: Loaded) -> set[int]:
-    ids: set[int] = set()
-    gen_cfg = getattr(loaded.model, "generation_config", None)
-    eos = getattr(gen_cfg, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif eos:
-        ids.update(int(e) for e in eos)
-    tok_eos = getattr(loaded.tokenizer, "eos_token_id", None)
-    if tok_eos is not None:
-        ids.add(int(tok_eos))
-    return ids
 
 
 def thresholds_of(profile: Profile | None) -> Thresholds | None:

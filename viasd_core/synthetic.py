@@ -94,22 +94,6 @@ def step_time(gamma: int, cost_draft: float, cost_target_block: float, cost_slim
     return gamma * cost_draft + slim_passes * cost_slim_block + full_fraction * cost_target_block
 
 
-def projected_speedup(acceptance: float, gamma: int, cost_target_1: float, cost_draft: float,
-                      cost_target_block: float | None = None, cost_slim_block: float = 0.0,
-                      slim_passes: float = 0.0, full_fraction: float = 1.0) -> float:
-    """Speedup over plain decoding (one target pass of one token per token)."""
-    if cost_target_1 <= 0:
-        raise ValueError("cost_target_1 must be > 0")
-    block = cost_target_1 if cost_target_block is None else cost_target_block
-    t = step_time(gamma, cost_draft, block, cost_slim_block, slim_passes, full_fraction)
-    return expected_tokens_per_pass(acceptance, gamma) * cost_target_1 / t
-
-
-def simple_speedup(acceptance: float, gamma: int, cost_ratio: float) -> float:
-    """ALGORITHM.md section 1: (1 - a^(g+1)) / (1 - a) / (1 + g * c)."""
-    return expected_tokens_per_pass(acceptance, gamma) / (1.0 + gamma * cost_ratio)
-
-
 def slim_layer_ids(n_layers: int, skip_ratio: float = DEFAULT_SKIP_RATIO) -> list[int]:
     """Layers a slim verifier keeps: first and last always, `skip_ratio` of the rest skipped evenly."""
     if n_layers < 1:
@@ -255,7 +239,6 @@ class SyntheticPlan:
     reps: int = field(default_factory=lambda: DEFAULT_REPS)
     force: bool = False
     acceptance_from: str | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def check_plan(plan: SyntheticPlan) -> None:
