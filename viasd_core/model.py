@@ -97,6 +97,7 @@ class FastModel:
         self.min_pass = 2 if getattr(hf_model, "hf_quantizer", None) is not None else 1
         self.max_len = 0
         self.seen = 0
+        self.vocab_limit: int | None = None  # logits at columns >= vocab_limit are -inf (None: no mask)
         self.allocate(max_len)
 
     # ------------------------------------------------------------------ set-up
@@ -188,7 +189,10 @@ class FastModel:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         self.seen = end
         h = self.norm(x[0, T - n_logits :])
-        return self.lm_head(h).float()
+        logits = self.lm_head(h).float()
+        if self.vocab_limit is not None:
+            logits[:, self.vocab_limit :] = float("-inf")
+        return logits
 
     def _mask(self, start: int, end: int, window: int | None) -> torch.Tensor | None:
         """Boolean attention mask [T, end] (True = attend), or None when plain causal suffices."""

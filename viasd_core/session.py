@@ -89,6 +89,9 @@ def load_drafter(opts: ModelOptions, target: Loaded, target_fast: FastModel, pro
                        allow_pickle=opts.allow_pickle, quant=opts.draft_quant, progress=progress)
     check_same_vocab(target, draft)
     fast = FastModel(draft.model, max_len=target_fast.max_len, name="draft")
+    # The target must never emit an id the draft cannot read, nor the draft propose one the target cannot.
+    cap_vocab(target_fast, token_rows(draft.model))
+    cap_vocab(fast, emittable(target_fast))
     return ModelDrafter(fast, vocab), draft.model_id, draft
 
 
@@ -97,6 +100,8 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
                         trust_remote_code=opts.trust_remote_code, allow_pickle=opts.allow_pickle,
                         quant=opts.quant, progress=progress)
     target_fast = FastModel(target.model, max_len=512, name="target")
+    cap_vocab(target_fast, token_rows(target.model))
+    cap_vocab(target_fast, tokenizer_size(target.tokenizer))
     drafter, draft_id, draft = (None, "none", None)
     if mode != "ar" or opts.draft not in (None, "auto"):
         drafter, draft_id, draft = load_drafter(opts, target, target_fast, progress)
@@ -107,9 +112,46 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
     if need_profile:
         profile = find_profile(target.model_id, draft_id, opts.quant, target_fast.device.type,
                                target_fast.shape.n_layers, explicit=opts.profile)
-        slim = FastModel(target.model, layer_ids=profile.layer_ids, max_len=512, name="slim")
+        slim = slim_verifier(target_fast, profile.layer_ids)
     engine = Engine(target_fast, target.tokenizer, drafter=drafter, slim=slim, eos_token_ids=eos_ids(target))
     return Session(engine, target, draft_id, draft, profile, opts)
+
+
+# ---------------------------------------------------------------------- vocabulary rows
+# Embedding row counts need not match the tokenizer: Qwen2.5-7B has 152064 rows, its 0.5B draft
+# 151936, their tokenizer 151665 tokens. The rows past the tokenizer are padding; an id there is
+# no token, and one past the draft's rows crashes the draft (IndexError; a device assert on CUDA).
+# So every model of a session has its logits masked (FastModel.vocab_limit) below the smallest
+# row count in play: it can then never emit such an id.
+def token_rows(hf_model) -> int:
+    """Token ids a model can both read and score: min(input embedding rows, lm_head rows)."""
+    return min(hf_model.get_input_embeddings().num_embeddings, hf_model.get_output_embeddings().weight.shape[0])
+
+
+def tokenizer_size(tokenizer) -> int | None:
+    """One past the largest token id of the tokenizer (len() unless its ids have gaps); None without one."""
+    if tokenizer is None:
+        return None
+    ids = tokenizer.get_vocab().values()
+    return max(len(tokenizer), max(ids) + 1 if ids else 0)
+
+
+def emittable(fast: FastModel) -> int:
+    """The number of leading ids `fast` may emit (its logit width when unmasked)."""
+    return fast.shape.vocab_size if fast.vocab_limit is None else fast.vocab_limit
+
+
+def cap_vocab(fast: FastModel, limit: int | None) -> None:
+    """Mask `fast`'s logits from id `limit` on, unless it is already masked as low or has no such id."""
+    if limit is not None and limit < emittable(fast):
+        fast.vocab_limit = int(limit)
+
+
+def slim_verifier(target_fast: FastModel, layer_ids: list[int], max_len: int | None = None) -> FastModel:
+    """The slim verifier over `layer_ids` of the target, masked like the target: its tokens are emitted too."""
+    slim = FastModel(target_fast.hf_model, layer_ids=layer_ids, max_len=max_len or target_fast.max_len, name="slim")
+    slim.vocab_limit = target_fast.vocab_limit
+    return slim
 
 
 def eos_ids(loaded: Loaded) -> set[int]:
