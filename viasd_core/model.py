@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ViasdError
+from .rope import check_rope
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 
@@ -42,6 +43,7 @@ def model_shape(hf_model) -> ModelShape:
             f"model family '{family}' is not supported yet (supported: {', '.join(SUPPORTED_FAMILIES)}); "
             "use a model of one of those families"
         )
+    check_rope(cfg)
     n_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     return ModelShape(
@@ -74,6 +76,9 @@ class FastModel:
         self.name = name
         decoder = hf_model.get_decoder()
         self.embed = decoder.embed_tokens
+        if self.shape.family == "gemma" and getattr(self.embed, "embed_scale", None) is None:
+            raise ViasdError("this Gemma model's embedding has no sqrt(hidden) scale (transformers < 5.4 applies it "
+                             "outside the module): upgrade transformers to 5.4 or later")
         self.norm = decoder.norm
         self.rotary = decoder.rotary_emb
         self.lm_head = hf_model.get_output_embeddings()
