@@ -45,6 +45,8 @@ TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass i
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling (reproducible runs).")]
 StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")]
 ProfileOpt = Annotated[Optional[str], typer.Option("--profile", help="Calibration profile file (default: the one saved for this pair).")]
+MaxContextOpt = Annotated[Optional[int], typer.Option("--max-context", help="Positions every KV cache holds, allocated once (default: the model's context, at most 4096, within a quarter of free memory).")]
+CompileOpt = Annotated[str, typer.Option("--compile", help="torch.compile the decoding passes: auto (on CUDA, with CUDA graphs), on, off (eager; for debugging).")]
 
 
 def _option_group(options: dict[str, tuple[object, object]], name: str, build):
@@ -78,6 +80,7 @@ MODEL_OPTIONS = {
     "dtype": (DtypeOpt, None), "device": (DeviceOpt, None), "quant": (QuantOpt, "none"),
     "draft_quant": (DraftQuantOpt, "none"), "trust_remote_code": (TrustOpt, False),
     "allow_pickle": (AllowPickleOpt, False), "profile": (ProfileOpt, None),
+    "max_context": (MaxContextOpt, None), "compile": (CompileOpt, "auto"),
 }
 
 

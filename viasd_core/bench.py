@@ -32,10 +32,9 @@ from .engine import Engine, GenerationConfig
 from .errors import UsageError, ViasdError
 from .fidelity import fidelity
 from .loading import eos_ids, pad_token_id
-from .model import FastModel
 from .prompts import Prompt, encode
 from .router import Thresholds
-from .session import Session, thresholds_of
+from .session import Session, slim_verifier, thresholds_of
 from .stats import TIERS
 
 METHODS = ("ar", "hf", "hf-assisted", "hf-pld", "sd", "exact", "viasd")
@@ -186,8 +185,11 @@ def profile_runners(session: Session, config: BenchConfig, gen_config) -> dict[s
 def _engine_with_slim(session: Session, layer_ids: list[int]) -> Engine:
     """An engine sharing the session's target and drafter, with a slim verifier of `layer_ids`."""
     e = session.engine
-    slim = FastModel(session.target.model, layer_ids=layer_ids, max_len=e.target.max_len, name="slim")
-    return Engine(e.target, e.tokenizer, drafter=e.drafter, slim=slim, eos_token_ids=e.eos)
+    engine = Engine(e.target, e.tokenizer, drafter=e.drafter, slim=slim_verifier(e.target, layer_ids),
+                    eos_token_ids=e.eos, context_len=e.context_len)
+    if e.compiled:
+        engine.compile()
+    return engine
 
 
 def _slim_engine(session: Session):

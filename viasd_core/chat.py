@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from . import paths
-from .engine import MODES, Generation, GenerationConfig, _common_prefix
+from .engine import MODES, Generation, GenerationConfig, common_prefix
 from .errors import UsageError, ViasdError
 from .fidelity import fidelity
 from .prompts import encode
-from .session import Session, load_drafter, thresholds_of
+from .session import Session, load_drafter, slim_verifier, thresholds_of
 from .stats import TIERS, RunStats
 from .streaming import stats_line
 
@@ -141,7 +141,7 @@ class LiveMeter:
         drafted = self.tap.last if self.tap is not None else None
         if drafted:
             self.drafted += len(drafted)
-            self.kept += _common_prefix(tokens, drafted)
+            self.kept += common_prefix(tokens, drafted)
             self.tap.last = None
 
     def fields(self) -> list[tuple[str, str]]:
@@ -213,7 +213,7 @@ class Chat:
         ids, dropped = self._fit(user)
         engine = self.engine
         cached = engine.tokens
-        common = _common_prefix(cached, ids)
+        common = common_prefix(cached, ids)
         reusable = min(common, len(ids) - 1, engine.target.seen)
         max_len_before = engine.target.max_len
         tap = DraftTap(engine.drafter) if engine.drafter is not None else None
@@ -303,7 +303,6 @@ class Chat:
 
     def ensure_mode(self, mode: str) -> None:
         """Load what `mode` needs and the session lacks: a drafter; a profile and slim verifier."""
-        from .model import FastModel
         from .profile import find_profile
 
         s, engine = self.session, self.engine
@@ -316,7 +315,7 @@ class Chat:
             shape = engine.target.shape
             s.profile = find_profile(s.target.model_id, s.draft_id, s.options.quant, engine.target.device.type,
                                      shape.n_layers, explicit=s.options.profile)
-            engine.slim = FastModel(s.target.model, layer_ids=s.profile.layer_ids, max_len=engine.target.max_len, name="slim")
+            engine.slim = slim_verifier(engine.target, s.profile.layer_ids)
 
     def _gamma(self, arg: str) -> Reply:
         try:

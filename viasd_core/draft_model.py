@@ -45,6 +45,25 @@ def tokenizer_vocab_sha256(tokenizer) -> str:
     return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
+def rope_config(config) -> dict[str, Any]:
+    """The RoPE settings of `config` in both spellings, so that a draft config read by either major
+    version of transformers gets the target's cos/sin tables: `rope_parameters` (transformers 5) and
+    the legacy `rope_theta` / `rope_scaling` (transformers 4 reads only these, and without them
+    falls back to rope_theta 10000 and no scaling)."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if "type" in params:
+        params.setdefault("rope_type", params.pop("type"))
+    params.setdefault("rope_type", "default")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    out: dict[str, Any] = {}
+    if theta is not None:
+        params["rope_theta"] = out["rope_theta"] = float(theta)
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    out["rope_scaling"] = scaling if params["rope_type"] != "default" else None
+    out["rope_parameters"] = params
+    return out
+
+
 def draft_llama_config(target_config, num_layers: int) -> dict[str, Any]:
     """LlamaConfig kwargs for a `num_layers` draft of `target_config` (vocab_size stays the TARGET's)."""
     keys = (
@@ -53,11 +72,7 @@ def draft_llama_config(target_config, num_layers: int) -> dict[str, Any]:
         "bos_token_id", "eos_token_id", "pad_token_id", "vocab_size",
     )
     cfg = {k: getattr(target_config, k) for k in keys if getattr(target_config, k, None) is not None}
-    rope = getattr(target_config, "rope_parameters", None)
-    if rope is not None:
-        cfg["rope_parameters"] = dict(rope)
-    elif getattr(target_config, "rope_theta", None) is not None:
-        cfg["rope_theta"] = target_config.rope_theta
+    cfg.update(rope_config(target_config))
     cfg["num_hidden_layers"] = num_layers
     cfg["tie_word_embeddings"] = False
     return cfg
@@ -103,9 +118,7 @@ def save_draft(
     head = draft.get_output_embeddings().weight
     if head.shape[0] != vocab_map.numel():
         raise ViasdError(f"lm_head has {head.shape[0]} rows but vocab_map has {vocab_map.numel()} entries.")
-    cfg = dict(draft.config.to_dict())
-    keys = set(draft_llama_config(draft.config, draft.config.num_hidden_layers))
-    llama_config = {k: cfg[k] for k in keys if k in cfg}
+    llama_config = draft_llama_config(draft.config, draft.config.num_hidden_layers)
     config = {
         "format": FORMAT,
         "version": VERSION,

@@ -28,9 +28,11 @@ class ModelDrafter:
 
     def __init__(self, model: FastModel, vocab_size: int, vocab_map: torch.Tensor | None = None):
         self.model = model
-        self.vocab_size = vocab_size  # the target's vocabulary size (draft probs are returned in it)
+        self.vocab_size = vocab_size  # the target's logit width: draft probs are returned in it
         self.vocab_map = vocab_map  # [Vd] int64: draft output index -> target token id (reduced-vocab drafts)
-        self.limit = vocab_size if vocab_map is None else vocab_map.shape[0]
+        # Draft output columns used: all of a reduced head; else those both models have (their row
+        # counts may differ, e.g. Qwen2.5-7B 152064 vs 0.5B 151936), target ids equal to the column.
+        self.limit = vocab_map.shape[0] if vocab_map is not None else min(vocab_size, model.shape.vocab_size)
 
     def reset(self) -> None:
         self.model.reset()
@@ -44,6 +46,15 @@ class ModelDrafter:
     def _to_target(self, idx: torch.Tensor) -> torch.Tensor:
         return idx if self.vocab_map is None else self.vocab_map[idx]
 
+    def _widen(self, draft_probs: torch.Tensor) -> torch.Tensor:
+        """Draft probabilities [1, limit] -> [1, target width], zero at the ids the draft cannot propose."""
+        full = torch.zeros(1, self.vocab_size, dtype=draft_probs.dtype, device=draft_probs.device)
+        if self.vocab_map is not None:
+            full[:, self.vocab_map] = draft_probs
+        else:
+            full[:, : self.limit] = draft_probs
+        return full
+
     def propose(self, ids: torch.Tensor, n: int, gamma: int, params: SamplingParams, sampler: Sampler, host_tokens=None) -> Proposal:
         logits = self.model.extend(ids, n, 1)[:, : self.limit]  # [1, Vd]
         probs_rows = []
@@ -53,11 +64,8 @@ class ModelDrafter:
             else:
                 draft_probs = process_logits(logits, params)  # [1, Vd]
                 token = self._to_target(sampler.categorical(draft_probs))
-                if self.vocab_map is not None or draft_probs.shape[-1] != self.vocab_size:
-                    full = torch.zeros(1, self.vocab_size, device=draft_probs.device)
-                    index = self.vocab_map if self.vocab_map is not None else torch.arange(self.limit, device=full.device)
-                    full[:, index] = draft_probs
-                    draft_probs = full
+                if self.vocab_map is not None or self.limit != self.vocab_size:
+                    draft_probs = self._widen(draft_probs)
                 probs_rows.append(draft_probs)
             ids[n + i] = token[0]
             if i + 1 < gamma:

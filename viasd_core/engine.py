@@ -81,7 +81,7 @@ class Generation:
     stats: RunStats = field(default_factory=RunStats)
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -102,8 +102,9 @@ class Engine:
                  eos_token_ids: set[int] | None = None, context_len: int | None = None):
         self.target = target
         self.tokenizer = tokenizer
-        self.drafter = drafter
-        self.slim = slim
+        self.compiled = False
+        self._slim = slim
+        self._drafter = drafter
         self.eos = set(eos_token_ids or ())
         self.context_len = int(context_len or min(target.max_len, target.shape.max_positions))
         self.device = target.device
@@ -120,11 +121,47 @@ class Engine:
         self.recorder: list | None = None
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def slim(self) -> FastModel | None:
+        return self._slim
+
+    @slim.setter
+    def slim(self, slim: FastModel | None) -> None:
+        """Attach a slim verifier (calibration, chat and bench do it late): sized and compiled like the rest."""
+        self._slim = slim
+        if slim is not None:
+            slim.allocate(self.context_len)
+            if self.compiled:
+                slim.compile()
+
+    @property
+    def drafter(self):
+        return self._drafter
+
+    @drafter.setter
+    def drafter(self, drafter) -> None:
+        """Attach a drafter (chat does it late): its model is sized and compiled like the rest."""
+        self._drafter = drafter
+        if drafter is not None:
+            drafter.ensure_capacity(self.context_len)
+            if self.compiled and getattr(drafter, "model", None) is not None:
+                drafter.model.compile()
+
     def _models(self):
         out = [self.target]
         if self.slim is not None:
             out.append(self.slim)
         return out
+
+    def all_models(self) -> list[FastModel]:
+        """Every FastModel the engine runs: target, slim verifier, draft model."""
+        draft = getattr(self.drafter, "model", None)
+        return self._models() + ([draft] if draft is not None else [])
+
+    def compile(self) -> bool:
+        """torch.compile every model's pass (see FastModel.compile); False when none could be."""
+        self.compiled = any([m.compile() for m in self.all_models()])
+        return self.compiled
 
     def _clock(self) -> float:
         if self.breakdown and self.device.type == "cuda":
@@ -164,11 +201,11 @@ class Engine:
         max_new = min(config.max_new_tokens, self.context_len - len(prompt_ids))
         gamma_cap = max(config.gamma, config.gamma_max if config.adaptive else config.gamma)
         span = len(prompt_ids) + max_new + gamma_cap + 1
-        for m in self._models() + ([self.drafter.model] if getattr(self.drafter, "model", None) is not None else []):
+        for m in self.all_models():
             m.set_span(span)
 
         # Re-use cached positions shared with the previous call (multi-turn chat).
-        keep = _common_prefix(self.tokens, prompt_ids)
+        keep = common_prefix(self.tokens, prompt_ids)
         keep = min(keep, len(prompt_ids) - 1)
         for m in self._models():
             m.rollback(keep)
@@ -256,8 +293,8 @@ class Engine:
         if config.mode == "viasd" and config.thresholds.active:
             drafted = self._read(proposal.tokens)  # viasd routes on the host
             out, tiers, fed = self._route_viasd(n, g, drafted, config.thresholds, stats)
-            keep = {m: _common_prefix(out, fed[id(m)]) for m in self._models() if id(m) in fed}
-            keep_draft = _common_prefix(out, drafted)
+            keep = {m: common_prefix(out, fed[id(m)]) for m in self._models() if id(m) in fed}
+            keep_draft = common_prefix(out, drafted)
             self._commit(n, out, keep)
             kept = keep_draft
         else:

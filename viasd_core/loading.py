@@ -22,6 +22,7 @@ import torch
 
 from . import paths
 from .errors import UsageError, ViasdError
+from .rope import check_rope
 
 EMBEDDED_TARGET = "smollm2-135m"
 EMBEDDED_ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "embedded"}
@@ -212,7 +213,7 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
                trust_remote_code: bool = False, allow_pickle: bool = False, quant: str = "none",
                with_tokenizer: bool = True, progress=None) -> Loaded:
     """Load a causal LM (and its tokenizer) from a reference; safetensors only unless allowed."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
 
@@ -226,6 +227,8 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
         kwargs["quantization_config"] = qconf
         kwargs["device_map"] = {"": dev.index if dev.type == "cuda" and dev.index is not None else dev.type}
     try:
+        # A RoPE type the engine cannot run is refused before any weight is read.
+        check_rope(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     except ValueError as e:
         if "trust_remote_code" in str(e):
@@ -233,6 +236,9 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
         raise ViasdError(f"could not load model '{ref}': {str(e).splitlines()[0]}")
     except OSError as e:
         raise ViasdError(f"could not load model '{ref}': {str(e).splitlines()[0]}")
+    except KeyError as e:  # transformers' config checks (e.g. RoPE parameters) raise KeyError
+        detail = e.args[0] if e.args and isinstance(e.args[0], str) else repr(e)
+        raise ViasdError(f"could not load model '{ref}': its config.json is missing or has an unknown entry: {detail.splitlines()[0]}")
     if qconf is None:
         model.to(dev)
     model.eval()

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import ViasdError
+from .rope import check_rope
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 PASS_WIDTHS = (1, 2, 4, 8, 16)  # a pass of T <= 16 tokens is padded to the next width
@@ -58,6 +59,7 @@ def model_shape(hf_model) -> ModelShape:
             f"model family '{family}' is not supported yet (supported: {', '.join(SUPPORTED_FAMILIES)}); "
             "use a model of one of those families"
         )
+    check_rope(cfg)
     n_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     return ModelShape(
@@ -129,6 +131,9 @@ class FastModel:
         self.name = name
         decoder = hf_model.get_decoder()
         self.embed = decoder.embed_tokens
+        if self.shape.family == "gemma" and getattr(self.embed, "embed_scale", None) is None:
+            raise ViasdError("this Gemma model's embedding has no sqrt(hidden) scale (transformers < 5.4 applies it "
+                             "outside the module): upgrade transformers to 5.4 or later")
         self.norm = decoder.norm
         self.rotary = decoder.rotary_emb
         self.lm_head = hf_model.get_output_embeddings()
@@ -152,7 +157,7 @@ class FastModel:
         # plain decoding and block verification compute the same numbers. On CUDA 1-token passes
         # are allowed (docs/engine.md says what is bit-exact there).
         self.min_pass = 2 if self.quantized and self.device.type != "cuda" else 1
-        self.vocab_limit: int | None = None  # logits at ids >= this are -inf (padding rows)
+        self.vocab_limit: int | None = None  # logits at columns >= vocab_limit are -inf (None: no mask)
         self.max_len = 0
         self.attn_len = 0
         self.seen = 0

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+
+import torch
 
 from .drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from .engine import Engine
-from .errors import UsageError
+from .errors import UsageError, ViasdError
 from .loading import EMBEDDED_TARGET, Loaded, check_same_vocab, eos_ids, load_model
 from .model import FastModel
 from .profile import Profile, find_profile
@@ -29,6 +32,12 @@ class ModelOptions:
     trust_remote_code: bool = False
     allow_pickle: bool = False
     profile: str | None = None
+    max_context: int | None = None  # positions every KV cache holds (None: sized from model and memory)
+    compile: str = "auto"  # auto (on for CUDA), on, off
+
+
+COMPILE_CHOICES = ("auto", "on", "off")
+DEFAULT_CONTEXT_CAP = 4096  # the default --max-context never exceeds this (raise it explicitly)
 
 
 @dataclass
@@ -89,6 +98,9 @@ def load_drafter(opts: ModelOptions, target: Loaded, target_fast: FastModel, pro
                        allow_pickle=opts.allow_pickle, quant=opts.draft_quant, progress=progress)
     check_same_vocab(target, draft)
     fast = FastModel(draft.model, max_len=target_fast.max_len, name="draft")
+    # The target must never emit an id the draft cannot read, nor the draft propose one the target cannot.
+    cap_vocab(target_fast, token_rows(draft.model))
+    cap_vocab(fast, emittable(target_fast))
     return ModelDrafter(fast, vocab), draft.model_id, draft
 
 
@@ -96,7 +108,10 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
     target = load_model(opts.model, dtype=opts.dtype, device=opts.device, revision=opts.revision,
                         trust_remote_code=opts.trust_remote_code, allow_pickle=opts.allow_pickle,
                         quant=opts.quant, progress=progress)
-    target_fast = FastModel(target.model, max_len=512, name="target")
+    max_context = context_size(target.model, opts.max_context)
+    target_fast = FastModel(target.model, max_len=max_context, name="target")
+    cap_vocab(target_fast, token_rows(target.model))
+    cap_vocab(target_fast, tokenizer_size(target.tokenizer))
     drafter, draft_id, draft = (None, "none", None)
     if mode != "ar" or opts.draft not in (None, "auto"):
         drafter, draft_id, draft = load_drafter(opts, target, target_fast, progress)
@@ -107,9 +122,90 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
     if need_profile:
         profile = find_profile(target.model_id, draft_id, opts.quant, target_fast.device.type,
                                target_fast.shape.n_layers, explicit=opts.profile)
-        slim = FastModel(target.model, layer_ids=profile.layer_ids, max_len=512, name="slim")
-    engine = Engine(target_fast, target.tokenizer, drafter=drafter, slim=slim, eos_token_ids=eos_ids(target))
+        slim = slim_verifier(target_fast, profile.layer_ids)
+    engine = Engine(target_fast, target.tokenizer, drafter=drafter, slim=slim, eos_token_ids=eos_ids(target),
+                    context_len=max_context)
+    apply_compile(engine, opts.compile)
     return Session(engine, target, draft_id, draft, profile, opts)
+
+
+# ---------------------------------------------------------------------- context and compilation
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory where the KV caches live: the GPU's, or the host's available RAM."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def context_size(hf_model, requested: int | None) -> int:
+    """Positions every KV cache is allocated for: --max-context, or the model's own context capped
+    at DEFAULT_CONTEXT_CAP and at what a quarter of free memory holds (target, slim and draft caches)."""
+    from .model import model_shape
+
+    shape = model_shape(hf_model)
+    param = next(hf_model.parameters())
+    elem = param.element_size() if param.dtype.is_floating_point else 4
+    per_position = 2 * shape.n_layers * shape.n_kv_heads * shape.head_dim * elem * 3  # target + slim + draft, at most
+    free = free_memory_bytes(param.device)
+    if requested is not None:
+        if requested < 16:
+            raise UsageError(f"--max-context must be at least 16, got {requested}")
+        if requested > shape.max_positions:
+            raise UsageError(f"--max-context {requested} exceeds the model's context ({shape.max_positions} positions)")
+        if requested * per_position > 0.9 * free:
+            raise ViasdError(
+                f"KV caches for --max-context {requested} need {requested * per_position / 2**30:.1f} GiB but only "
+                f"{free / 2**30:.1f} GiB is free on {param.device.type}: lower --max-context"
+            )
+        return int(requested)
+    fits = int(0.25 * free // per_position)
+    return max(16, min(shape.max_positions, DEFAULT_CONTEXT_CAP, fits))
+
+
+def apply_compile(engine: Engine, choice: str) -> bool:
+    """torch.compile the engine's models' passes (`auto`: on CUDA only). Returns whether any compiled."""
+    if choice not in COMPILE_CHOICES:
+        raise UsageError(f"unknown --compile '{choice}': use auto, on or off")
+    if choice == "off" or (choice == "auto" and engine.device.type != "cuda"):
+        return False
+    return engine.compile()
+
+
+# ---------------------------------------------------------------------- vocabulary rows
+# Embedding row counts need not match the tokenizer: Qwen2.5-7B has 152064 rows, its 0.5B draft
+# 151936, their tokenizer 151665 tokens. The rows past the tokenizer are padding; an id there is
+# no token, and one past the draft's rows crashes the draft (IndexError; a device assert on CUDA).
+# So every model of a session has its logits masked (FastModel.vocab_limit) below the smallest
+# row count in play: it can then never emit such an id.
+def token_rows(hf_model) -> int:
+    """Token ids a model can both read and score: min(input embedding rows, lm_head rows)."""
+    return min(hf_model.get_input_embeddings().num_embeddings, hf_model.get_output_embeddings().weight.shape[0])
+
+
+def tokenizer_size(tokenizer) -> int | None:
+    """One past the largest token id of the tokenizer (len() unless its ids have gaps); None without one."""
+    if tokenizer is None:
+        return None
+    ids = tokenizer.get_vocab().values()
+    return max(len(tokenizer), max(ids) + 1 if ids else 0)
+
+
+def emittable(fast: FastModel) -> int:
+    """The number of leading ids `fast` may emit (its logit width when unmasked)."""
+    return fast.shape.vocab_size if fast.vocab_limit is None else fast.vocab_limit
+
+
+def cap_vocab(fast: FastModel, limit: int | None) -> None:
+    """Mask `fast`'s logits from id `limit` on, unless it is already masked as low or has no such id."""
+    if limit is not None and limit < emittable(fast):
+        fast.vocab_limit = int(limit)
+
+
+def slim_verifier(target_fast: FastModel, layer_ids: list[int], max_len: int | None = None) -> FastModel:
+    """The slim verifier over `layer_ids` of the target, masked like the target: its tokens are emitted too."""
+    slim = FastModel(target_fast.hf_model, layer_ids=layer_ids, max_len=max_len or target_fast.max_len, name="slim")
+    slim.vocab_limit = target_fast.vocab_limit
+    return slim
 
 
 def thresholds_of(profile: Profile | None) -> Thresholds | None:
