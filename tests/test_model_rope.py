@@ -68,10 +68,10 @@ def test_scaled_rope_matches_transformers_past_the_original_length(rope_type):
     fast = assert_matches_transformers(model)
     # Our table is transformers' RoPE for every position, and the scaling really changes it.
     cos, sin = reference_table(model, rope_type, N)
-    torch.testing.assert_close(fast.cos[:N], cos, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(fast.sin[:N], sin, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast.cache.cos[:N], cos, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast.cache.sin[:N], sin, rtol=1e-5, atol=1e-5)
     plain = FastModel(tiny_model("llama", seed=11, rope_parameters={"rope_type": "default", "rope_theta": ROPES[rope_type]["rope_theta"]}), max_len=N)
-    assert (plain.cos[ORIGINAL:N] - fast.cos[ORIGINAL:N]).abs().max() > 0.1
+    assert (plain.cache.cos[ORIGINAL:N] - fast.cache.cos[ORIGINAL:N]).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("rope_type", list(STATIC_ROPE_TYPES) + ["dynamic", "longrope"])
@@ -201,5 +201,5 @@ def test_draft_of_a_llama3_target_has_the_targets_rope_tables(tmp_path):
     legacy_draft = build_draft(legacy, 32, target.get_input_embeddings())
     for model in (draft, loaded, legacy_draft):
         fast = FastModel(model, max_len=N, name="draft")
-        torch.testing.assert_close(fast.cos, target_fast.cos, rtol=0, atol=0)
-        torch.testing.assert_close(fast.sin, target_fast.sin, rtol=0, atol=0)
+        torch.testing.assert_close(fast.cache.cos, target_fast.cache.cos, rtol=0, atol=0)
+        torch.testing.assert_close(fast.cache.sin, target_fast.cache.sin, rtol=0, atol=0)
