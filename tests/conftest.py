@@ -55,6 +55,24 @@ def tiny_model(family: str = "llama", n_layers: int = 4, seed: int = 0, vocab: i
     return model
 
 
+def record_forward(fast) -> list[tuple[int, int]]:
+    """Wrap a FastModel's `forward` to record (start, length) of every pass it really runs."""
+    calls: list[tuple[int, int]] = []
+    inner = fast.forward
+
+    def forward(input_ids, start, n_logits=1):
+        calls.append((start, input_ids.shape[0]))
+        return inner(input_ids, start, n_logits=n_logits)
+
+    fast.forward = forward
+    return calls
+
+
+def positions_run(calls: list[tuple[int, int]], end: int) -> list[int]:
+    """The positions below `end` that the recorded passes ran, in order (repeats kept)."""
+    return [p for start, length in calls for p in range(start, start + length) if p < end]
+
+
 class TinyTokenizer:
     """The part of a tokenizer the engine uses: decode token ids to text."""
 
