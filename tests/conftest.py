@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
 VOCAB = 256
-FAMILIES = ("llama", "qwen2", "mistral", "gemma")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
 
 
 def tiny_config(family: str, n_layers: int = 4, vocab: int = VOCAB, seed: int = 0, **extra):
@@ -36,8 +36,8 @@ def tiny_config(family: str, n_layers: int = 4, vocab: int = VOCAB, seed: int = 
         pad_token_id=0,
         tie_word_embeddings=False,
     )
-    if family == "gemma":
-        common["head_dim"] = 16
+    if family in ("gemma", "qwen3"):
+        common["head_dim"] = 16  # their configs default to a head_dim that ignores hidden_size / heads
         common["hidden_activation"] = "gelu_pytorch_tanh"
     if family == "mistral":
         common["sliding_window"] = 4096
