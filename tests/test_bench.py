@@ -216,7 +216,7 @@ def test_projection_maths_on_hand_made_numbers():
     assert syn.expected_tokens_per_pass(0.8, 4) == pytest.approx(sum(0.8 ** k for k in range(5)))
     with pytest.raises(ValueError):
         syn.expected_tokens_per_pass(1.2, 3)
-    # Flat target cost, no slim, target every step: ALGORITHM.md's E / (1 + g c)
+    # Flat target cost, no slim, target every step: docs/algorithm.md's E / (1 + g c)
     e = syn.expected_tokens_per_pass(0.7, 4)
     assert syn.projected_speedup(0.7, 4, cost_target_1=10.0, cost_draft=1.0) == pytest.approx(e / 1.4)
     assert syn.simple_speedup(0.7, 4, 0.1) == pytest.approx(e / 1.4)

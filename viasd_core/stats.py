@@ -1,4 +1,4 @@
-"""Per-run statistics (ALGORITHM.md section 6)."""
+"""Per-run statistics (docs/algorithm.md section 6)."""
 
 from __future__ import annotations
 
