@@ -27,7 +27,7 @@ from viasd_core.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "viasd_core/data/distill_prompts.jsonl"
-DEV = Path("/work/shared/data/spec_bench_dev.jsonl")
+DEV = ROOT / "benchmarks/data/spec_bench_dev.jsonl"
 
 
 def log(msg: str) -> None:

@@ -8,7 +8,7 @@ OUT=${1:-out/cpu}
 PER=${2:-2}
 NEW=${3:-128}
 mkdir -p "$OUT"
-DEV=../shared/data/spec_bench_dev.jsonl
+DEV=benchmarks/data/spec_bench_dev.jsonl
 # A stratified subset of the Spec-Bench dev prompts: the first PER of every category.
 python3 - "$DEV" "$PER" > "$OUT/prompts.jsonl" <<'PY'
 import json, sys

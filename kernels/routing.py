@@ -2,7 +2,7 @@
 
 For a block of G drafted tokens the engine needs, per verifier row, the row max / argmax
 and the log-sum-exp, and per drafted token its log-probability, the gate signal and the
-tier it goes to (ALGORITHM.md section 2), plus the greedy acceptance count of section 1.
+tier it goes to (docs/algorithm.md section 2), plus the greedy acceptance count of section 1.
 `route_block_reference` computes all of it with ordinary tensor ops; the fused Triton
 kernel in `triton_routing.py` must agree with it (tests/test_kernels_routing.py).
 

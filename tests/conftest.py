@@ -11,10 +11,11 @@ import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+# One thread: tiny models gain nothing from more, and the test machine is usually shared.
+torch.set_num_threads(1)
 
 VOCAB = 256
-FAMILIES = ("llama", "qwen2", "mistral", "gemma")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
 
 
 def tiny_config(family: str, n_layers: int = 4, vocab: int = VOCAB, seed: int = 0, **extra):
@@ -35,8 +36,8 @@ def tiny_config(family: str, n_layers: int = 4, vocab: int = VOCAB, seed: int = 
         pad_token_id=0,
         tie_word_embeddings=False,
     )
-    if family == "gemma":
-        common["head_dim"] = 16
+    if family in ("gemma", "qwen3"):
+        common["head_dim"] = 16  # their configs default to a head_dim that ignores hidden_size / heads
         common["hidden_activation"] = "gelu_pytorch_tanh"
     if family == "mistral":
         common["sliding_window"] = 4096
@@ -52,6 +53,24 @@ def tiny_model(family: str = "llama", n_layers: int = 4, seed: int = 0, vocab: i
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.eval()
     return model
+
+
+def record_forward(fast) -> list[tuple[int, int]]:
+    """Wrap a FastModel's `forward` to record (start, length) of every pass it really runs."""
+    calls: list[tuple[int, int]] = []
+    inner = fast.forward
+
+    def forward(input_ids, start, n_logits=1):
+        calls.append((start, input_ids.shape[0]))
+        return inner(input_ids, start, n_logits=n_logits)
+
+    fast.forward = forward
+    return calls
+
+
+def positions_run(calls: list[tuple[int, int]], end: int) -> list[int]:
+    """The positions below `end` that the recorded passes ran, in order (repeats kept)."""
+    return [p for start, length in calls for p in range(start, start + length) if p < end]
 
 
 class TinyTokenizer:

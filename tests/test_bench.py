@@ -224,7 +224,7 @@ def test_projection_maths_on_hand_made_numbers():
     assert syn.expected_tokens_per_pass(0.8, 4) == pytest.approx(sum(0.8 ** k for k in range(5)))
     with pytest.raises(ValueError):
         syn.expected_tokens_per_pass(1.2, 3)
-    # Flat target cost, no slim, target every step: ALGORITHM.md's E / (1 + g c), c = 1 / 10
+    # Flat target cost, no slim, target every step: docs/algorithm.md's E / (1 + g c), c = 1 / 10
     e = syn.expected_tokens_per_pass(0.7, 4)
     flat = {"draft_step": 1.0, "slim_block": 6.0, "target": {str(t): 10.0 for t in range(1, 6)}}
     flat_sd = syn.project(flat, 4, {m: syn.Assumption(0.7, "t") for m in syn.PROJECTED_METHODS})["sd"]

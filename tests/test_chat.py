@@ -6,6 +6,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from conftest import positions_run, record_forward
 from viasd_cli.app import get_app
 from viasd_core.chat import Chat, parse_command
 from viasd_core.engine import GenerationConfig
@@ -184,3 +185,42 @@ def test_commands_and_viasd_mode_with_a_profile(tiny_dirs, viasd_home, tmp_path)
     assert chat.command("/help").kind == "help" and chat.command("/exit").kind == "exit"
     again = chat.ask("w1 w2 w3")
     assert again.conversation == 2 and again.reused_tokens == 0 and again.tokens == turn.tokens
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd"])
+def test_prefill_counts_are_what_the_target_ran(tiny_dirs, viasd_home, mode):
+    chat = make_chat(tiny_dirs, mode=mode)
+    calls = record_forward(chat.engine.target)
+    first = chat.ask("w1 w2 w3 w4")
+    ran = positions_run(calls, first.prompt_tokens)
+    assert sorted(ran) == list(range(first.prompt_tokens))  # each prompt position once
+    assert (first.reused_tokens, first.processed_tokens) == (0, first.prompt_tokens)
+    calls.clear()
+    second = chat.ask("w5 w6")
+    ran = positions_run(calls, second.prompt_tokens)
+    # The second turn re-used the first turn's cache: the target ran only the positions after it.
+    assert second.reused_tokens > first.prompt_tokens
+    assert sorted(ran) == list(range(second.reused_tokens, second.prompt_tokens))
+    assert second.processed_tokens == len(ran)
+    assert second.stats.prefill_cached == second.reused_tokens and second.stats.prefill_processed == len(ran)
+
+
+def test_prefill_counts_after_the_cache_grows(tiny_dirs, viasd_home):
+    """A conversation that outgrows the target's KV cache reallocates it: nothing is re-used then,
+    and the counts say so (the target runs the whole prompt again)."""
+    from viasd_core.engine import Engine
+    from viasd_core.model import FastModel
+
+    chat = make_chat(tiny_dirs, mode="ar", draft=None)
+    small = chat.engine
+    chat.engine = Engine(FastModel(small.target.hf_model, max_len=48), small.tokenizer, eos_token_ids=small.eos)
+    calls = record_forward(chat.engine.target)
+    first = chat.ask("w1 w2 w3")
+    assert first.reused_tokens == 0 and chat.engine.target.max_len == 48
+    calls.clear()
+    second = chat.ask(" ".join(f"w{i}" for i in range(10, 50)))
+    assert chat.engine.target.max_len > 48  # reallocated: the cached K/V are gone
+    ran = positions_run(calls, second.prompt_tokens)
+    assert sorted(ran) == list(range(second.prompt_tokens))
+    assert (second.reused_tokens, second.processed_tokens) == (0, second.prompt_tokens)
+    assert (second.stats.prefill_cached, second.stats.prefill_processed) == (0, second.prompt_tokens)

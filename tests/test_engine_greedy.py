@@ -8,7 +8,7 @@ token that falls inside a block.
 import pytest
 import torch
 
-from conftest import FAMILIES, TinyTokenizer, tiny_model
+from conftest import FAMILIES, TinyTokenizer, positions_run, record_forward, tiny_model
 from viasd_core.drafters import ModelDrafter, NgramDrafter
 from viasd_core.engine import Engine, GenerationConfig
 from viasd_core.model import FastModel
@@ -107,14 +107,24 @@ def test_exact_multitier_equals_ar(family):
 def test_multi_turn_cache_reuse_matches_fresh_processing():
     target = tiny_model("qwen2", seed=15)
     eng = make_engine(target, draft_model=tiny_model("qwen2", n_layers=1, seed=97))
+    calls = record_forward(eng.target)
     turn1 = prompt_for(1)
     first = eng.generate(turn1, GenerationConfig(mode="sd", max_new_tokens=15))
+    assert (first.stats.prefill_cached, first.stats.prefill_processed) == (0, len(turn1))
+    assert calls[0] == (0, len(turn1) - 1)  # the prefill pass: every prompt position but the last
     history = turn1 + first.tokens + prompt_for(2, 5)
+    calls.clear()
     second = eng.generate(history, GenerationConfig(mode="sd", max_new_tokens=15))
     fresh = make_engine(target).generate(history, GenerationConfig(mode="ar", max_new_tokens=15))
     assert second.tokens == fresh.tokens
-    # The second turn re-used the cached history: its prefill saw only the new user tokens.
-    assert eng.target.seen >= len(history)
+    # The cache held turn 1's prompt and answer except the answer's last token (never fed back).
+    cached = len(turn1) + len(first.tokens) - 1
+    # What the target's forward ran for prompt positions: from the first cached-out position to
+    # the end of the prompt, each position once; nothing before it again, nothing skipped.
+    ran = positions_run(calls, len(history))
+    assert sorted(ran) == list(range(cached, len(history))), calls[:3]
+    assert calls[0] == (cached, len(history) - 1 - cached)  # one prefill pass over the new positions
+    assert (second.stats.prefill_cached, second.stats.prefill_processed) == (cached, len(set(ran)))
 
 
 def test_budget_and_stats_are_consistent():

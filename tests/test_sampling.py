@@ -29,7 +29,6 @@ def test_greedy_accept_hand_rows():
 
 
 def test_speculative_sample_hand_rows():
-    V = 4
     draft_probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
     target_probs = torch.tensor([[0.25, 0.25, 0.5, 0.0], [0.0, 0.5, 0.5, 0.0], [0.1, 0.2, 0.3, 0.4]])
     tokens = torch.tensor([0, 1])
@@ -40,13 +39,21 @@ def test_speculative_sample_hand_rows():
     # residual at position 1: max(0, [0, .5, .5, 0] - [0, 1, 0, 0]) = [0, 0, .5, 0] -> normalized one-hot on 2
     torch.testing.assert_close(s.rows[-1][0], torch.tensor([0.0, 0.0, 1.0, 0.0]))
     assert out.tolist() == [0, 2]
-    # all accepted: the bonus token comes from the last target row
+    # u equal to the acceptance probability rejects (accept iff u < ratio); the rest of the block is dropped
+    out, n = speculative_sample(tokens, draft_probs, target_probs, torch.tensor([0.5, 0.0]), s)
+    assert n == 0 and out.tolist() == [2]  # residual at 0: [0, 0, .5, 0] / .5 after max(0, [-.25, -.25, .5, 0])
+    torch.testing.assert_close(s.rows[-1][0], torch.tensor([0.0, 0.0, 1.0, 0.0]))
+    # all accepted: the bonus token is sampled from the last target row, unchanged
     out, n = speculative_sample(tokens, draft_probs, target_probs, torch.tensor([0.1, 0.1]), s)
     assert n == 2 and out.tolist() == [0, 1, 3]
+    torch.testing.assert_close(s.rows[-1][0], target_probs[2])
     # target gives the draft token more mass than the draft: always accepted (u < 1)
     out, n = speculative_sample(torch.tensor([2]), torch.tensor([[0.0, 0.0, 0.1, 0.9]]), torch.tensor([[0, 0, 1.0, 0], [1.0, 0, 0, 0]]), torch.tensor([0.999]), s)
-    assert n == 1
-    assert V == 4
+    assert n == 1 and out.tolist() == [2, 0]
+    # a residual spread over several tokens is renormalized: max(0, [.2, .3, .5] - [.5, .1, .4]) = [0, .2, .1]
+    out, n = speculative_sample(torch.tensor([0]), torch.tensor([[0.5, 0.1, 0.4]]), torch.tensor([[0.2, 0.3, 0.5], [1.0, 0, 0]]), torch.tensor([0.9]), s)
+    assert n == 0 and out.tolist() == [1]
+    torch.testing.assert_close(s.rows[-1][0], torch.tensor([0.0, 2 / 3, 1 / 3]))
 
 
 def test_process_logits_top_k_top_p_temperature():
@@ -95,18 +102,55 @@ def test_monte_carlo_output_follows_target_distribution(gamma):
     assert distances[-1] < distances[0]
 
 
-def test_sampling_engine_is_reproducible_with_a_seed_and_follows_target():
+def test_sampling_engine_follows_the_target_distribution():
+    """The engine end to end (draft sampling, processed probabilities, acceptance, bonus and the
+    next step): over many seeds, the first two emitted tokens follow the target's distributions
+    (temperature and top-k applied), not the draft's; a seed reproduces a run."""
     from conftest import TinyTokenizer, tiny_model
     from viasd_core.drafters import ModelDrafter
     from viasd_core.engine import Engine, GenerationConfig
     from viasd_core.model import FastModel
 
-    target = tiny_model("llama", seed=21, initializer_range=0.05)
-    draft = tiny_model("llama", n_layers=1, seed=22, initializer_range=0.05)
+    target = tiny_model("llama", n_layers=2, seed=21)
+    prompt = [5, 6, 7]
+    params = SamplingParams(temperature=1.0, top_k=20)
 
-    def run(seed):
-        eng = Engine(FastModel(target, max_len=64), TinyTokenizer(), drafter=ModelDrafter(FastModel(draft, max_len=64), 256))
-        return eng.generate([5, 6, 7], GenerationConfig(mode="sd", max_new_tokens=12, gamma=3, temperature=0.8, top_k=50, seed=seed)).tokens
+    def target_probs(ids):
+        with torch.no_grad():
+            return process_logits(target(torch.tensor([ids])).logits[0, -1:], params)[0]
 
-    assert run(7) == run(7)
-    assert run(7) != run(8)
+    # Independent expectations from transformers' own forward: the first token's distribution, and
+    # the second token's marginal sum_x P(first = x) * P(second | prompt + [x]).
+    first_expected = target_probs(prompt)
+    second_expected = sum(first_expected[x] * target_probs(prompt + [x]) for x in range(256) if first_expected[x] > 0)
+    # The draft: the target's first layer only (it agrees sometimes, so both rule paths run).
+    draft = FastModel(target, layer_ids=[0], max_len=64, name="draft")
+    draft_first = process_logits(draft.forward(torch.tensor(prompt), 0, 1), params)[0]
+    draft.reset()
+    assert _tv(draft_first, first_expected) > 0.5  # a wrong engine that followed the draft would show
+
+    eng = Engine(FastModel(target, max_len=64), TinyTokenizer(), drafter=ModelDrafter(draft, 256))
+
+    def run(seed, new=3):
+        return eng.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=new, gamma=2, adaptive=False,
+                                                     temperature=1.0, top_k=20, seed=seed))
+
+    n = 1000
+    first_counts, second_counts = torch.zeros(256), torch.zeros(256)
+    accepted = drafted = 0
+    for seed in range(n):
+        out = run(seed)
+        first_counts[out.tokens[0]] += 1
+        second_counts[out.tokens[1]] += 1
+        accepted += sum(out.stats.position_accepts)
+        drafted += sum(out.stats.position_attempts)
+    assert 0.1 < accepted / drafted < 0.9  # acceptance and rejection both exercised
+    # Sampling noise of the total variation at n = 1000 is ~0.05 (first) and ~0.13 (second, broader).
+    assert _tv(first_counts / n, first_expected) < 0.1
+    assert _tv(first_counts / n, draft_first) > 0.4
+    assert _tv(second_counts / n, second_expected) < 0.2
+    assert _tv(second_counts / n, first_expected) > 0.5  # not the first position's distribution again
+    assert (first_counts[first_expected == 0] == 0).all()  # top-k: nothing outside the target's 20 tokens
+
+    long_a, long_b = run(7, 12).tokens, run(8, 12).tokens
+    assert run(7, 12).tokens == long_a and long_a != long_b

@@ -3,10 +3,11 @@
 The engine keeps its committed tokens and KV caches between calls, so each turn passes the
 whole conversation (chat template applied) and the engine re-uses every cached position of
 the common prefix. The chat template may re-encode an earlier answer differently from the
-ids that were generated, so the re-use is measured per turn, never assumed:
+ids that were generated, so the re-use is measured per turn, never assumed (the engine counts
+it in its prefill, `RunStats.prefill_cached` / `prefill_processed`):
 
   reused     positions of the new prompt whose K/V were already in the target's cache
-  processed  prompt positions the target had to run (prompt_tokens - reused)
+  processed  prompt positions the target had to run
   mismatch   tokens of the cached context that the new prompt no longer matches
 
 Nothing here writes to a terminal: `cli/chat.py` renders what these functions return.
@@ -214,8 +215,6 @@ class Chat:
         engine = self.engine
         cached = engine.tokens
         common = common_prefix(cached, ids)
-        reusable = min(common, len(ids) - 1, engine.target.seen)
-        max_len_before = engine.target.max_len
         tap = DraftTap(engine.drafter) if engine.drafter is not None else None
         if meter is not None:
             meter.tap = tap
@@ -233,8 +232,6 @@ class Chat:
         finally:
             if tap is not None:
                 engine.drafter = tap.inner
-        if engine.target.max_len != max_len_before:  # the cache was reallocated: everything ran again
-            reusable = 0
         fid = None
         if self.measure_fidelity or (self.measure_fidelity is None and self.config.mode == "viasd"):
             fid = fidelity(self.session.target.model, ids, gen.tokens)
@@ -244,8 +241,8 @@ class Chat:
         turn = Turn(
             index=len(self.turns) + 1, conversation=self.conversation, user=user, assistant=gen.text,
             mode=self.config.mode, gamma=self.config.gamma, temperature=self.config.temperature,
-            finish_reason=gen.finish_reason, prompt_tokens=len(ids), reused_tokens=reusable,
-            processed_tokens=len(ids) - reusable, mismatch_tokens=len(cached) - common, dropped_messages=dropped,
+            finish_reason=gen.finish_reason, prompt_tokens=len(ids), reused_tokens=gen.stats.prefill_cached,
+            processed_tokens=gen.stats.prefill_processed, mismatch_tokens=len(cached) - common, dropped_messages=dropped,
             new_tokens=len(gen.tokens), tokens=list(gen.tokens), fidelity=fid, stats=gen.stats,
         )
         self.turns.append(turn)

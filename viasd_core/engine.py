@@ -220,9 +220,12 @@ class Engine:
         t0 = self._clock()
         # Prefill every model up to the last prompt token (whose logits start the decode).
         n = len(prompt_ids)
+        stats.prefill_cached = self.target.seen  # prompt positions whose K/V the target kept
         for m in self._models():
             if m.seen < n - 1:
                 m.extend(self.ids, n - 1, 1)
+        # What the target's prefill pass wrote, plus the last prompt token (the first step runs it).
+        stats.prefill_processed = self.target.seen - stats.prefill_cached + 1
         stats.time_prefill = self._clock() - t0
         gamma = config.gamma
         try:

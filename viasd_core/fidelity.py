@@ -1,5 +1,5 @@
 """Fidelity: the fraction of emitted tokens equal to the target's greedy choice given the same
-prefix, from ONE teacher-forced target pass over the finished sequence (ALGORITHM.md)."""
+prefix, from ONE teacher-forced target pass over the finished sequence (docs/algorithm.md section 0)."""
 
 from __future__ import annotations
 

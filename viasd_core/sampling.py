@@ -1,6 +1,6 @@
 """Pure functions: logits processing, the speculative acceptance rule, and the randomness seam.
 
-Names follow ALGORITHM.md: `draft_`, `slim_`, `target_` prefixes; never bare p and q.
+Names follow docs/algorithm.md (section 0): `draft_`, `slim_`, `target_` prefixes; never bare p and q.
 All probability maths is float32.
 """
 

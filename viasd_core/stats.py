@@ -1,4 +1,4 @@
-"""Per-run statistics (ALGORITHM.md section 6)."""
+"""Per-run statistics (docs/algorithm.md section 6)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ TIERS = ("accept", "slim", "full", "bonus")
 class RunStats:
     mode: str = "ar"
     prompt_tokens: int = 0
+    prefill_cached: int = 0  # prompt positions the target's KV cache already held (earlier turns)
+    prefill_processed: int = 0  # prompt positions the target ran (the last one in the first step)
     new_tokens: int = 0
     steps: int = 0
     target_passes: int = 0
@@ -64,7 +66,7 @@ class RunStats:
         return {k: (v / total if total else 0.0) for k, v in self.tier_counts.items()}
 
     def merge(self, other: "RunStats") -> None:
-        for name in ("prompt_tokens", "new_tokens", "steps", "target_passes", "slim_passes", "draft_tokens"):
+        for name in ("prompt_tokens", "prefill_cached", "prefill_processed", "new_tokens", "steps", "target_passes", "slim_passes", "draft_tokens"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("time_prefill", "time_draft", "time_slim", "time_verify", "time_total"):
             setattr(self, name, getattr(self, name) + getattr(other, name))

@@ -1,5 +1,5 @@
 """Synthetic benchmark: measured per-step costs on random-weight models of a real shape, and a
-PROJECTION of the speedups of sd, exact and viasd from acceptance statistics (ALGORITHM.md section 1).
+PROJECTION of the speedups of sd, exact and viasd from acceptance statistics (docs/algorithm.md section 1).
 
 Nothing here generates text: random weights accept nothing, so the acceptance numbers come from a
 real run (`--acceptance-from summary.json`) or from the documented defaults below. The maths are
@@ -11,7 +11,7 @@ Model of one speculative step with block length g (every quantity measured or gi
     tokens_per_step = (1 - a^(g + 1)) / (1 - a)          (a = per-token acceptance, i.i.d.)
     speedup         = tokens_per_step * cost_target(1) / time_per_step   (over plain decoding)
 
-With cost_target(g + 1) == cost_target(1), no slim pass and full_fraction = 1 this is ALGORITHM.md's
+With cost_target(g + 1) == cost_target(1), no slim pass and full_fraction = 1 this is docs/algorithm.md's
 (1 - a^(g+1)) / (1 - a) / (1 + g * c), c = cost_draft / cost_target.
 """
 
