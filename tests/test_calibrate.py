@@ -13,18 +13,12 @@ from viasd_core.calibrate import MaskEvaluator, fit_thresholds, search_layer_mas
 from viasd_core.errors import ViasdError
 from viasd_core.model import FastModel
 from viasd_core.profile import Profile, find_profile, read_profile, save_profile
-from viasd_core.router import OFF, TIER_ACCEPT, TIER_FULL, TIER_SLIM, BlockRecord, Thresholds, gate_signal, replay, route_tiers
+from viasd_core.router import OFF, BlockRecord, Thresholds, replay
+from viasd_kernels import route_block
 
 
 # ---------------------------------------------------------------------- pure router functions
-def test_gate_signal_and_route_tiers_on_hand_rows():
-    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6], [0.3, 0.3, 0.4]]))
-    gate = gate_signal(logits, torch.tensor([0, 2, 1]))
-    torch.testing.assert_close(gate, torch.tensor([1.0, 0.5, 1 / 3]))
-    tiers = route_tiers(gate, Thresholds(accept=0.9, slim=0.4))
-    assert tiers.tolist() == [TIER_ACCEPT, TIER_SLIM, TIER_FULL]
-    assert route_tiers(gate, Thresholds(accept=0.49, slim=0.49)).tolist() == [TIER_ACCEPT, TIER_ACCEPT, TIER_FULL]
-    assert route_tiers(gate, Thresholds(OFF, OFF)).tolist() == [TIER_FULL] * 3
+def test_thresholds_must_be_ordered():
     with pytest.raises(ValueError):
         Thresholds(accept=0.3, slim=0.5)
 
@@ -39,6 +33,7 @@ def test_replay_counts_tokens_errors_and_passes():
     # 0.1 -> full: one target pass, the target's token at 3 equals the draft, then the bonus (correct).
     out = replay([b], Thresholds(0.9, 0.3))
     assert (out.tokens, out.wrong, out.target_passes, out.slim_passes) == (5, 2, 1, 1)
+    assert out.tiers == ["accept", "accept", "slim", "full", "bonus"] and out.fidelity == 1 - 2 / 5
     assert out.tier_counts == {"accept": 2, "slim": 1, "full": 1, "bonus": 1}
     # Everything off: exactly sd's result (accepted prefix + the target's token), fidelity 1.
     off = replay([b], Thresholds(OFF, OFF))
@@ -47,6 +42,28 @@ def test_replay_counts_tokens_errors_and_passes():
     # All accepted and the slim gives the bonus token without any target pass.
     allacc = replay([block([1.0, 1.0], [True, True], [True, True], [True, True], bonus=False)], Thresholds(0.5, 0.0))
     assert (allacc.tokens, allacc.wrong, allacc.target_passes) == (3, 1, 0)
+    assert allacc.tiers == ["accept", "accept", "slim"] and allacc.fidelity == 1 - 1 / 3
+
+
+def test_replay_without_tokens_has_no_fidelity():
+    empty = replay([], Thresholds(0.9, 0.3))
+    assert (empty.tokens, empty.wrong, empty.steps) == (0, 0, 0)
+    assert empty.fidelity is None  # not measured, never 1.0
+
+
+def test_replay_routes_recorded_gates_as_route_block_did():
+    # The gate is float32; a threshold between it and the next float64 up rounds to it in float32,
+    # where route_block compares: route_block accepts, and so must the replay of its gate.
+    logits = torch.log(torch.tensor([[0.5, 0.15, 0.35], [0.6, 0.3, 0.1]]))
+    draft_tokens = torch.tensor([1, 0])
+    gate = route_block(logits, draft_tokens, 0.0, OFF, OFF).gate
+    theta = gate[0].item() + 1e-10  # above the recorded value in float64, equal in float32
+    assert theta > gate[0].item() and torch.tensor(theta, dtype=torch.float32) == gate[0]
+    assert route_block(logits, draft_tokens, 0.0, theta, 0.0).tiers.tolist() == [0, 0]  # both accepted
+    record = BlockRecord.from_choices(gate.tolist(), [1, 0], slim_argmax=[0, 0, 5], target_argmax=[1, 0, 5])
+    assert record == BlockRecord(tuple(gate.tolist()), (True, True), (False, True), (False, True), True)
+    out = replay([record], Thresholds(theta, 0.0))
+    assert out.tiers == ["accept", "accept", "slim"] and out.wrong == 0
 
 
 def test_fit_respects_budget_and_prefers_cheap_tiers():
@@ -61,6 +78,13 @@ def test_fit_respects_budget_and_prefers_cheap_tiers():
     assert fit.modeled_tokens_per_s > fit.sd_modeled_tokens_per_s
     loose = fit_thresholds(blocks, costs, budget=0.5)
     assert loose.modeled_tokens_per_s >= fit.modeled_tokens_per_s
+
+
+def test_fit_without_recorded_tokens_keeps_both_tiers_off():
+    # Nothing was replayed, so no threshold pair can be shown to meet the budget: viasd stays sd.
+    fit = fit_thresholds([], {"target": 1.0, "slim": 0.3, "draft": 0.05}, budget=0.01)
+    assert fit.thresholds == Thresholds(OFF, OFF)
+    assert fit.outcome.tokens == 0 and fit.outcome.fidelity is None
 
 
 # ---------------------------------------------------------------------- slim verifier

@@ -186,17 +186,9 @@ def modeled_tokens_per_s(outcome: ReplayOutcome, costs: dict) -> float:
 
 
 def sd_outcome(blocks: list[BlockRecord]) -> ReplayOutcome:
-    """What plain sd does on the same blocks: one target pass per block, no slim pass."""
-    res = ReplayOutcome(tier_counts={})
-    for b in blocks:
-        kept = 0
-        while kept < len(b.draft_ok) and b.draft_ok[kept]:
-            kept += 1
-        res.tokens += kept + 1
-        res.steps += 1
-        res.target_passes += 1
-        res.drafted += len(b.gate)
-    return res
+    """What plain sd does on the same blocks: viasd with both tiers off (one target pass per
+    block, no slim pass; the target's tokens up to its first disagreement, then its own)."""
+    return replay(blocks, Thresholds(OFF, OFF))
 
 
 # ---------------------------------------------------------------------- threshold fit
@@ -210,7 +202,8 @@ class Fit:
 
 def fit_thresholds(blocks: list[BlockRecord], costs: dict, budget: float, grid: int = 24) -> Fit:
     """Grid search over (theta_accept, theta_slim) maximizing modeled tokens/s subject to
-    replayed fidelity >= 1 - budget. A threshold of OFF (> 1) disables its tier."""
+    replayed fidelity >= 1 - budget. A threshold of OFF (> 1) disables its tier. Without any
+    recorded token nothing can be shown to meet the budget: both tiers stay off (viasd is sd)."""
     gates = sorted(g for b in blocks for g in b.gate)
     if gates:
         qs = [gates[min(len(gates) - 1, int(q * (len(gates) - 1)))] for q in [i / grid for i in range(grid + 1)]]
@@ -224,12 +217,12 @@ def fit_thresholds(blocks: list[BlockRecord], costs: dict, budget: float, grid: 
                 continue
             th = Thresholds(accept, slim)
             outcome = replay(blocks, th)
-            if outcome.fidelity < 1 - budget:
+            if outcome.fidelity is None or outcome.fidelity < 1 - budget:
                 continue
             tps = modeled_tokens_per_s(outcome, costs)
             if best is None or tps > best[0]:
                 best = (tps, th, outcome)
-    if best is None:  # cannot happen: all-off is exact (the target decides everything)
+    if best is None:  # no recorded token (all-off is exact and meets any budget otherwise)
         th = Thresholds(OFF, OFF)
         outcome = replay(blocks, th)
         best = (modeled_tokens_per_s(outcome, costs), th, outcome)
