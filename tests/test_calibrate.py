@@ -179,8 +179,24 @@ def test_calibrate_meets_budget_on_heldout_then_viasd_generates(tiny_dirs, viasd
     g = invoke("generate", "w1 w2 w3", "-m", tiny_dirs["target"], "-d", tiny_dirs["target"], "--mode", "viasd", "-n", "12", "--json", "-q")
     assert g.exit_code == 0, g.stderr
     row = json.loads(g.stdout)
-    assert row["mode"] == "viasd" and 0 <= row["fidelity"] <= 1
+    assert row["mode"] == "viasd"
     assert sum(row["stats"]["tier_counts"].values()) == row["new_tokens"] or row["finish_reason"] != "length"
+    # The reported fidelity is that of the emitted tokens: the same run in-process, then the
+    # target's greedy choices along it, counted here.
+    from viasd_core.engine import GenerationConfig
+    from viasd_core.prompts import encode
+    from viasd_core.session import ModelOptions, build_session, thresholds_of
+
+    session = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=str(tiny_dirs["target"])), mode="viasd")
+    ids = encode(session.tokenizer, "w1 w2 w3")
+    gen = session.engine.generate(ids, GenerationConfig(mode="viasd", max_new_tokens=12, thresholds=thresholds_of(session.profile)))
+    assert gen.text == row["text"] and len(gen.tokens) == row["new_tokens"]
+    with torch.no_grad():
+        choices = session.target.model(torch.tensor([ids + gen.tokens])).logits[0, len(ids) - 1 : -1].argmax(-1).tolist()
+    wrong = sum(a != b for a, b in zip(choices, gen.tokens))
+    assert row["fidelity"] == pytest.approx((len(gen.tokens) - wrong) / len(gen.tokens), abs=1e-12)
+    # The draft is the target itself: only the slim verifier's tokens can be wrong.
+    assert wrong <= row["stats"]["tier_counts"]["slim"]
     # A profile for another pair is refused with the command that makes the right one.
     other = invoke("generate", "w1", "-m", tiny_dirs["target"], "-d", "ngram", "--mode", "viasd", "-q")
     assert other.exit_code == 1 and "run `viasd calibrate" in other.stderr
@@ -227,6 +243,50 @@ def test_calibrate_refuses_to_save_when_heldout_misses_the_budget(tiny_dirs, via
     assert r.exit_code == 1
     assert "misses the budget" in r.stderr and "profile not saved" in r.stderr
     assert not (viasd_home / "config" / "profiles").exists()
+
+
+def test_run_prompts_reports_fidelity_only_where_measured():
+    from conftest import TinyTokenizer
+    from viasd_core.calibrate import run_prompts
+    from viasd_core.engine import Engine, GenerationConfig
+
+    target = tiny_model("llama", n_layers=2, seed=46)
+    prompts = [torch.randint(3, 256, (6,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(2)]
+    engine = Engine(FastModel(target, max_len=64), TinyTokenizer())
+    config = GenerationConfig(mode="ar", max_new_tokens=5)
+    unmeasured = run_prompts(engine, target, prompts, config, measure_fidelity=False)
+    assert unmeasured.fidelity is None and unmeasured.stats.fidelity is None and unmeasured.stats.new_tokens == 10
+    measured = run_prompts(engine, target, prompts, config)
+    assert measured.fidelity == 1.0  # ar is the target's own greedy choice, measured teacher-forced
+
+
+def test_calibration_with_nothing_to_replay_reports_not_measured(tiny_dirs, viasd_home, prompt_file, tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from viasd_cli.calibrate import report_table
+    from viasd_core.calibrate import run_calibration
+    from viasd_core.prompts import load_prompts
+    from viasd_core.session import ModelOptions
+
+    # One new token per prompt: every step is a plain target step, no block is recorded.
+    out = tmp_path / "profile.json"
+    report = run_calibration(ModelOptions(model=str(tiny_dirs["target"]), draft=str(tiny_dirs["draft"])),
+                             load_prompts(str(prompt_file), limit=4), budget=0.05, skip_ratio=0.5, max_new_tokens=1,
+                             profile_path=out)
+    assert report.fit.outcome.tokens == 0 and report.fit.thresholds == Thresholds(OFF, OFF)
+    assert report.fit.outcome.fidelity is None and report.profile.fit_fidelity is None
+    assert report.heldout_sd.fidelity is None  # sd's fidelity is not re-measured: not 1.0
+    assert report.heldout_viasd.fidelity == 1.0 and report.met_budget  # measured: the target's own tokens
+    saved = json.loads(out.read_text())
+    assert saved["fit_fidelity"] is None and saved["heldout_fidelity"] == 1.0
+    assert read_profile(out).fit_fidelity is None
+    text = io.StringIO()
+    Console(file=text, width=200).print(report_table(report))
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in text.getvalue().splitlines() if line.count("│") == 3}
+    assert rows["fit fidelity (replayed)"] == "not measured"
+    assert rows["held-out fidelity (measured)"] == "1.0000"
 
 
 def test_viasd_with_both_tiers_off_is_sd_without_slim_passes():

@@ -25,7 +25,7 @@ from .errors import UsageError
 from .fidelity import fidelity
 from .model import FastModel
 from .router import OFF, BlockRecord, ReplayOutcome, Thresholds, replay
-from .stats import RunStats
+from .stats import RunStats, format_fidelity
 
 DEFAULT_BUDGET = 0.01
 DEFAULT_SKIP_RATIO = 0.45
@@ -233,7 +233,7 @@ def fit_thresholds(blocks: list[BlockRecord], costs: dict, budget: float, grid: 
 @dataclass
 class RunSummary:
     stats: RunStats
-    fidelity: float  # token-weighted over prompts
+    fidelity: float | None  # token-weighted over prompts; None: not measured
 
 
 def run_prompts(engine: Engine, hf_model, prompts_ids: list[list[int]], config: GenerationConfig,
@@ -252,7 +252,7 @@ def run_prompts(engine: Engine, hf_model, prompts_ids: list[list[int]], config: 
             count += len(gen.tokens)
         if progress:
             progress()
-    total.fidelity = agree / count if count else 1.0
+    total.fidelity = agree / count if count else None  # None: not measured (or no token)
     return RunSummary(total, total.fidelity)
 
 
@@ -295,7 +295,6 @@ def run_calibration(opts, prompts, budget: float = DEFAULT_BUDGET, skip_ratio: f
     returns a callable advancing a progress bar (or None)."""
     import datetime
 
-    from .errors import ViasdError
     from .profile import Profile, save_profile
     from .prompts import encode
     from .session import build_session
@@ -339,8 +338,8 @@ def run_calibration(opts, prompts, budget: float = DEFAULT_BUDGET, skip_ratio: f
     heldout_viasd = run_prompts(engine, hf_model, heldout_ids, vconf, progress=bar("validating viasd (held-out)", len(heldout_ids)))
     heldout_sd = run_prompts(engine, hf_model, heldout_ids, config, measure_fidelity=False,
                              progress=bar("timing sd (held-out)", len(heldout_ids)))
-    heldout_sd.fidelity = 1.0  # exact by construction (tested); not re-measured here
-    met = heldout_viasd.fidelity >= 1 - budget
+    # heldout_sd.fidelity stays None: sd is exact by construction (tested), not re-measured here
+    met = heldout_viasd.fidelity is not None and heldout_viasd.fidelity >= 1 - budget
     profile = Profile(
         target_id=session.target.model_id, draft_id=session.draft_id, quant=opts.quant,
         device=engine.device.type, dtype=str(engine.target.dtype).replace("torch.", ""),
@@ -368,7 +367,7 @@ class CalibrationMissed(Exception):
     def __init__(self, report: CalibrationReport):
         p = report.profile
         super().__init__(
-            f"held-out fidelity {p.heldout_fidelity:.4f} misses the budget (needs >= {1 - p.budget:.4f}); "
+            f"held-out fidelity {format_fidelity(p.heldout_fidelity)} misses the budget (needs >= {1 - p.budget:.4f}); "
             "profile not saved: calibrate on more prompts (--prompts, --limit), raise --budget, or pass --force"
         )
         self.report = report
