@@ -14,6 +14,7 @@ from viasd_core.calibrate import DEFAULT_BUDGET, DEFAULT_SKIP_RATIO, Calibration
 from viasd_core.errors import ViasdError
 from viasd_core.prompts import load_prompts
 from viasd_core.session import ModelOptions
+from viasd_core.stats import format_fidelity
 
 from .app import app
 from .options import (DEFAULT_MODEL, AllowPickleOpt, DeviceOpt, DraftOpt, DraftQuantOpt, DtypeOpt, GammaOpt, ModelOpt,
@@ -43,8 +44,8 @@ def report_table(report) -> Table:
         ("best random mask agreement", f"{report.search.random_best.agreement:.3f}" if report.search.random_best else "-"),
         ("theta_accept / theta_slim", f"{p.theta_accept:.4f} / {p.theta_slim:.4f}"),
         ("budget (max fidelity loss)", f"{p.budget}"),
-        ("fit fidelity (replayed)", f"{p.fit_fidelity:.4f}"),
-        ("held-out fidelity (measured)", f"{p.heldout_fidelity:.4f}"),
+        ("fit fidelity (replayed)", format_fidelity(p.fit_fidelity)),
+        ("held-out fidelity (measured)", format_fidelity(p.heldout_fidelity)),
         ("modeled tokens/s viasd / sd", f"{report.fit.modeled_tokens_per_s:.1f} / {report.fit.sd_modeled_tokens_per_s:.1f}"),
         ("measured tokens/s viasd / sd (held-out)", f"{v.tokens_per_s:.1f} / {report.heldout_sd.stats.tokens_per_s:.1f}"),
         ("tier shares accept / slim / full+bonus", f"{sh['accept']:.2f} / {sh['slim']:.2f} / {sh['full'] + sh['bonus']:.2f}"),

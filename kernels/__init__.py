@@ -3,7 +3,8 @@
 `route_block` routes one speculative block (row stats, gate, tiers, greedy acceptance
 count; see routing.py). It runs the Triton kernel when the logits are on CUDA and
 triton imports, and the PyTorch reference otherwise. triton is imported lazily, on the
-first CUDA call, so importing this package never needs it.
+first CUDA call, so importing this package never needs it. `tiers_from_gate` is the tier
+rule on its own, for gates recorded earlier (calibration replays them).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from .routing import (
     TIER_SLIM,
     RouteResult,
     route_block_reference,
+    tiers_from_gate,
 )
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "route_block",
     "route_block_reference",
     "route_block_triton",
+    "tiers_from_gate",
     "triton_available",
 ]
 

@@ -92,6 +92,19 @@ def check_route_inputs(
         )
 
 
+def tiers_from_gate(gate: torch.Tensor, theta_accept: float, theta_slim: float) -> torch.Tensor:
+    """The tier rule: gate [N] float32 -> tiers [N] int8 (a NaN gate goes to TIER_FULL).
+
+    The comparisons are float32 (a Python threshold is rounded to float32, as in the Triton
+    kernel), so gates recorded from a RouteResult and routed again here land in the same
+    tiers as they did in route_block.
+    """
+    gate = gate.float()
+    tiers = torch.full(gate.shape, TIER_FULL, dtype=torch.int8, device=gate.device)
+    tiers = torch.where(gate >= theta_slim, TIER_SLIM, tiers)
+    return torch.where(gate >= theta_accept, TIER_ACCEPT, tiers).to(torch.int8)
+
+
 def inverse_temperature(temperature: float) -> float:
     """1 / T, with T = 1 for greedy (temperature 0)."""
     return 1.0 / temperature if temperature > 0.0 else 1.0
@@ -125,9 +138,7 @@ def route_block_reference(
     gate = torch.exp((draft_logit - max_logit[:num_draft]) * inv_temperature)  # [G]
 
     # 3. Tiers from the two gate thresholds.
-    tiers = torch.full_like(draft_tokens, TIER_FULL, dtype=torch.int8)  # [G]
-    tiers = torch.where(gate >= theta_slim, TIER_SLIM, tiers)
-    tiers = torch.where(gate >= theta_accept, TIER_ACCEPT, tiers).to(torch.int8)
+    tiers = tiers_from_gate(gate, theta_accept, theta_slim)  # [G]
 
     # 4. Greedy acceptance count and the first position that is not accepted by the gate.
     positions = torch.arange(num_draft, device=draft_tokens.device)  # [G]

@@ -13,18 +13,12 @@ from viasd_core.calibrate import MaskEvaluator, fit_thresholds, search_layer_mas
 from viasd_core.errors import ViasdError
 from viasd_core.model import FastModel
 from viasd_core.profile import Profile, find_profile, read_profile, save_profile
-from viasd_core.router import OFF, TIER_ACCEPT, TIER_FULL, TIER_SLIM, BlockRecord, Thresholds, gate_signal, replay, route_tiers
+from viasd_core.router import OFF, BlockRecord, Thresholds, replay
+from viasd_kernels import route_block
 
 
 # ---------------------------------------------------------------------- pure router functions
-def test_gate_signal_and_route_tiers_on_hand_rows():
-    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25], [0.1, 0.6, 0.3], [0.2, 0.2, 0.6], [0.3, 0.3, 0.4]]))
-    gate = gate_signal(logits, torch.tensor([0, 2, 1]))
-    torch.testing.assert_close(gate, torch.tensor([1.0, 0.5, 1 / 3]))
-    tiers = route_tiers(gate, Thresholds(accept=0.9, slim=0.4))
-    assert tiers.tolist() == [TIER_ACCEPT, TIER_SLIM, TIER_FULL]
-    assert route_tiers(gate, Thresholds(accept=0.49, slim=0.49)).tolist() == [TIER_ACCEPT, TIER_ACCEPT, TIER_FULL]
-    assert route_tiers(gate, Thresholds(OFF, OFF)).tolist() == [TIER_FULL] * 3
+def test_thresholds_must_be_ordered():
     with pytest.raises(ValueError):
         Thresholds(accept=0.3, slim=0.5)
 
@@ -39,6 +33,7 @@ def test_replay_counts_tokens_errors_and_passes():
     # 0.1 -> full: one target pass, the target's token at 3 equals the draft, then the bonus (correct).
     out = replay([b], Thresholds(0.9, 0.3))
     assert (out.tokens, out.wrong, out.target_passes, out.slim_passes) == (5, 2, 1, 1)
+    assert out.tiers == ["accept", "accept", "slim", "full", "bonus"] and out.fidelity == 1 - 2 / 5
     assert out.tier_counts == {"accept": 2, "slim": 1, "full": 1, "bonus": 1}
     # Everything off: exactly sd's result (accepted prefix + the target's token), fidelity 1.
     off = replay([b], Thresholds(OFF, OFF))
@@ -47,6 +42,28 @@ def test_replay_counts_tokens_errors_and_passes():
     # All accepted and the slim gives the bonus token without any target pass.
     allacc = replay([block([1.0, 1.0], [True, True], [True, True], [True, True], bonus=False)], Thresholds(0.5, 0.0))
     assert (allacc.tokens, allacc.wrong, allacc.target_passes) == (3, 1, 0)
+    assert allacc.tiers == ["accept", "accept", "slim"] and allacc.fidelity == 1 - 1 / 3
+
+
+def test_replay_without_tokens_has_no_fidelity():
+    empty = replay([], Thresholds(0.9, 0.3))
+    assert (empty.tokens, empty.wrong, empty.steps) == (0, 0, 0)
+    assert empty.fidelity is None  # not measured, never 1.0
+
+
+def test_replay_routes_recorded_gates_as_route_block_did():
+    # The gate is float32; a threshold between it and the next float64 up rounds to it in float32,
+    # where route_block compares: route_block accepts, and so must the replay of its gate.
+    logits = torch.log(torch.tensor([[0.5, 0.15, 0.35], [0.6, 0.3, 0.1]]))
+    draft_tokens = torch.tensor([1, 0])
+    gate = route_block(logits, draft_tokens, 0.0, OFF, OFF).gate
+    theta = gate[0].item() + 1e-10  # above the recorded value in float64, equal in float32
+    assert theta > gate[0].item() and torch.tensor(theta, dtype=torch.float32) == gate[0]
+    assert route_block(logits, draft_tokens, 0.0, theta, 0.0).tiers.tolist() == [0, 0]  # both accepted
+    record = BlockRecord.from_choices(gate.tolist(), [1, 0], slim_argmax=[0, 0, 5], target_argmax=[1, 0, 5])
+    assert record == BlockRecord(tuple(gate.tolist()), (True, True), (False, True), (False, True), True)
+    out = replay([record], Thresholds(theta, 0.0))
+    assert out.tiers == ["accept", "accept", "slim"] and out.wrong == 0
 
 
 def test_fit_respects_budget_and_prefers_cheap_tiers():
@@ -61,6 +78,13 @@ def test_fit_respects_budget_and_prefers_cheap_tiers():
     assert fit.modeled_tokens_per_s > fit.sd_modeled_tokens_per_s
     loose = fit_thresholds(blocks, costs, budget=0.5)
     assert loose.modeled_tokens_per_s >= fit.modeled_tokens_per_s
+
+
+def test_fit_without_recorded_tokens_keeps_both_tiers_off():
+    # Nothing was replayed, so no threshold pair can be shown to meet the budget: viasd stays sd.
+    fit = fit_thresholds([], {"target": 1.0, "slim": 0.3, "draft": 0.05}, budget=0.01)
+    assert fit.thresholds == Thresholds(OFF, OFF)
+    assert fit.outcome.tokens == 0 and fit.outcome.fidelity is None
 
 
 # ---------------------------------------------------------------------- slim verifier
@@ -155,8 +179,24 @@ def test_calibrate_meets_budget_on_heldout_then_viasd_generates(tiny_dirs, viasd
     g = invoke("generate", "w1 w2 w3", "-m", tiny_dirs["target"], "-d", tiny_dirs["target"], "--mode", "viasd", "-n", "12", "--json", "-q")
     assert g.exit_code == 0, g.stderr
     row = json.loads(g.stdout)
-    assert row["mode"] == "viasd" and 0 <= row["fidelity"] <= 1
+    assert row["mode"] == "viasd"
     assert sum(row["stats"]["tier_counts"].values()) == row["new_tokens"] or row["finish_reason"] != "length"
+    # The reported fidelity is that of the emitted tokens: the same run in-process, then the
+    # target's greedy choices along it, counted here.
+    from viasd_core.engine import GenerationConfig
+    from viasd_core.prompts import encode
+    from viasd_core.session import ModelOptions, build_session, thresholds_of
+
+    session = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=str(tiny_dirs["target"])), mode="viasd")
+    ids = encode(session.tokenizer, "w1 w2 w3")
+    gen = session.engine.generate(ids, GenerationConfig(mode="viasd", max_new_tokens=12, thresholds=thresholds_of(session.profile)))
+    assert gen.text == row["text"] and len(gen.tokens) == row["new_tokens"]
+    with torch.no_grad():
+        choices = session.target.model(torch.tensor([ids + gen.tokens])).logits[0, len(ids) - 1 : -1].argmax(-1).tolist()
+    wrong = sum(a != b for a, b in zip(choices, gen.tokens))
+    assert row["fidelity"] == pytest.approx((len(gen.tokens) - wrong) / len(gen.tokens), abs=1e-12)
+    # The draft is the target itself: only the slim verifier's tokens can be wrong.
+    assert wrong <= row["stats"]["tier_counts"]["slim"]
     # A profile for another pair is refused with the command that makes the right one.
     other = invoke("generate", "w1", "-m", tiny_dirs["target"], "-d", "ngram", "--mode", "viasd", "-q")
     assert other.exit_code == 1 and "run `viasd calibrate" in other.stderr
@@ -203,6 +243,50 @@ def test_calibrate_refuses_to_save_when_heldout_misses_the_budget(tiny_dirs, via
     assert r.exit_code == 1
     assert "misses the budget" in r.stderr and "profile not saved" in r.stderr
     assert not (viasd_home / "config" / "profiles").exists()
+
+
+def test_run_prompts_reports_fidelity_only_where_measured():
+    from conftest import TinyTokenizer
+    from viasd_core.calibrate import run_prompts
+    from viasd_core.engine import Engine, GenerationConfig
+
+    target = tiny_model("llama", n_layers=2, seed=46)
+    prompts = [torch.randint(3, 256, (6,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(2)]
+    engine = Engine(FastModel(target, max_len=64), TinyTokenizer())
+    config = GenerationConfig(mode="ar", max_new_tokens=5)
+    unmeasured = run_prompts(engine, target, prompts, config, measure_fidelity=False)
+    assert unmeasured.fidelity is None and unmeasured.stats.fidelity is None and unmeasured.stats.new_tokens == 10
+    measured = run_prompts(engine, target, prompts, config)
+    assert measured.fidelity == 1.0  # ar is the target's own greedy choice, measured teacher-forced
+
+
+def test_calibration_with_nothing_to_replay_reports_not_measured(tiny_dirs, viasd_home, prompt_file, tmp_path):
+    import io
+
+    from rich.console import Console
+
+    from viasd_cli.calibrate import report_table
+    from viasd_core.calibrate import run_calibration
+    from viasd_core.prompts import load_prompts
+    from viasd_core.session import ModelOptions
+
+    # One new token per prompt: every step is a plain target step, no block is recorded.
+    out = tmp_path / "profile.json"
+    report = run_calibration(ModelOptions(model=str(tiny_dirs["target"]), draft=str(tiny_dirs["draft"])),
+                             load_prompts(str(prompt_file), limit=4), budget=0.05, skip_ratio=0.5, max_new_tokens=1,
+                             profile_path=out)
+    assert report.fit.outcome.tokens == 0 and report.fit.thresholds == Thresholds(OFF, OFF)
+    assert report.fit.outcome.fidelity is None and report.profile.fit_fidelity is None
+    assert report.heldout_sd.fidelity is None  # sd's fidelity is not re-measured: not 1.0
+    assert report.heldout_viasd.fidelity == 1.0 and report.met_budget  # measured: the target's own tokens
+    saved = json.loads(out.read_text())
+    assert saved["fit_fidelity"] is None and saved["heldout_fidelity"] == 1.0
+    assert read_profile(out).fit_fidelity is None
+    text = io.StringIO()
+    Console(file=text, width=200).print(report_table(report))
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in text.getvalue().splitlines() if line.count("│") == 3}
+    assert rows["fit fidelity (replayed)"] == "not measured"
+    assert rows["held-out fidelity (measured)"] == "1.0000"
 
 
 def test_viasd_with_both_tiers_off_is_sd_without_slim_passes():

@@ -30,6 +30,7 @@ from viasd_kernels import (
     RouteResult,
     route_block,
     route_block_reference,
+    tiers_from_gate,
 )
 
 HAS_CUDA = torch.cuda.is_available()
@@ -211,6 +212,21 @@ def test_thresholds_exactly_at_the_gate_value():
     assert tiers(just_above_g, g) == [TIER_ACCEPT, TIER_SLIM]  # r == theta_slim -> slim
     assert tiers(just_above_g, just_above_g) == [TIER_ACCEPT, TIER_FULL]
     assert tiers(0.0, 0.0) == [TIER_ACCEPT, TIER_ACCEPT]  # theta_accept = 0 accepts everything
+
+
+def test_tiers_from_gate_is_the_rule_route_block_applies():
+    logits, draft_tokens, _ = hand_block("one_of_each_tier", with_bonus=True)
+    result = route_block_reference(logits, draft_tokens, 0.7, 0.5, 0.1)
+    recorded = torch.tensor(result.gate.tolist())  # through Python floats, as calibration records them
+    assert torch.equal(tiers_from_gate(recorded, 0.5, 0.1), result.tiers)
+    assert tiers_from_gate(recorded, 0.5, 0.1).tolist() == [TIER_ACCEPT, TIER_SLIM, TIER_FULL]
+    # Thresholds compare in float32: one a hair above a gate in float64 is that gate in float32.
+    g = result.gate[1].item()
+    theta = g + 1e-12
+    assert theta > g and torch.tensor(theta, dtype=torch.float32).item() == g
+    assert route_block_reference(logits, draft_tokens, 0.7, theta, 0.0).tiers[1] == TIER_ACCEPT
+    assert tiers_from_gate(recorded, theta, 0.0).tolist() == [TIER_ACCEPT, TIER_ACCEPT, TIER_SLIM]
+    assert tiers_from_gate(torch.tensor([float("nan"), 1.0]), 0.0, 0.0).tolist() == [TIER_FULL, TIER_ACCEPT]
 
 
 def tiers_at_exact_gates(route, device="cpu") -> dict:
@@ -414,6 +430,15 @@ def test_triton_matches_hand_blocks(fused, name, with_bonus, dtype):
         assert result.first_non_accept.item() == expected["first_non_accept"]
         reference = route_block_reference(logits, draft_tokens, temperature, 0.5, 0.1)
         assert_same_routing(result, reference, f"({name}, T {temperature})")
+
+
+def test_triton_tiers_follow_tiers_from_gate_at_a_float32_boundary(fused):
+    route_block_triton, device = fused
+    logits, draft_tokens, _ = hand_block("one_of_each_tier", with_bonus=True, device=device)
+    gate = route_block_triton(logits, draft_tokens, 0.7, 0.5, 0.1).gate.cpu()
+    for theta in (gate[1].item(), gate[1].item() + 1e-12, gate[2].item() + 1e-12):
+        result = route_block_triton(logits, draft_tokens, 0.7, theta, theta / 2)
+        assert torch.equal(result.tiers.cpu(), tiers_from_gate(gate, theta, theta / 2)), theta
 
 
 def test_triton_tiers_at_gates_exactly_zero_and_one(fused):

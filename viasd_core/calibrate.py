@@ -1,6 +1,6 @@
 """`viasd calibrate`: find the slim verifier's layer mask, then fit the tier thresholds to a budget.
 
-ALGORITHM.md sections 4 and 5:
+docs/algorithm.md sections 4 and 5:
   1. generate (exact sd) on the calibration prompts; the finished sequences are calibration text
   2. search the layer mask that keeps the slim verifier closest to the target on that text
   3. re-run with the slim verifier recording, per drafted token, the gate and whether the
@@ -25,7 +25,7 @@ from .errors import UsageError
 from .fidelity import fidelity
 from .model import FastModel
 from .router import OFF, BlockRecord, ReplayOutcome, Thresholds, replay
-from .stats import RunStats
+from .stats import RunStats, format_fidelity
 
 DEFAULT_BUDGET = 0.01
 DEFAULT_SKIP_RATIO = 0.45
@@ -186,17 +186,9 @@ def modeled_tokens_per_s(outcome: ReplayOutcome, costs: dict) -> float:
 
 
 def sd_outcome(blocks: list[BlockRecord]) -> ReplayOutcome:
-    """What plain sd does on the same blocks: one target pass per block, no slim pass."""
-    res = ReplayOutcome(tier_counts={})
-    for b in blocks:
-        kept = 0
-        while kept < len(b.draft_ok) and b.draft_ok[kept]:
-            kept += 1
-        res.tokens += kept + 1
-        res.steps += 1
-        res.target_passes += 1
-        res.drafted += len(b.gate)
-    return res
+    """What plain sd does on the same blocks: viasd with both tiers off (one target pass per
+    block, no slim pass; the target's tokens up to its first disagreement, then its own)."""
+    return replay(blocks, Thresholds(OFF, OFF))
 
 
 # ---------------------------------------------------------------------- threshold fit
@@ -210,7 +202,8 @@ class Fit:
 
 def fit_thresholds(blocks: list[BlockRecord], costs: dict, budget: float, grid: int = 24) -> Fit:
     """Grid search over (theta_accept, theta_slim) maximizing modeled tokens/s subject to
-    replayed fidelity >= 1 - budget. A threshold of OFF (> 1) disables its tier."""
+    replayed fidelity >= 1 - budget. A threshold of OFF (> 1) disables its tier. Without any
+    recorded token nothing can be shown to meet the budget: both tiers stay off (viasd is sd)."""
     gates = sorted(g for b in blocks for g in b.gate)
     if gates:
         qs = [gates[min(len(gates) - 1, int(q * (len(gates) - 1)))] for q in [i / grid for i in range(grid + 1)]]
@@ -224,12 +217,12 @@ def fit_thresholds(blocks: list[BlockRecord], costs: dict, budget: float, grid: 
                 continue
             th = Thresholds(accept, slim)
             outcome = replay(blocks, th)
-            if outcome.fidelity < 1 - budget:
+            if outcome.fidelity is None or outcome.fidelity < 1 - budget:
                 continue
             tps = modeled_tokens_per_s(outcome, costs)
             if best is None or tps > best[0]:
                 best = (tps, th, outcome)
-    if best is None:  # cannot happen: all-off is exact (the target decides everything)
+    if best is None:  # no recorded token (all-off is exact and meets any budget otherwise)
         th = Thresholds(OFF, OFF)
         outcome = replay(blocks, th)
         best = (modeled_tokens_per_s(outcome, costs), th, outcome)
@@ -240,7 +233,7 @@ def fit_thresholds(blocks: list[BlockRecord], costs: dict, budget: float, grid: 
 @dataclass
 class RunSummary:
     stats: RunStats
-    fidelity: float  # token-weighted over prompts
+    fidelity: float | None  # token-weighted over prompts; None: not measured
 
 
 def run_prompts(engine: Engine, hf_model, prompts_ids: list[list[int]], config: GenerationConfig,
@@ -259,7 +252,7 @@ def run_prompts(engine: Engine, hf_model, prompts_ids: list[list[int]], config: 
             count += len(gen.tokens)
         if progress:
             progress()
-    total.fidelity = agree / count if count else 1.0
+    total.fidelity = agree / count if count else None  # None: not measured (or no token)
     return RunSummary(total, total.fidelity)
 
 
@@ -302,7 +295,6 @@ def run_calibration(opts, prompts, budget: float = DEFAULT_BUDGET, skip_ratio: f
     returns a callable advancing a progress bar (or None)."""
     import datetime
 
-    from .errors import ViasdError
     from .profile import Profile, save_profile
     from .prompts import encode
     from .session import build_session
@@ -346,8 +338,8 @@ def run_calibration(opts, prompts, budget: float = DEFAULT_BUDGET, skip_ratio: f
     heldout_viasd = run_prompts(engine, hf_model, heldout_ids, vconf, progress=bar("validating viasd (held-out)", len(heldout_ids)))
     heldout_sd = run_prompts(engine, hf_model, heldout_ids, config, measure_fidelity=False,
                              progress=bar("timing sd (held-out)", len(heldout_ids)))
-    heldout_sd.fidelity = 1.0  # exact by construction (tested); not re-measured here
-    met = heldout_viasd.fidelity >= 1 - budget
+    # heldout_sd.fidelity stays None: sd is exact by construction (tested), not re-measured here
+    met = heldout_viasd.fidelity is not None and heldout_viasd.fidelity >= 1 - budget
     profile = Profile(
         target_id=session.target.model_id, draft_id=session.draft_id, quant=opts.quant,
         device=engine.device.type, dtype=str(engine.target.dtype).replace("torch.", ""),
@@ -375,7 +367,7 @@ class CalibrationMissed(Exception):
     def __init__(self, report: CalibrationReport):
         p = report.profile
         super().__init__(
-            f"held-out fidelity {p.heldout_fidelity:.4f} misses the budget (needs >= {1 - p.budget:.4f}); "
+            f"held-out fidelity {format_fidelity(p.heldout_fidelity)} misses the budget (needs >= {1 - p.budget:.4f}); "
             "profile not saved: calibrate on more prompts (--prompts, --limit), raise --budget, or pass --force"
         )
         self.report = report

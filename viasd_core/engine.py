@@ -25,7 +25,7 @@ import torch
 
 from .errors import UsageError, ViasdError
 from .model import PASS_WIDTHS, FastModel
-from .router import Thresholds, TIER_ACCEPT, TIER_FULL, TIER_SLIM
+from .router import OFF, BlockRecord, Thresholds, walk_block
 from .sampling import Sampler, SamplingParams, greedy_accept, prefix_length, process_logits, speculative_sample
 from .stats import RunStats
 
@@ -353,27 +353,25 @@ class Engine:
         self._commit(n, out, keep, written=True)
         return out, tiers, n_acc, kept_draft
 
-    def _record(self, n: int, g: int, block: list[int], target_argmax: list[int], fed: dict) -> None:
-        """One BlockRecord for calibration: the slim's gate and argmax against the target's choices."""
-        from .router import BlockRecord, gate_signal
+    def _record(self, n: int, g: int, block: list[int], target_argmax: list[int], fed: dict, route=None) -> None:
+        """One BlockRecord for calibration: the slim's gate and argmax against the target's choices.
 
-        slim_logits = self.slim.extend(self.ids, n + g, g + 1)
-        fed[id(self.slim)] = block
-        gate = gate_signal(slim_logits, self.ids[n : n + g]).tolist()
-        slim_argmax = slim_logits.argmax(-1).tolist()
-        self.recorder.append(BlockRecord(
-            gate=tuple(gate),
-            draft_ok=tuple(block[j] == target_argmax[j] for j in range(g)),
-            slim_ok=tuple(slim_argmax[j] == target_argmax[j] for j in range(g)),
-            draft_eq_slim=tuple(block[j] == slim_argmax[j] for j in range(g)),
-            slim_bonus_ok=slim_argmax[g] == target_argmax[g],
-        ))
+        `route`: the slim pass's RouteResult when the step already ran it (viasd); else it runs
+        here. The gate is route_block's, the one the engine routes with.
+        """
+        if route is None:
+            from viasd_kernels import route_block
+
+            slim_logits = self.slim.extend(self.ids, n + g, g + 1)  # [g + 1, V]
+            fed[id(self.slim)] = block
+            route = route_block(slim_logits, self.ids[n : n + g], 0.0, OFF, OFF)  # the gate only
+        self.recorder.append(BlockRecord.from_choices(route.gate.tolist(), block, route.argmax.tolist(), target_argmax))
 
     def _route_viasd(self, n: int, g: int, block: list[int], th: Thresholds, stats: RunStats):
-        """Three tiers (ALGORITHM.md section 2): accept / slim / full, decided per position."""
+        """Three tiers (docs/algorithm.md section 2): accept / slim / full, walked by router.walk_block."""
         from viasd_kernels import route_block
 
-        # 2. route: one slim pass over the block gives the gate signal at every position
+        # 2. route: one slim pass over the block gives the gate and tier of every position
         t = self._clock()
         slim_logits = self.slim.extend(self.ids, n + g, g + 1)  # [g + 1, V]
         route = route_block(slim_logits, self.ids[n : n + g], 0.0, th.accept, th.slim)
@@ -382,41 +380,23 @@ class Engine:
         stats.time_slim += self._clock() - t
         stats.slim_passes += 1
         fed = {id(self.slim): block}
-        out: list[int] = []
-        tiers: list[str] = []
-        target_argmax = None
-        for j in range(g + 1):
-            if target_argmax is not None:  # the target already ran this step: it decides the rest
-                token = target_argmax[j]
-                out.append(token)
-                tiers.append("full" if j < g else "bonus")
-                if j == g or token != block[j]:
-                    break
-                continue
-            if j == g:  # whole block kept without the target: the slim gives the bonus token
-                out.append(slim_argmax[g])
-                tiers.append("slim")
-                break
-            tier = tiers_code[j]
-            if tier == TIER_ACCEPT:
-                out.append(block[j])
-                tiers.append("accept")
-            elif tier == TIER_SLIM:
-                out.append(slim_argmax[j])
-                tiers.append("slim")
-                if slim_argmax[j] != block[j]:
-                    break
-            else:  # TIER_FULL: 3. verify lazily, once per step
+        target_argmax: list[int] = []
+
+        def verify(counted: bool) -> list[int]:
+            if not target_argmax:  # 3. verify: one target pass over the block, at most once a step
                 t = self._clock()
-                target_argmax = self.target.extend(self.ids, n + g, g + 1).argmax(-1).tolist()
-                stats.time_verify += self._clock() - t
-                stats.target_passes += 1
+                target_argmax.extend(self.target.extend(self.ids, n + g, g + 1).argmax(-1).tolist())
                 fed[id(self.target)] = block
-                token = target_argmax[j]
-                out.append(token)
-                tiers.append("full")
-                if token != block[j]:
-                    break
+                if counted:
+                    stats.time_verify += self._clock() - t
+                    stats.target_passes += 1
+            return target_argmax
+
+        tiers = walk_block(tiers_code, [slim_argmax[j] == block[j] for j in range(g)], lambda j: verify(True)[j] == block[j])
+        source = {"accept": block, "slim": slim_argmax, "full": target_argmax, "bonus": target_argmax}
+        out = [source[name][j] for j, name in enumerate(tiers)]
+        if self.recorder is not None:  # teacher-forced labels; a pass the walk did not need is not counted
+            self._record(n, g, block, verify(False), fed, route)
         for name in tiers:
             stats.tier_counts[name] += 1
         return out, tiers, fed

@@ -29,8 +29,8 @@ class Profile:
     theta_accept: float
     theta_slim: float
     budget: float  # largest fidelity loss allowed
-    heldout_fidelity: float
-    fit_fidelity: float = 0.0
+    heldout_fidelity: float | None  # measured on held-out prompts; None (JSON null): not measured
+    fit_fidelity: float | None = None  # replayed on the fit prompts; None: not measured
     target_revision: str | None = None
     draft_revision: str | None = None
     slim_agreement: float = 0.0  # top-1 agreement slim vs target on calibration text

@@ -1,17 +1,22 @@
-"""The VIA-SD tier router as pure functions (ALGORITHM.md section 2).
+"""The VIA-SD tier walk as pure functions (docs/algorithm.md section 2), shared by the engine and replay.
 
-Gate signal per drafted token j: r_j = slim_prob(v_j) / max slim_prob, computed from the slim
-verifier's logits. Tiers: r >= accept -> keep the draft token; slim <= r < accept -> the slim
-verifier's token; r < slim -> the target decides.
+The gate of drafted token j is r_j = slim_prob(v_j) / max slim_prob, from the slim verifier's
+logits; its tier is accept (r >= theta_accept: keep the draft token), slim (theta_slim <= r <
+theta_accept: the slim verifier's token) or full (r < theta_slim: the target decides). Both the
+gate and the tier rule live in viasd_kernels (`route_block`, `tiers_from_gate`); this module walks
+one block through the tiers (`walk_block`) and replays recorded blocks with it (calibration).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
+from viasd_kernels import TIER_ACCEPT, TIER_SLIM, tiers_from_gate
 
-TIER_ACCEPT, TIER_SLIM, TIER_FULL = 0, 1, 2
+from .stats import TIERS
+
 OFF = 1.5  # a threshold above 1 switches its tier off: the gate r is at most 1
 
 
@@ -30,28 +35,45 @@ class Thresholds:
             raise ValueError(f"need 0 <= theta_slim <= theta_accept <= 2 (above 1 = off), got {self.slim}, {self.accept}")
 
 
-def gate_signal(slim_logits: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
-    """r_j = exp(slim_logit[j, v_j] - max_v slim_logit[j, v]) for slim_logits [G(+1), V], draft_tokens [G]."""
-    G = draft_tokens.shape[0]
-    logits = slim_logits[:G].float()
-    return (logits.gather(-1, draft_tokens[:, None])[:, 0] - logits.max(-1).values).exp()
+def walk_block(tiers: Sequence[int], draft_eq_slim: Sequence[bool], target_agrees: Callable[[int], bool]) -> list[str]:
+    """The tier name of each emitted position 0, 1, ... of one block of G = len(tiers) drafts.
 
-
-def route_tiers(gate: torch.Tensor, thresholds: Thresholds) -> torch.Tensor:
-    """gate [G] float -> tiers [G] int8 (0 accept, 1 slim, 2 full)."""
-    tiers = torch.full(gate.shape, TIER_FULL, dtype=torch.int8, device=gate.device)
-    tiers[gate >= thresholds.slim] = TIER_SLIM
-    tiers[gate >= thresholds.accept] = TIER_ACCEPT
-    return tiers
+    Names: 'accept' (the draft's token), 'slim' (the slim verifier's token), 'full' and 'bonus'
+    (the target's token). A slim token that differs from the draft ends the block
+    (draft_eq_slim[j] is False); the first 'full' position hands the rest of the block to the
+    target: `target_agrees(j)` (whether the target's token at j equals the draft's) is called
+    only from there on, so the caller runs its one target pass lazily on the first call. The
+    target's tokens run until its first disagreement, or through all G positions and its bonus
+    token at G. A block kept whole without the target ends with the slim's token at G ('slim').
+    """
+    names: list[str] = []
+    num_draft = len(tiers)
+    for j in range(num_draft):
+        if tiers[j] == TIER_ACCEPT:
+            names.append("accept")
+        elif tiers[j] == TIER_SLIM:
+            names.append("slim")
+            if not draft_eq_slim[j]:
+                return names
+        else:  # full: the target decides from j on
+            for i in range(j, num_draft):
+                names.append("full")
+                if not target_agrees(i):
+                    return names
+            names.append("bonus")
+            return names
+    names.append("slim")  # the whole block kept without the target: the slim's token at G
+    return names
 
 
 @dataclass(frozen=True)
 class BlockRecord:
     """One recorded speculative block, for replaying tier decisions offline (calibration).
 
-    Per position j < G: the gate value, whether the draft token equals the target's greedy
-    choice, whether the slim's argmax equals the target's; `slim_bonus_ok`: the slim's token
-    after the whole block equals the target's.
+    Per position j < G: the gate value (from route_block), whether the draft token equals the
+    target's greedy choice, whether the slim's argmax equals the target's, whether the draft
+    token equals the slim's argmax; `slim_bonus_ok`: the slim's token after the whole block
+    equals the target's. The target's choices are teacher-forced on the drafted block.
     """
 
     gate: tuple[float, ...]
@@ -60,62 +82,72 @@ class BlockRecord:
     draft_eq_slim: tuple[bool, ...]
     slim_bonus_ok: bool
 
+    @classmethod
+    def from_choices(cls, gate: Sequence[float], block: Sequence[int], slim_argmax: Sequence[int],
+                     target_argmax: Sequence[int]) -> "BlockRecord":
+        """From the G gate values, the G drafted tokens and the G + 1 slim / target argmaxes."""
+        num_draft = len(block)
+        return cls(
+            gate=tuple(float(r) for r in gate),
+            draft_ok=tuple(block[j] == target_argmax[j] for j in range(num_draft)),
+            slim_ok=tuple(slim_argmax[j] == target_argmax[j] for j in range(num_draft)),
+            draft_eq_slim=tuple(block[j] == slim_argmax[j] for j in range(num_draft)),
+            slim_bonus_ok=slim_argmax[num_draft] == target_argmax[num_draft],
+        )
+
 
 @dataclass
 class ReplayOutcome:
-    tokens: int = 0
-    wrong: int = 0
+    tiers: list[str] = field(default_factory=list)  # the tier of every emitted token, in order
+    wrong: int = 0  # emitted tokens that differ from the target's greedy choice
     steps: int = 0
     target_passes: int = 0
     slim_passes: int = 0
     drafted: int = 0
-    tier_counts: dict | None = None
 
     @property
-    def fidelity(self) -> float:
-        return 1.0 - self.wrong / self.tokens if self.tokens else 1.0
+    def tokens(self) -> int:
+        return len(self.tiers)
+
+    @property
+    def tier_counts(self) -> dict[str, int]:
+        return {name: self.tiers.count(name) for name in TIERS}
+
+    @property
+    def fidelity(self) -> float | None:
+        """Fraction of emitted tokens equal to the target's choice; None (not measured) with none."""
+        return 1.0 - self.wrong / self.tokens if self.tokens else None
+
+
+def _emitted_ok(b: BlockRecord, j: int, name: str) -> bool:
+    """Whether the token emitted at position j under tier `name` is the target's choice."""
+    if name == "accept":
+        return b.draft_ok[j]
+    if name == "slim":
+        return b.slim_ok[j] if j < len(b.gate) else b.slim_bonus_ok
+    return True  # full / bonus: the target's own token
 
 
 def replay(blocks: list[BlockRecord], thresholds: Thresholds) -> ReplayOutcome:
-    """Simulate the viasd walk of engine._route_viasd over recorded blocks (teacher-forced labels).
+    """The engine's viasd walk (walk_block) over recorded blocks, with teacher-forced labels.
 
-    Counts emitted tokens, tokens that differ from the target's greedy choice, and passes.
+    Tiers come from the recorded gates through the kernels' tier rule, so a replay with the
+    thresholds of a recorded viasd run routes exactly as that run did. Counts emitted tokens,
+    tokens that differ from the target's greedy choice, and passes.
     """
-    res = ReplayOutcome(tier_counts={"accept": 0, "slim": 0, "full": 0, "bonus": 0})
+    res = ReplayOutcome()
+    all_gates = torch.tensor([r for b in blocks for r in b.gate], dtype=torch.float32)
+    all_tiers = tiers_from_gate(all_gates, thresholds.accept, thresholds.slim).tolist()
+    start = 0
     for b in blocks:
+        num_draft = len(b.gate)
+        tiers = all_tiers[start : start + num_draft]
+        start += num_draft
         res.steps += 1
         res.slim_passes += 1 if thresholds.active else 0
-        res.drafted += len(b.gate)
-        G = len(b.gate)
-        full = False
-        for j in range(G + 1):
-            if full:  # the target decides: correct by construction
-                res.tokens += 1
-                res.tier_counts["full" if j < G else "bonus"] += 1
-                if j == G or not b.draft_ok[j]:
-                    break
-                continue
-            if j == G:
-                res.tokens += 1
-                res.wrong += 0 if b.slim_bonus_ok else 1
-                res.tier_counts["slim"] += 1
-                break
-            r = b.gate[j]
-            if r >= thresholds.accept:
-                res.tokens += 1
-                res.wrong += 0 if b.draft_ok[j] else 1
-                res.tier_counts["accept"] += 1
-            elif r >= thresholds.slim:
-                res.tokens += 1
-                res.wrong += 0 if b.slim_ok[j] else 1
-                res.tier_counts["slim"] += 1
-                if not b.draft_eq_slim[j]:
-                    break
-            else:
-                full = True
-                res.target_passes += 1
-                res.tokens += 1
-                res.tier_counts["full"] += 1
-                if not b.draft_ok[j]:
-                    break
+        res.drafted += num_draft
+        names = walk_block(tiers, b.draft_eq_slim, b.draft_ok.__getitem__)
+        res.target_passes += 1 if "full" in names else 0
+        res.wrong += sum(not _emitted_ok(b, j, name) for j, name in enumerate(names))
+        res.tiers.extend(names)
     return res

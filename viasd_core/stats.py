@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 TIERS = ("accept", "slim", "full", "bonus")
+NOT_MEASURED = "not measured"
+
+
+def format_fidelity(value: float | None, spec: str = ".4f") -> str:
+    """A fidelity for people to read: NOT_MEASURED where none was measured (None), never 1.0."""
+    return NOT_MEASURED if value is None else format(value, spec)
 
 
 @dataclass
