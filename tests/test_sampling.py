@@ -29,31 +29,48 @@ def test_greedy_accept_hand_rows():
 
 
 def test_speculative_sample_hand_rows():
+    """(emitted [G + 1], n): only emitted[:n + 1] is meaningful; the sampler gets every row's recovery
+    distribution at once (rows 0..G-1 residuals, row G the bonus row) and row n is the one kept."""
     draft_probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]])
     target_probs = torch.tensor([[0.25, 0.25, 0.5, 0.0], [0.0, 0.5, 0.5, 0.0], [0.1, 0.2, 0.3, 0.4]])
     tokens = torch.tensor([0, 1])
     s = FixedSampler()
+
+    def kept(out, n):
+        return out[: int(n) + 1].tolist()
+
     # position 0: accept prob = 0.25 / 0.5 = 0.5; u = 0.49 accepts. position 1: 0.5 / 1.0; u = 0.51 rejects.
     out, n = speculative_sample(tokens, draft_probs, target_probs, torch.tensor([0.49, 0.51]), s)
-    assert n == 1
+    assert int(n) == 1 and out.shape == (3,)
     # residual at position 1: max(0, [0, .5, .5, 0] - [0, 1, 0, 0]) = [0, 0, .5, 0] -> normalized one-hot on 2
-    torch.testing.assert_close(s.rows[-1][0], torch.tensor([0.0, 0.0, 1.0, 0.0]))
-    assert out.tolist() == [0, 2]
+    torch.testing.assert_close(s.rows[-1][1], torch.tensor([0.0, 0.0, 1.0, 0.0]))
+    assert kept(out, n) == [0, 2]
     # u equal to the acceptance probability rejects (accept iff u < ratio); the rest of the block is dropped
     out, n = speculative_sample(tokens, draft_probs, target_probs, torch.tensor([0.5, 0.0]), s)
-    assert n == 0 and out.tolist() == [2]  # residual at 0: [0, 0, .5, 0] / .5 after max(0, [-.25, -.25, .5, 0])
+    assert int(n) == 0 and kept(out, n) == [2]  # residual at 0: [0, 0, .5, 0] / .5 after max(0, [-.25, -.25, .5, 0])
     torch.testing.assert_close(s.rows[-1][0], torch.tensor([0.0, 0.0, 1.0, 0.0]))
     # all accepted: the bonus token is sampled from the last target row, unchanged
     out, n = speculative_sample(tokens, draft_probs, target_probs, torch.tensor([0.1, 0.1]), s)
-    assert n == 2 and out.tolist() == [0, 1, 3]
-    torch.testing.assert_close(s.rows[-1][0], target_probs[2])
+    assert int(n) == 2 and kept(out, n) == [0, 1, 3]
+    torch.testing.assert_close(s.rows[-1][2], target_probs[2])
     # target gives the draft token more mass than the draft: always accepted (u < 1)
     out, n = speculative_sample(torch.tensor([2]), torch.tensor([[0.0, 0.0, 0.1, 0.9]]), torch.tensor([[0, 0, 1.0, 0], [1.0, 0, 0, 0]]), torch.tensor([0.999]), s)
-    assert n == 1 and out.tolist() == [2, 0]
+    assert int(n) == 1 and kept(out, n) == [2, 0]
     # a residual spread over several tokens is renormalized: max(0, [.2, .3, .5] - [.5, .1, .4]) = [0, .2, .1]
     out, n = speculative_sample(torch.tensor([0]), torch.tensor([[0.5, 0.1, 0.4]]), torch.tensor([[0.2, 0.3, 0.5], [1.0, 0, 0]]), torch.tensor([0.9]), s)
-    assert n == 0 and out.tolist() == [1]
+    assert int(n) == 0 and kept(out, n) == [1]
     torch.testing.assert_close(s.rows[-1][0], torch.tensor([0.0, 2 / 3, 1 / 3]))
+
+
+def test_categorical_on_the_device_follows_the_distribution():
+    """The exponential race draws each row from its own distribution (no multinomial, no host read)."""
+    probs = torch.tensor([[0.1, 0.2, 0.7, 0.0], [0.5, 0.0, 0.0, 0.5]])
+    sampler = Sampler(seed=7)
+    draws = torch.stack([sampler.categorical(probs) for _ in range(20000)])  # [N, 2]
+    for row in range(2):
+        freq = torch.bincount(draws[:, row], minlength=4).float() / draws.shape[0]
+        assert _tv(freq, probs[row]) < 0.015
+    assert (draws[:, 0] != 3).all() and (draws[:, 1] != 1).all()  # zero-probability tokens never drawn
 
 
 def test_process_logits_top_k_top_p_temperature():

@@ -131,8 +131,8 @@ class Engine:
         self._slim = slim
         if slim is not None:
             slim.allocate(self.context_len)
-            if self.compiled:
-                slim.compile()
+            if self.compiled and slim.compile():
+                slim.warm_up()
 
     @property
     def drafter(self):
@@ -144,8 +144,8 @@ class Engine:
         self._drafter = drafter
         if drafter is not None:
             drafter.ensure_capacity(self.context_len)
-            if self.compiled and getattr(drafter, "model", None) is not None:
-                drafter.model.compile()
+            if self.compiled and getattr(drafter, "model", None) is not None and drafter.model.compile():
+                drafter.model.warm_up(max_width=1)
 
     def _models(self):
         out = [self.target]
@@ -162,6 +162,16 @@ class Engine:
         """torch.compile every model's pass (see FastModel.compile); False when none could be."""
         self.compiled = any([m.compile() for m in self.all_models()])
         return self.compiled
+
+    def warm_up(self) -> float:
+        """Compile now every graph a generation can meet (none compiles mid-generation); returns
+        the seconds it took, 0.0 when nothing is compiled. Empties the caches."""
+        seconds = sum(m.warm_up() for m in self._models())
+        draft = getattr(self.drafter, "model", None)
+        if draft is not None:
+            seconds += draft.warm_up(max_width=1)  # a draft runs 1-token steps and 2-token catch-ups
+        self.reset()
+        return seconds
 
     def _clock(self) -> float:
         if self.breakdown and self.device.type == "cuda":

@@ -25,6 +25,7 @@ shares every weight and costs only its own KV cache.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -199,9 +200,13 @@ class FastModel:
             self.compile(self.compile_mode)
 
     def set_span(self, n_positions: int) -> None:
-        """Attend over the first `n_positions` cache entries (rounded up) in the passes that follow."""
+        """Attend over the first `n_positions` cache entries (rounded up) in the passes that follow.
+
+        A compiled model always attends over the whole cache (gpt-fast's static shape): a window
+        per generation would be a new graph to compile whenever a generation needs a new one.
+        """
         n = -(-int(n_positions) // SPAN_ROUND) * SPAN_ROUND
-        self.attn_len = min(max(n, SPAN_ROUND), self.max_len)
+        self.attn_len = self.max_len if self._compiled is not None else min(max(n, SPAN_ROUND), self.max_len)
 
     def compile(self, mode: str | None = "default") -> bool:
         """torch.compile the pass function (fullgraph, static shapes); False where it cannot apply.
@@ -214,6 +219,10 @@ class FastModel:
         if mode == "default" and self.device.type == "cuda":
             mode = "reduce-overhead"
         self.compile_mode = mode
+        self.attn_len = self.max_len
+        # Every FastModel shares `_run`'s code, whose graphs dynamo caches together (a session holds
+        # about 12: target, slim and draft shapes); the default limit of 8 would refuse the rest.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._compiled = torch.compile(self._run, fullgraph=True, dynamic=False, mode=mode)
         return True
 
@@ -318,14 +327,40 @@ class FastModel:
     def _padded(self, input_ids: torch.Tensor, start: int, T: int, n_logits: int) -> torch.Tensor:
         """A short pass padded to its fixed width (the compiled graphs' shapes)."""
         W = pass_width(T)
-        if W > T:  # padding tokens sit after the real ones: no real row attends to them
-            input_ids = torch.cat([input_ids, input_ids.new_zeros(W - T)])
+        # Padding tokens sit after the real ones: no real row attends to them. Always a new tensor
+        # (made under inference mode), so every call hands the graph the same kind of input.
+        input_ids = torch.cat([input_ids, input_ids.new_zeros(W - T)])
         pos = torch.arange(start, start + W, device=self.device)
         n_rows = W if n_logits > 1 else 1  # 1 row, or all rows (the caller keeps n_logits of them)
         rows = torch.arange(T - n_rows, T, device=self.device) if n_rows == 1 else torch.arange(W, device=self.device)
-        run = self._compiled if self._compiled is not None else self._run
+        run = self._compiled if self._compiled is not None and (W, n_rows) in self.graph_shapes() else self._run
         logits = run(input_ids, pos, rows, self._span(start + W))
         return logits if n_rows == 1 else logits[T - n_logits : T]
+
+    @staticmethod
+    def graph_shapes(max_width: int = PASS_WIDTHS[-1]) -> list[tuple[int, int]]:
+        """(width, logit rows) of the decode-shaped passes that run compiled: one token or a
+        catch-up of two with one logit row (plain decoding, drafting), and a verify block of every
+        width with all rows. Any other short pass (a short prompt) runs eagerly: no graph for it."""
+        return [(1, 1), (2, 1)] + [(w, w) for w in PASS_WIDTHS[1:] if w <= max_width]
+
+    def warm_up(self, max_width: int = PASS_WIDTHS[-1]) -> float:
+        """Compile every decode-shaped graph now (so generation never compiles); returns seconds.
+
+        Runs each shape once at positions 0.. (their cache entries are garbage, so the cache is
+        emptied after). A no-op returning 0.0 when the model is not compiled.
+        """
+        if self._compiled is None:
+            return 0.0
+        t0 = time.perf_counter()
+        ids = torch.zeros(max_width, dtype=torch.long, device=self.device)
+        for width, n_rows in self.graph_shapes(max_width):
+            self.forward(ids[:width], 0, n_rows)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.reset()
+        self.passes = self.positions_run = 0
+        return time.perf_counter() - t0
 
     def extend(self, ids: torch.Tensor, end: int, n_logits: int = 1) -> torch.Tensor:
         """Feed the positions [seen, end) of the token buffer `ids` and return the last logits."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import paths
 from .drafters import HybridDrafter, ModelDrafter, NgramDrafter
 from .engine import Engine
 from .errors import UsageError, ViasdError
@@ -48,6 +49,7 @@ class Session:
     draft: Loaded | None
     profile: Profile | None
     options: ModelOptions
+    compile_seconds: float | None = None  # time spent compiling at start-up (None: eager)
 
     @property
     def tokenizer(self):
@@ -125,8 +127,12 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
         slim = slim_verifier(target_fast, profile.layer_ids)
     engine = Engine(target_fast, target.tokenizer, drafter=drafter, slim=slim, eos_token_ids=eos_ids(target),
                     context_len=max_context)
-    apply_compile(engine, opts.compile)
-    return Session(engine, target, draft_id, draft, profile, opts)
+    session = Session(engine, target, draft_id, draft, profile, opts)
+    if apply_compile(engine, opts.compile):
+        if progress:
+            progress("compiling the decoding graphs (torch.compile; cached for later runs)...")
+        session.compile_seconds = engine.warm_up()
+    return session
 
 
 # ---------------------------------------------------------------------- context and compilation
@@ -168,6 +174,8 @@ def apply_compile(engine: Engine, choice: str) -> bool:
         raise UsageError(f"unknown --compile '{choice}': use auto, on or off")
     if choice == "off" or (choice == "auto" and engine.device.type != "cuda"):
         return False
+    # inductor's compiled kernels are cached on disk and re-used by later runs
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(paths.cache_dir() / "inductor"))
     return engine.compile()
 
 
