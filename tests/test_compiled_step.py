@@ -28,8 +28,6 @@ def test_compiled_passes_match_eager_logits(family):
     assert compiled.compile(None)
     ids = torch.randint(3, 256, (60,), generator=torch.Generator().manual_seed(4))
     before = graphs_compiled()
-    for fast in (eager, compiled):
-        fast.set_span(60)
     # prefill (eager in both), 1-token steps, a 2-token catch-up, verify blocks padded to 4 and 8
     plan = [(0, 20, 1), (20, 1, 1), (21, 1, 1), (22, 2, 1), (24, 3, 3), (27, 5, 5), (32, 1, 1)]
     for start, length, n_logits in plan:

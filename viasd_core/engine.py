@@ -209,10 +209,6 @@ class Engine:
                 "shorten the prompt or raise --max-context"
             )
         max_new = min(config.max_new_tokens, self.context_len - len(prompt_ids))
-        gamma_cap = max(config.gamma, config.gamma_max if config.adaptive else config.gamma)
-        span = len(prompt_ids) + max_new + gamma_cap + 1
-        for m in self.all_models():
-            m.set_span(span)
 
         # Re-use cached positions shared with the previous call (multi-turn chat).
         keep = common_prefix(self.tokens, prompt_ids)

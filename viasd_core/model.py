@@ -7,10 +7,10 @@ and CUDA graphs need (gpt-fast style):
 - the KV cache is allocated once (`max_len` positions plus a little slack for padded passes)
   as module buffers; a pass writes its positions by index at DEVICE positions, so a
   captured graph never bakes in a Python integer position;
-- attention reads a fixed window `cache[:attn_len]` (set once per generation, `set_span`) with a
-  mask computed in the graph from the positions: rolling back after a rejected draft is a length
-  reset (`rollback(n)`), stale entries are masked, then overwritten;
-- short passes are padded to a few fixed widths (`PASS_WIDTHS`): one compiled graph per width,
+- compiled, attention reads the whole cache with a mask computed in the graph from the positions
+  (one static shape); eager, it reads `cache[:end]`. Rolling back after a rejected draft is a length
+  reset (`rollback(n)`): stale entries are masked, then overwritten;
+- compiled, short passes are padded to a few fixed widths (`PASS_WIDTHS`): one graph per width,
   whatever the draft length; long passes (prefill) run in fixed-size chunks, eagerly;
 - grouped-query attention is computed by packing each KV head's query heads along the sequence
   axis, so every pass takes SDPA's fused path with a mask (no `enable_gqa`, no K/V repeat).
@@ -37,7 +37,6 @@ from .rope import check_rope
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 PASS_WIDTHS = (1, 2, 4, 8, 16)  # a pass of T <= 16 tokens is padded to the next width
 PREFILL_CHUNK = 256  # longer passes run in chunks of this many positions (bounded memory)
-SPAN_ROUND = 128  # attention windows are rounded up to a multiple of this (fewer graphs)
 
 
 @dataclass(frozen=True)
@@ -160,7 +159,6 @@ class FastModel:
         self.min_pass = 2 if self.quantized and self.device.type != "cuda" else 1
         self.vocab_limit: int | None = None  # logits at columns >= vocab_limit are -inf (None: no mask)
         self.max_len = 0
-        self.attn_len = 0
         self.seen = 0
         self.passes = 0  # forward passes run (tests and statistics read it)
         self.positions_run = 0  # real (unpadded) positions processed
@@ -194,19 +192,9 @@ class FastModel:
         self.cache = StaticCache(len(self.layers), s.n_kv_heads, length, s.head_dim,
                                  cos[0].to(self.dtype), sin[0].to(self.dtype), self.dtype, self.device)
         self.max_len = max_len
-        self.attn_len = max_len
         self.seen = 0
         if self._compiled is not None:
             self.compile(self.compile_mode)
-
-    def set_span(self, n_positions: int) -> None:
-        """Attend over the first `n_positions` cache entries (rounded up) in the passes that follow.
-
-        A compiled model always attends over the whole cache (gpt-fast's static shape): a window
-        per generation would be a new graph to compile whenever a generation needs a new one.
-        """
-        n = -(-int(n_positions) // SPAN_ROUND) * SPAN_ROUND
-        self.attn_len = self.max_len if self._compiled is not None else min(max(n, SPAN_ROUND), self.max_len)
 
     def compile(self, mode: str | None = "default") -> bool:
         """torch.compile the pass function (fullgraph, static shapes); False where it cannot apply.
@@ -219,7 +207,6 @@ class FastModel:
         if mode == "default" and self.device.type == "cuda":
             mode = "reduce-overhead"
         self.compile_mode = mode
-        self.attn_len = self.max_len
         # Every FastModel shares `_run`'s code, whose graphs dynamo caches together (a session holds
         # about 12: target, slim and draft shapes); the default limit of 8 would refuse the rest.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -241,10 +228,12 @@ class FastModel:
         return sum(t.numel() * t.element_size() for c in self.cache.layers for t in (c.k, c.v))
 
     # ------------------------------------------------------------------ forward
-    def _run(self, input_ids: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor, attn_len: int) -> torch.Tensor:
+    def _run(self, input_ids: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor, attn_len: int,
+             masked: bool = True) -> torch.Tensor:
         """The pass: positions `input_pos` [T] (device) of tokens `input_ids` [T]; logits of `rows` [R].
 
-        Attends over cache[:attn_len]; returns [R, vocab] float32. No host synchronization.
+        Attends over cache[:attn_len]; `masked=False` (a 1-token pass that may see every cached
+        position) skips the mask. Returns [R, vocab] float32. No host synchronization.
         """
         s = self.shape
         T = input_ids.shape[0]
@@ -255,8 +244,8 @@ class FastModel:
         sin = cache.sin.index_select(0, input_pos)
         key_pos = cache.key_pos[:attn_len]  # [L]
         causal = key_pos[None, :] <= input_pos[:, None]  # [T, L]
-        masks = {}
-        for window in set(self.windows):
+        masks = {None: None}
+        for window in set(self.windows) if masked else ():
             mask = causal if window is None else causal & (key_pos[None, :] > input_pos[:, None] - window)
             masks[window] = mask.repeat(rep, 1)  # [rep * T, L]: query heads packed per KV head
         for ci, layer in enumerate(self.layers):
@@ -276,7 +265,7 @@ class FastModel:
             q = q.reshape(1, s.n_kv_heads, rep * T, s.head_dim)  # head h -> KV head h // rep
             o = F.scaled_dot_product_attention(
                 q, k_cache[:, :, :attn_len], v_cache[:, :, :attn_len],
-                attn_mask=masks[self.windows[ci]], scale=attn.scaling,
+                attn_mask=masks.get(self.windows[ci]), scale=attn.scaling,
             )  # [1, Hkv, rep * T, D]
             o = o.reshape(1, s.n_heads, T, s.head_dim).transpose(1, 2).reshape(1, T, s.n_heads * s.head_dim)
             x = x + attn.o_proj(o)
@@ -304,38 +293,35 @@ class FastModel:
             raise ValueError(f"n_logits must be in [1, {T}], got {n_logits}")
         self.passes += 1
         self.positions_run += T
-        if T <= PASS_WIDTHS[-1]:
-            out = self._padded(input_ids, start, T, n_logits)
-        else:  # prefill: fixed-size chunks, eager (bounded memory; one-off cost)
+        width = pass_width(T) if T <= PASS_WIDTHS[-1] else 0
+        n_rows = width if n_logits > 1 else 1  # a compiled pass returns 1 row or all of its rows
+        if self._compiled is not None and (width, n_rows) in self.graph_shapes():
+            out = self._compiled_pass(input_ids, start, T, width, n_logits)
+        else:  # eager: exactly T positions, in fixed-size chunks (bounded memory), over cache[:end]
             outs = []
             for c in range(0, T, PREFILL_CHUNK):
                 n_c = min(PREFILL_CHUNK, T - c)
                 want = min(n_c, max(0, n_logits - (T - c - n_c)))  # logits wanted from this chunk
                 pos = torch.arange(start + c, start + c + n_c, device=self.device)
                 rows = torch.arange(n_c - max(want, 1), n_c, device=self.device)
-                span = self._span(start + c + n_c)
-                logits = self._run(input_ids[c : c + n_c], pos, rows, span)
+                end_c = start + c + n_c
+                masked = n_c > 1 or any(w is not None and end_c > w for w in self.windows)
+                logits = self._run(input_ids[c : c + n_c], pos, rows, end_c, masked)
                 if want:
                     outs.append(logits[-want:])
-            out = torch.cat(outs)
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
         self.seen = end
         return out
 
-    def _span(self, end: int) -> int:
-        return self.attn_len if end <= self.attn_len else self.max_len
-
-    def _padded(self, input_ids: torch.Tensor, start: int, T: int, n_logits: int) -> torch.Tensor:
-        """A short pass padded to its fixed width (the compiled graphs' shapes)."""
-        W = pass_width(T)
+    def _compiled_pass(self, input_ids: torch.Tensor, start: int, T: int, W: int, n_logits: int) -> torch.Tensor:
+        """A short pass padded to its fixed width W, attending over the whole cache (static shapes)."""
         # Padding tokens sit after the real ones: no real row attends to them. Always a new tensor
         # (made under inference mode), so every call hands the graph the same kind of input.
         input_ids = torch.cat([input_ids, input_ids.new_zeros(W - T)])
         pos = torch.arange(start, start + W, device=self.device)
-        n_rows = W if n_logits > 1 else 1  # 1 row, or all rows (the caller keeps n_logits of them)
-        rows = torch.arange(T - n_rows, T, device=self.device) if n_rows == 1 else torch.arange(W, device=self.device)
-        run = self._compiled if self._compiled is not None and (W, n_rows) in self.graph_shapes() else self._run
-        logits = run(input_ids, pos, rows, self._span(start + W))
-        return logits if n_rows == 1 else logits[T - n_logits : T]
+        rows = torch.arange(T - 1, T, device=self.device) if n_logits == 1 else torch.arange(W, device=self.device)
+        logits = self._compiled(input_ids, pos, rows, self.max_len)
+        return logits if n_logits == 1 else logits[T - n_logits : T]
 
     @staticmethod
     def graph_shapes(max_width: int = PASS_WIDTHS[-1]) -> list[tuple[int, int]]:

@@ -1,0 +1,69 @@
+"""`viasd doctor`: device, versions, compiled/CUDA-graph status, exactness checks and a speed probe."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from viasd_core.doctor import FAIL, PASS, run_doctor
+from viasd_core.prompts import default_prompts, encode
+from viasd_core.session import ModelOptions, build_session
+
+from .app import app
+from .options import handle_errors, model_options
+
+EXAMPLES = """
+EXAMPLES
+
+  viasd doctor                                   (the embedded pair, this machine)
+
+  viasd doctor -m Qwen/Qwen2.5-7B-Instruct -d Qwen/Qwen2.5-0.5B-Instruct --json
+
+Exit code 1 when a check fails (compiled != eager, or sd / exact differ from ar in greedy).
+"""
+
+
+@app.command(epilog=EXAMPLES)
+@handle_errors
+@model_options
+def doctor(
+    *,
+    opts: ModelOptions,
+    prompts: Annotated[int, typer.Option("--prompts", help="How many shipped prompts the checks run on.")] = 3,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="New tokens per prompt and check.")] = 32,
+    speed: Annotated[bool, typer.Option("--speed/--no-speed", help="Run the short ar vs sd speed probe.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="The report as one JSON object on stdout.")] = False,
+):
+    """Check that viasd runs right on this machine, and how fast."""
+    if prompts < 1 or max_new_tokens < 1:
+        raise typer.BadParameter("--prompts and --max-new-tokens must be at least 1")
+    err = Console(stderr=True)
+    session = build_session(opts, mode="sd", progress=lambda msg: err.print(msg, style="dim"))
+    ids = [encode(session.tokenizer, p.text) for p in default_prompts()[:prompts]]
+    report = run_doctor(session, ids, max_new_tokens=max_new_tokens, speed=speed)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict()))
+    else:
+        out = Console()
+        env = Table(title="viasd doctor", show_header=False)
+        for key, value in report.environment.items():
+            env.add_row(key, "not measured" if value is None and key == "compile_seconds" else str(value))
+        out.print(env)
+        checks = Table("check", "result", "detail")
+        style = {PASS: "green", FAIL: "bold red"}
+        for c in report.checks:
+            checks.add_row(c.name, f"[{style.get(c.status, 'yellow')}]{c.status}[/]", c.detail)
+        out.print(checks)
+        if report.speed:
+            for mode in ("ar", "sd"):
+                if mode in report.speed:
+                    s = report.speed[mode]
+                    out.print(f"{mode}: {s['tokens_per_s']:.1f} tokens/s, {s['tokens_per_target_pass']:.2f} tokens per target pass")
+            if "sd_speedup" in report.speed:
+                out.print(f"sd / ar: {report.speed['sd_speedup']:.2f}x")
+    if not report.ok:
+        raise typer.Exit(1)
