@@ -59,6 +59,19 @@ def route_block_triton(
     return fused(verifier_logits, draft_tokens, temperature, theta_accept, theta_slim, block_v)
 
 
+_triton_failed = False
+
+
+def _triton_fallback(error: Exception) -> None:
+    """The Triton kernel could not compile or launch here: say so once, then use the reference."""
+    global _triton_failed
+    _triton_failed = True
+    import warnings
+
+    warnings.warn(f"viasd: the Triton routing kernel is unavailable ({type(error).__name__}: "
+                  f"{str(error).splitlines()[0] if str(error) else ''}); using the PyTorch reference", stacklevel=3)
+
+
 def route_block(
     verifier_logits: torch.Tensor,  # [R, V] float32 / bfloat16 / float16
     draft_tokens: torch.Tensor,  # [G] int64
@@ -67,10 +80,13 @@ def route_block(
     theta_slim: float,
 ) -> RouteResult:
     """Route one block of G drafted tokens; R = G or G + 1 rows (the last one the bonus)."""
-    if verifier_logits.is_cuda and triton_available():
-        return route_block_triton(
-            verifier_logits, draft_tokens, temperature, theta_accept, theta_slim
-        )
+    if verifier_logits.is_cuda and triton_available() and not _triton_failed:
+        try:
+            return route_block_triton(
+                verifier_logits, draft_tokens, temperature, theta_accept, theta_slim
+            )
+        except Exception as e:  # no C compiler, an unsupported GPU...: the reference still works
+            _triton_fallback(e)
     return route_block_reference(
         verifier_logits, draft_tokens, temperature, theta_accept, theta_slim
     )

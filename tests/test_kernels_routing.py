@@ -506,3 +506,27 @@ def test_route_block_on_cuda_uses_triton_without_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     expected = route_block_reference(logits, draft_tokens, 0.7, 0.6, 0.15)
     assert_same_routing(result, expected, f"(seed {BASE_SEED})")
+
+
+def test_route_block_falls_back_to_the_reference_when_triton_cannot_run(monkeypatch):
+    """A GPU without a C compiler (or any Triton failure) degrades to the reference, with one warning."""
+    import viasd_kernels as vk
+
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    draft = torch.tensor([1, 2, 3])
+    want = vk.route_block_reference(logits, draft, 0.0, 0.9, 0.5)
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(vk, "_triton_failed", False)
+    monkeypatch.setattr(vk, "triton_available", lambda: True)
+    monkeypatch.setattr(vk, "route_block_triton", no_compiler)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    with pytest.warns(UserWarning, match="Triton routing kernel is unavailable"):
+        got = vk.route_block(logits, draft, 0.0, 0.9, 0.5)
+    assert vk._triton_failed
+    again = vk.route_block(logits, draft, 0.0, 0.9, 0.5)  # no second try, no second warning
+    monkeypatch.undo()
+    for a, b, c in zip(got, want, again):
+        assert torch.equal(a, b) and torch.equal(c, b)

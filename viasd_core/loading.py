@@ -76,6 +76,10 @@ def resolve_device(device: str | None) -> torch.device:
         raise ViasdError(f"device '{device}' asked for but CUDA is not available here: use --device cpu")
     if dev.type not in ("cpu", "cuda"):
         raise UsageError(f"device '{device}' is not supported: use cpu, cuda or cuda:N")
+    if dev.type == "cuda" and dev.index is not None:
+        if dev.index >= torch.cuda.device_count():
+            raise UsageError(f"device '{device}' does not exist: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        torch.cuda.set_device(dev)  # kernels launched without a device (Triton) go to this one
     return dev
 
 
@@ -85,7 +89,10 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        # bf16 where the GPU has it; fp16 elsewhere (the engine stops on non-finite logits)
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     if dtype not in _DTYPES:
         raise UsageError(f"unknown dtype '{dtype}': use float32, bfloat16 or float16")
     return _DTYPES[dtype]
@@ -192,7 +199,7 @@ def _check_weights(folder: Path, allow_pickle: bool) -> bool:
     return False
 
 
-def quantization_config(quant: str, compute_dtype: torch.dtype):
+def quantization_config(quant: str, compute_dtype: torch.dtype, device: torch.device | None = None):
     if quant not in QUANT_CHOICES:
         raise UsageError(f"unknown quantization '{quant}': use none, 8bit or 4bit")
     if quant == "none":
@@ -202,10 +209,13 @@ def quantization_config(quant: str, compute_dtype: torch.dtype):
     from transformers import BitsAndBytesConfig
 
     if quant == "8bit":
-        # LLM.int8 with outlier decomposition (threshold 6) picks fp16 columns from ALL rows of a
-        # pass, so a token's logits depend on which tokens share its pass: block verification
-        # would then disagree with plain decoding. Threshold 0 is row-wise int8: batch-invariant.
-        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0)
+        # On CPU: LLM.int8 with outlier decomposition (threshold 6) picks fp16 columns from ALL rows
+        # of a pass, so a token's logits depend on which tokens share its pass: block verification
+        # would disagree with plain decoding. Threshold 0 is row-wise int8: batch-invariant. On CUDA
+        # the outlier handling stays on (threshold 0 degrades models of 6.7B and up); there 8-bit
+        # outputs are exact only up to kernel rounding (docs/engine.md).
+        threshold = 6.0 if device is not None and device.type == "cuda" else 0.0
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=threshold)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
 
 
@@ -221,10 +231,11 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
     torch_dtype = resolve_dtype(dtype, dev)
     folder, model_id = resolve_ref(ref, revision, progress)
     use_safetensors = _check_weights(folder, allow_pickle)
-    qconf = quantization_config(quant, torch_dtype)
+    qconf = quantization_config(quant, torch_dtype, dev)
     kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=use_safetensors)
     if qconf is not None:
         kwargs["quantization_config"] = qconf
+    if qconf is not None or dev.type == "cuda":  # straight onto the device, not through host RAM
         kwargs["device_map"] = {"": dev.index if dev.type == "cuda" and dev.index is not None else dev.type}
     try:
         # A RoPE type the engine cannot run is refused before any weight is read.
@@ -239,9 +250,14 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
     except KeyError as e:  # transformers' config checks (e.g. RoPE parameters) raise KeyError
         detail = e.args[0] if e.args and isinstance(e.args[0], str) else repr(e)
         raise ViasdError(f"could not load model '{ref}': its config.json is missing or has an unknown entry: {detail.splitlines()[0]}")
-    if qconf is None:
+    if "device_map" not in kwargs:
         model.to(dev)
     model.eval()
+    if device is None and dev.type == "cpu" and progress is not None:
+        n_params = sum(p.numel() for p in model.parameters())
+        if n_params > 1e9:
+            progress(f"warning: no CUDA GPU found, so the {n_params / 1e9:.1f}B-parameter model runs on the CPU (slow); "
+                     "pass --device cpu to say that is intended")
     tokenizer = None
     if with_tokenizer:
         try:

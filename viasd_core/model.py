@@ -310,6 +310,9 @@ class FastModel:
                 if want:
                     outs.append(logits[-want:])
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
+            if self.dtype == torch.float16 and T > 1 and not bool(torch.isfinite(out[:, : self.vocab_limit]).all()):
+                raise ViasdError(f"'{self.name}' overflowed in float16 (non-finite logits): use --dtype float32, "
+                                 "or bfloat16 on a GPU that has it")
         self.seen = end
         return out
 
