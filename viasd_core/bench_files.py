@@ -76,6 +76,8 @@ def session_meta(session: Session, config: BenchConfig, prompts_source: str | No
         max_new_tokens=config.max_new_tokens, warmup=config.warmup, repeats=config.repeats, seed=config.seed,
         greedy=True, prompts=prompts_source or "shipped default set", n_prompts=n_prompts,
         peak_memory=peak_memory_source(session.engine.device),
+        compiled=session.engine.compiled, compile_seconds=session.compile_seconds,
+        max_context=session.engine.context_len,
     )
 
 

@@ -297,7 +297,7 @@ def run_calibration(opts, prompts, budget: float = DEFAULT_BUDGET, skip_ratio: f
 
     from .profile import Profile, save_profile
     from .prompts import encode
-    from .session import build_session
+    from .session import build_session, slim_verifier
 
     check_budget(budget)
     check_skip_ratio(skip_ratio)
@@ -325,7 +325,7 @@ def run_calibration(opts, prompts, budget: float = DEFAULT_BUDGET, skip_ratio: f
     search = search_layer_mask(evaluator, skip_ratio, progress=bar("searching the layer mask", n_evals))
     log(f"slim verifier: {len(search.best.layer_ids)}/{evaluator.n_layers} layers, top-1 agreement "
         f"{search.best.agreement:.3f} (best of 6 random masks: {search.random_best.agreement if search.random_best else float('nan'):.3f})")
-    slim = FastModel(hf_model, layer_ids=search.best.layer_ids, max_len=engine.target.max_len, name="slim")
+    slim = slim_verifier(engine.target, search.best.layer_ids)  # masked like the target: viasd emits its tokens
     engine.slim = slim
     # 3. gate features and labels on the fit half
     blocks = [b for per in collect_blocks(engine, fit_ids, config, progress=bar("recording gate features", len(fit_ids))) for b in per]

@@ -116,8 +116,8 @@ class Engine:
             m.allocate(self.context_len)
         if drafter is not None:
             drafter.ensure_capacity(self.context_len)
-        # Calibration: when a list, every sd step also runs the slim verifier over the block and
-        # appends a router.BlockRecord (gate values and teacher-forced labels) to it.
+        # Calibration: when a list, every greedy sd and viasd step appends a router.BlockRecord (the
+        # slim verifier's gate values and teacher-forced labels) to it; sd runs the slim pass for it.
         self.recorder: list | None = None
 
     # ------------------------------------------------------------------ helpers

@@ -132,6 +132,8 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
         if progress:
             progress("compiling the decoding graphs (torch.compile; cached for later runs)...")
         session.compile_seconds = engine.warm_up()
+        if progress:
+            progress(f"compiled the decoding graphs in {session.compile_seconds:.1f} s")
     return session
 
 
