@@ -7,7 +7,8 @@ One step of a speculative mode, in order:
   4. accept  - the pure acceptance rule (greedy match or speculative sampling)
   5. commit  - write the emitted tokens on the device, read them ONCE on the host, roll every
                KV cache back to what it saw correctly
-  6. adapt   - grow gamma after a fully accepted block, shrink it after an early rejection
+  6. adapt   - grow gamma after a fully accepted block, shrink it after an early rejection, and
+               take plain steps while they measure faster than drafting (draft_policy.py)
 
 The KV caches are static (see model.FastModel): rollback is a length reset. In `ar`, `sd` and
 `exact` a step reads the device once (`_read`): the accepted count, how much of the draft was
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .draft_policy import DraftPolicy
 from .errors import UsageError, ViasdError
 from .model import PASS_WIDTHS, FastModel
 from .router import OFF, BlockRecord, Thresholds, walk_block
@@ -233,20 +235,22 @@ class Engine:
         # What the target's prefill pass wrote, plus the last prompt token (the first step runs it).
         stats.prefill_processed = self.target.seen - stats.prefill_cached + 1
         stats.time_prefill = self._clock() - t0
-        gamma = config.gamma
+        policy = DraftPolicy(config.gamma, max(config.gamma, config.gamma_max), adaptive=config.adaptive)
         try:
             while len(gen.tokens) < max_new:
                 left = max_new - len(gen.tokens)
-                if config.mode == "ar" or left == 1:
+                g = 0 if config.mode == "ar" else min(policy.block_length(), left - 1)
+                t_step = time.perf_counter()
+                if g == 0:
                     out, tiers = self._step_ar(config, sampler, stats)
+                    policy.record_plain(len(out), time.perf_counter() - t_step)
                 else:
-                    g = min(gamma, left - 1)
                     out, tiers, n_drafted, n_kept = self._step_spec(config, g, sampler, stats)
-                    if n_drafted and config.adaptive:  # 6. adapt
-                        if n_kept == n_drafted:
-                            gamma = min(gamma + 1, config.gamma_max)
-                        elif n_kept < n_drafted // 2:
-                            gamma = max(gamma - 1, 1)
+                    # 6. adapt: the step ended with its device read, so its wall time is real
+                    if n_drafted:
+                        policy.record_spec(n_drafted, n_kept, len(out), time.perf_counter() - t_step)
+                    else:
+                        policy.record_plain(len(out), time.perf_counter() - t_step)
                 if self._emit(gen, out, tiers, max_new, config, on_emit):
                     break
         except KeyboardInterrupt:

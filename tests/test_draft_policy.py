@@ -1,0 +1,59 @@
+"""The draft-length policy: block length from acceptance, plain steps while drafting does not pay."""
+
+from conftest import TinyTokenizer, tiny_model
+from viasd_core.draft_policy import DraftPolicy
+from viasd_core.drafters import ModelDrafter
+from viasd_core.engine import Engine, GenerationConfig
+from viasd_core.model import FastModel
+
+
+def test_block_length_follows_acceptance():
+    p = DraftPolicy(gamma=3, gamma_max=5)
+    p.record_spec(drafted=3, kept=3, tokens=4, seconds=1.0)
+    assert p.gamma == 4
+    p.record_spec(drafted=4, kept=1, tokens=2, seconds=1.0)  # rejected before the middle
+    assert p.gamma == 3
+    p.record_spec(drafted=3, kept=2, tokens=3, seconds=1.0)  # kept half or more: unchanged
+    assert p.gamma == 3
+    for _ in range(5):
+        p.record_spec(drafted=p.gamma, kept=p.gamma, tokens=p.gamma + 1, seconds=1.0)
+    assert p.gamma == 5  # capped
+
+
+def test_plain_steps_while_drafting_does_not_pay_and_probes_again():
+    p = DraftPolicy(gamma=4, gamma_max=8, probe_every=3)
+    assert p.block_length() == 4
+    p.record_spec(drafted=4, kept=0, tokens=1, seconds=0.03)  # 33 tokens/s; gamma shrinks to 3
+    assert p.block_length() == 3
+    p.record_spec(drafted=3, kept=0, tokens=1, seconds=0.03)  # gamma 2
+    assert p.block_length() == 0  # drafting measured twice: now measure a plain step
+    p.record_plain(tokens=1, seconds=0.02)  # 50 tokens/s: faster than drafting
+    assert p.block_length() == 0
+    p.record_plain(1, 0.02)
+    assert p.block_length() == 0
+    p.record_plain(1, 0.02)
+    assert p.plain_run == 3 and p.block_length() == 2  # after 3 plain steps, probe drafting again
+    p.record_spec(drafted=2, kept=2, tokens=3, seconds=0.01)  # 300 tokens/s: drafting pays again
+    assert p.spec_rate > p.plain_rate and p.block_length() == 3 and p.plain_run == 0
+
+
+def test_fixed_gamma_is_kept():
+    p = DraftPolicy(gamma=5, gamma_max=9, adaptive=False)
+    for _ in range(4):
+        p.record_spec(drafted=5, kept=0, tokens=1, seconds=1.0)
+        p.record_plain(1, 0.001)
+    assert p.block_length() == 5 and p.gamma == 5
+
+
+def test_engine_takes_plain_steps_with_a_draft_that_never_agrees_and_stays_exact():
+    target = tiny_model("llama", n_layers=4, seed=40)
+    draft = tiny_model("llama", n_layers=4, seed=41)  # as costly as the target and never right
+    eng = Engine(FastModel(target, max_len=256), TinyTokenizer(),
+                 drafter=ModelDrafter(FastModel(draft, max_len=256, name="draft"), 256))
+    prompt = list(range(3, 20))
+    sd = eng.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=80, gamma=4))
+    eng.reset()
+    ar = eng.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=80))
+    assert sd.tokens == ar.tokens  # plain steps keep sd exact
+    # most steps drafted nothing (the old +1/-1 rule drafted at least one token every step)
+    assert sd.stats.draft_tokens < 0.5 * sd.stats.steps, (sd.stats.draft_tokens, sd.stats.steps)
