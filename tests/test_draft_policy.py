@@ -21,11 +21,12 @@ def test_block_length_follows_acceptance():
 
 
 def test_plain_steps_while_drafting_does_not_pay_and_probes_again():
-    p = DraftPolicy(gamma=4, gamma_max=8, probe_every=3)
+    p = DraftPolicy(gamma=4, gamma_max=8, probe_every=3, decay=0.5)
     assert p.block_length() == 4
-    p.record_spec(drafted=4, kept=0, tokens=1, seconds=0.03)  # 33 tokens/s; gamma shrinks to 3
+    p.record_spec(drafted=4, kept=0, tokens=1, seconds=0.03)  # gamma shrinks to 3
     assert p.block_length() == 3
-    p.record_spec(drafted=3, kept=0, tokens=1, seconds=0.03)  # gamma 2
+    p.record_spec(drafted=3, kept=0, tokens=1, seconds=0.03)  # gamma 2; 33 tokens/s
+    assert p.spec_rate == 1.5 / 0.045
     assert p.block_length() == 0  # drafting measured twice: now measure a plain step
     p.record_plain(tokens=1, seconds=0.02)  # 50 tokens/s: faster than drafting
     assert p.block_length() == 0
@@ -33,8 +34,14 @@ def test_plain_steps_while_drafting_does_not_pay_and_probes_again():
     assert p.block_length() == 0
     p.record_plain(1, 0.02)
     assert p.plain_run == 3 and p.block_length() == 2  # after 3 plain steps, probe drafting again
-    p.record_spec(drafted=2, kept=2, tokens=3, seconds=0.01)  # 300 tokens/s: drafting pays again
-    assert p.spec_rate > p.plain_rate and p.block_length() == 3 and p.plain_run == 0
+    p.record_spec(drafted=2, kept=2, tokens=3, seconds=0.01)  # a fast block: (0.75 + 3) / (0.0225 + 0.01)
+    assert p.spec_rate == (0.75 + 3) / (0.0225 + 0.01) and p.spec_rate > p.plain_rate
+    assert p.block_length() == 3 and p.plain_run == 0
+    # a block of six tokens weighs six tokens: rates are sums of tokens over sums of seconds
+    q = DraftPolicy(gamma=4, gamma_max=8, decay=1.0)
+    q.record_spec(4, 4, 5, 0.05)
+    q.record_spec(4, 0, 1, 0.05)
+    assert q.spec_rate == 60.0  # not the mean of 100 and 20 tokens/s
 
 
 def test_fixed_gamma_is_kept():

@@ -21,34 +21,43 @@ class DraftPolicy:
     gamma: int  # the next block length
     gamma_max: int
     adaptive: bool = True  # False: always draft `gamma` tokens (--fixed)
-    probe_every: int = 8  # plain steps between two tries of drafting, while drafting does not pay
-    smoothing: float = 0.3  # weight of the newest step in the running rates
-    spec_rate: float | None = None  # tokens per second of speculative steps (running average)
-    plain_rate: float | None = None  # tokens per second of plain steps (running average)
+    probe_every: int = 4  # plain steps between two tries of drafting, while drafting does not pay
+    decay: float = 0.8  # weight of the past in the running sums, per step of the same kind
+    spec_tokens: float = 0.0  # decayed sums of tokens and seconds, per kind of step
+    spec_seconds: float = 0.0
+    plain_tokens: float = 0.0
+    plain_seconds: float = 0.0
     spec_steps: int = 0
     plain_run: int = 0  # plain steps since the last speculative one
+
+    @property
+    def spec_rate(self) -> float | None:
+        """Tokens per second of speculative steps (decayed sums, so a block of 6 weighs 6 tokens)."""
+        return self.spec_tokens / self.spec_seconds if self.spec_seconds > 0 else None
+
+    @property
+    def plain_rate(self) -> float | None:
+        return self.plain_tokens / self.plain_seconds if self.plain_seconds > 0 else None
 
     def block_length(self) -> int:
         """Tokens to draft in the next step; 0 = take a plain step."""
         if not self.adaptive:
             return self.gamma
-        if self.plain_rate is None:  # measure a plain step once drafting has been measured
+        spec, plain = self.spec_rate, self.plain_rate
+        if plain is None:  # measure a plain step once drafting has been measured
             return 0 if self.spec_steps >= 2 else self.gamma
-        if self.spec_rate is not None and self.plain_rate > self.spec_rate and self.plain_run < self.probe_every:
+        if spec is not None and plain > spec and self.plain_run < self.probe_every:
             return 0
         return self.gamma
 
-    def _average(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
-
     def record_plain(self, tokens: int, seconds: float) -> None:
-        if seconds > 0:
-            self.plain_rate = self._average(self.plain_rate, tokens / seconds)
+        self.plain_tokens = self.decay * self.plain_tokens + tokens
+        self.plain_seconds = self.decay * self.plain_seconds + max(seconds, 0.0)
         self.plain_run += 1
 
     def record_spec(self, drafted: int, kept: int, tokens: int, seconds: float) -> None:
-        if seconds > 0:
-            self.spec_rate = self._average(self.spec_rate, tokens / seconds)
+        self.spec_tokens = self.decay * self.spec_tokens + tokens
+        self.spec_seconds = self.decay * self.spec_seconds + max(seconds, 0.0)
         self.spec_steps += 1
         self.plain_run = 0
         if self.adaptive and drafted:
