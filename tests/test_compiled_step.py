@@ -74,15 +74,22 @@ def test_compiled_engine_emits_the_eager_tokens(compiled_engine, mode, temperatu
 
 
 def test_no_recompilation_during_generation(compiled_engine):
-    """After the warm-up, 50+ steps with adaptive gamma (several block widths) compile nothing."""
+    """After the warm-up, nothing compiles: 50+ adaptive steps (plain steps and blocks of varying
+    length), then every verify width (gamma 1, 3, 7, 12: widths 2, 4, 8, 16) and exact mode."""
     compiled_engine.reset()
     before = graphs_compiled()
     gen = compiled_engine.generate(list(range(3, 30)), GenerationConfig(mode="sd", max_new_tokens=250, gamma=2,
                                                                         gamma_max=12, adaptive=True))
     assert gen.stats.steps >= 50
-    assert len(set(gen.stats.accepted_lengths)) >= 3 and len(gen.stats.position_attempts) >= 3  # gamma moved: widths 2 and 4
+    widths = set()
+    for gamma in (1, 3, 7, 12):
+        compiled_engine.reset()
+        gen = compiled_engine.generate(list(range(3, 30)), GenerationConfig(mode="sd", max_new_tokens=40, gamma=gamma,
+                                                                            adaptive=False))
+        widths.add(len(gen.stats.position_attempts) + 1)
+    assert widths == {2, 4, 8, 13}  # blocks of 1, 3, 7 and 12 drafted tokens ran (12 + 1 pads to 16)
     compiled_engine.reset()
-    gen = compiled_engine.generate([7] * 20, GenerationConfig(mode="exact", max_new_tokens=60, gamma=6))
+    compiled_engine.generate([7] * 20, GenerationConfig(mode="exact", max_new_tokens=60, gamma=6))
     assert graphs_compiled() == before
 
 
