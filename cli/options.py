@@ -37,7 +37,7 @@ TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model
 AllowPickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow pickle (.bin) weights (off by default: safetensors only).")]
 ModeOpt = Annotated[str, typer.Option("--mode", help="ar (plain), sd (two-tier, exact), exact (multi-tier, exact) or viasd (three tiers, calibrated, lossy).")]
 GammaOpt = Annotated[int, typer.Option("--gamma", "-g", help="Draft tokens per step (the largest when adaptive).")]
-AdaptiveOpt = Annotated[bool, typer.Option("--adaptive/--fixed", help="Adapt gamma to the acceptance (default) or keep it fixed.")]
+AdaptiveOpt = Annotated[bool, typer.Option("--adaptive/--fixed", help="Adapt the draft length to acceptance and measured cost, with plain steps while drafting does not pay (default), or keep gamma fixed.")]
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Largest number of new tokens per prompt.")]
 TempOpt = Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy (default); > 0 samples.")]
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens when sampling (0 = off).")]
