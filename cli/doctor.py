@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from viasd_core.doctor import FAIL, PASS, run_doctor
+from viasd_core.errors import UsageError
 from viasd_core.prompts import default_prompts, encode
 from viasd_core.session import ModelOptions, build_session
 
@@ -40,7 +41,7 @@ def doctor(
 ):
     """Check that viasd runs right on this machine, and how fast."""
     if prompts < 1 or max_new_tokens < 1:
-        raise typer.BadParameter("--prompts and --max-new-tokens must be at least 1")
+        raise UsageError("--prompts and --max-new-tokens must be at least 1")
     err = Console(stderr=True)
     session = build_session(opts, mode="sd", progress=lambda msg: err.print(msg, style="dim"))
     ids = [encode(session.tokenizer, p.text) for p in default_prompts()[:prompts]]

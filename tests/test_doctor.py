@@ -74,3 +74,9 @@ def test_doctor_fails_on_a_broken_drafter(tiny_dirs, viasd_home, monkeypatch):
     monkeypatch.setattr(cli_doctor, "build_session", broken_session)
     r = doctor("-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "--prompts", 1, "-n", 16, "--no-speed", "--json")
     assert r.exit_code == 1 and json.loads(r.stdout)["ok"] is False
+
+
+def test_doctor_bad_option_is_one_line(tiny_dirs, viasd_home):
+    r = doctor("-m", tiny_dirs["target"], "--prompts", 0)
+    assert r.exit_code == 2 and r.stdout == ""
+    assert "--prompts and --max-new-tokens must be at least 1" in r.stderr and r.stderr.count("\n") == 1
