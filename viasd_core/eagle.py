@@ -153,6 +153,28 @@ class FeatureHead(nn.Module):
         """Draft vocabulary indices -> target token ids (same shape)."""
         return draft_idx + self.d2t[draft_idx]
 
+    def qkv(self, emb: torch.Tensor, fused: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The layer's attention inputs: emb, fused [B, T, H] -> q [B, heads, T, D], k, v [B, kv_heads, T, D],
+        RoPE applied (cos, sin [T, D]). Shared by drafting (one cache) and training (eagle_train)."""
+        cfg = self.llama_config
+        B, T = emb.shape[:2]
+        layer, attn = self.midlayer, self.midlayer.self_attn
+        x = torch.cat((layer.input_layernorm(emb), layer.hidden_norm(fused)), dim=-1)  # [B, T, 2H]
+        q = attn.q_proj(x).view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+        k = attn.k_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        v = attn.v_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+    def finish(self, fused: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The residual and MLP after attention: the head's output feature [..., H]."""
+        layer = self.midlayer
+        h = fused + layer.self_attn.o_proj(attn_out)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits (float32) of output features."""
+        return self.lm_head(self.norm(hidden)).float()
+
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, features: torch.Tensor, start: int,
                 n_logits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,15 +197,8 @@ class FeatureHead(nn.Module):
         n_heads, n_kv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         rep = n_heads // n_kv
         fused = self.fuse(features) if features.shape[-1] != self.hidden_size else features.to(self.dtype)
-        layer, attn = self.midlayer, self.midlayer.self_attn
         emb = self.embedding(token_ids).to(self.dtype)
-        x = torch.cat((layer.input_layernorm(emb), layer.hidden_norm(fused)), dim=-1)  # [T, 2H]
-        q = attn.q_proj(x).view(T, n_heads, D).transpose(0, 1)[None]  # [1, Hq, T, D]
-        k = attn.k_proj(x).view(T, n_kv, D).transpose(0, 1)[None]
-        v = attn.v_proj(x).view(T, n_kv, D).transpose(0, 1)[None]
-        cos, sin = self.rope_cos[start:end], self.rope_sin[start:end]  # [T, D]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k, v = self.qkv(emb[None], fused[None], self.rope_cos[start:end], self.rope_sin[start:end])
         pos = torch.arange(start, end, device=token_ids.device)
         k_cache, v_cache = self.cache.update(pos, k, v)
         mask = None
@@ -192,10 +207,9 @@ class FeatureHead(nn.Module):
         o = F.scaled_dot_product_attention(q.reshape(1, n_kv, rep * T, D), k_cache[:, :, :end],
                                            v_cache[:, :, :end], attn_mask=mask)  # scale 1/sqrt(D)
         o = o.reshape(n_heads, T, D).transpose(0, 1).reshape(T, n_heads * D)
-        h = fused + attn.o_proj(o)
-        hidden = h + layer.mlp(layer.post_attention_layernorm(h))
+        hidden = self.finish(fused, o)
         rows = hidden if n_logits is None else hidden[T - n_logits:]
-        logits = self.lm_head(self.norm(rows)).float()
+        logits = self.logits(rows)
         self.seen = end
         return logits, hidden
 
@@ -257,6 +271,19 @@ def check_head_config(raw: dict, target_config, where: str) -> tuple[int, int, i
         raise ViasdError(f"{where}: {cfg.num_attention_heads} heads are not a multiple of {cfg.num_key_value_heads} KV heads")
     check_rope(cfg)
     return feature_layers(raw, int(target_config.num_hidden_layers), where)
+
+
+def is_feature_head_folder(folder: str | os.PathLike) -> bool:
+    """True when `folder` holds an EAGLE-3 head (its config names a draft vocabulary or Eagle3, or
+    the feature layers), not a causal LM."""
+    try:
+        raw = json.loads((Path(folder) / CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    if not isinstance(raw, dict):
+        return False
+    archs = " ".join(str(a) for a in raw.get("architectures") or []).lower()
+    return "draft_vocab_size" in raw or "eagle" in archs or LAYER_IDS_KEY in raw or "eagle_config" in raw
 
 
 def read_head_config(folder: Path) -> dict:

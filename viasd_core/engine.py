@@ -47,6 +47,9 @@ class GenerationConfig:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     thresholds: Thresholds | None = None  # viasd mode
+    # Adaptive only: a model draft stops before the token at which its own estimate that the whole
+    # block is accepted (the product of its token probabilities) falls below this (0 = off).
+    min_confidence: float = 0.15
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -63,6 +66,8 @@ class GenerationConfig:
             raise UsageError(f"top-p must be in (0, 1] (got {self.top_p})")
         if self.top_k < 0:
             raise UsageError(f"top-k must be >= 0 (got {self.top_k}); 0 turns it off")
+        if not 0 <= self.min_confidence < 1:
+            raise UsageError(f"--min-confidence must be in [0, 1) (got {self.min_confidence}); 0 turns the stop rule off")
         if self.mode == "viasd" and self.temperature > 0:
             raise UsageError("viasd mode is greedy-only (its gates are calibrated for greedy decoding); use --mode sd or exact to sample")
         if self.mode == "viasd" and self.thresholds is None:
@@ -118,6 +123,7 @@ class Engine:
             m.allocate(self.context_len)
         if drafter is not None:
             drafter.ensure_capacity(self.context_len)
+        self._link()
         # Calibration: when a list, every greedy sd and viasd step appends a router.BlockRecord (the
         # slim verifier's gate values and teacher-forced labels) to it; sd runs the slim pass for it.
         self.recorder: list | None = None
@@ -133,6 +139,7 @@ class Engine:
         self._slim = slim
         if slim is not None:
             slim.allocate(self.context_len)
+            self._link()
             if self.compiled and slim.compile():
                 slim.warm_up()
 
@@ -146,8 +153,15 @@ class Engine:
         self._drafter = drafter
         if drafter is not None:
             drafter.ensure_capacity(self.context_len)
+            self._link()
             if self.compiled and getattr(drafter, "model", None) is not None and drafter.model.compile():
                 drafter.model.warm_up(max_width=1)
+
+    def _link(self) -> None:
+        """A feature drafter reads the slim verifier's features where the target has not run."""
+        link = getattr(self._drafter, "link_slim", None)
+        if link is not None:
+            link(self._slim)
 
     def _models(self):
         out = [self.target]
@@ -294,7 +308,9 @@ class Engine:
         params = config.sampling
         # 1. draft
         t = self._clock()
-        proposal = self.drafter.propose(self.ids, n, g, params, sampler, host_tokens=self.tokens)
+        proposal = self.drafter.propose(self.ids, n, g, params, sampler, host_tokens=self.tokens,
+                                        stop_below=config.min_confidence if config.adaptive else 0.0)
+        self.host_reads += proposal.reads
         g = proposal.tokens.shape[0]
         stats.time_draft += self._clock() - t
         if g == 0:  # nothing to propose (prompt lookup found no match): a plain step

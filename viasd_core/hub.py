@@ -226,12 +226,13 @@ class PullPlan:
         return not self.missing and self.ref_ok
 
 
-def select_files(filenames: list[str]) -> list[str]:
+def select_files(filenames: list[str], head: bool = False) -> list[str]:
     """The files of a repo listing that generation needs, in download order (config.json last).
 
     Only top-level files. Weights: the shards of a safetensors index when there is one, else
     `model.safetensors` when present (skipping e.g. a duplicate `consolidated.safetensors`),
-    else every top-level `*.safetensors`.
+    else every top-level `*.safetensors`. `head`: an EAGLE-3 draft head, published as
+    `pytorch_model.bin` when it has no safetensors (read only with torch.load(weights_only=True)).
     """
     top = [f for f in filenames if "/" not in f]
 
@@ -253,6 +254,8 @@ def select_files(filenames: list[str]) -> list[str]:
         and matches(f, TOKENIZER_PATTERNS)
     ]
     configs = [f for f in ("generation_config.json", "config.json") if f in top]
+    if head and not weights and "pytorch_model.bin" in top:
+        weights = ["pytorch_model.bin"]
     return sorted(weights) + indexes + sorted(others) + configs
 
 
@@ -320,7 +323,7 @@ def _partial_bytes(repo_id: str, blob_name: str | None) -> int:
         return 0
 
 
-def plan_pull(repo_id: str, revision: str | None = None) -> PullPlan:
+def plan_pull(repo_id: str, revision: str | None = None, head: bool = False) -> PullPlan:
     """List the repo on the Hub (one API call) and work out what `pull` would fetch."""
     _check_repo_id(repo_id)
     if hf_offline():
@@ -328,8 +331,8 @@ def plan_pull(repo_id: str, revision: str | None = None) -> PullPlan:
     with _hub_errors(repo_id, revision):
         info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
     siblings = {s.rfilename: s for s in (info.siblings or [])}
-    names = select_files(list(siblings))
-    if not any(n.endswith(".safetensors") for n in names):
+    names = select_files(list(siblings), head=head)
+    if not any(n.endswith(".safetensors") or (head and n == "pytorch_model.bin") for n in names):
         others = sorted(n for n in siblings if n.endswith((".bin", ".pt", ".pth", ".gguf")))
         found = f" (it has {', '.join(others[:3])})" if others else ""
         raise ViasdError(
@@ -441,7 +444,7 @@ def _stderr_console():
     return Console(stderr=True)
 
 
-def pull(repo_id: str, revision: str | None = None, progress: bool = True) -> Path:
+def pull(repo_id: str, revision: str | None = None, progress: bool = True, head: bool = False) -> Path:
     """Download what generation needs of `repo_id` at `revision` into the HF cache; return its snapshot.
 
     Fetches the safetensors weights (and index), config.json, generation_config.json and the
@@ -464,7 +467,7 @@ def pull(repo_id: str, revision: str | None = None, progress: bool = True) -> Pa
             return resolve_local(repo_id, revision)
         except ViasdError:
             raise _no_network_error(repo_id, "offline mode is on (HF_HUB_OFFLINE=1; unset it to download)") from None
-    plan = plan_pull(repo_id, revision)
+    plan = plan_pull(repo_id, revision, head=head)
     console = _stderr_console() if progress else None
     if plan.up_to_date:
         if console:

@@ -18,6 +18,10 @@ and CUDA graphs need (gpt-fast style):
 `compile()` wraps the one pass function in `torch.compile(fullgraph=True)` (CUDA graphs on CUDA);
 the eager path is the same function uncompiled: the plain reference the tests compare against.
 
+`capture_features(layers)` makes every pass also write the residual-stream states entering those
+layers (transformers' `output_hidden_states[l]`) into a static buffer at the pass's positions, the
+features an EAGLE-3 head drafts from: no extra pass, no host read.
+
 The same class is the **slim verifier**: pass `layer_ids` to run a subset of the layers. It
 holds references to the target's modules (embedding, kept layers, norm, lm_head), so it
 shares every weight and costs only its own KV cache.
@@ -116,6 +120,7 @@ class StaticCache(torch.nn.Module):
         self.register_buffer("cos", cos, persistent=False)  # [length, head_dim]
         self.register_buffer("sin", sin, persistent=False)
         self.register_buffer("key_pos", torch.arange(length, device=device), persistent=False)
+        self.register_buffer("features", None, persistent=False)  # [length, n * hidden] once features are captured
 
 
 class FastModel:
@@ -164,6 +169,8 @@ class FastModel:
         self.positions_run = 0  # real (unpadded) positions processed
         self._compiled = None
         self.compile_mode: str | None = None
+        self.feature_layers: tuple[int, ...] = ()
+        self._capture: list[list[int]] = [[] for _ in range(len(self.layers) + 1)]
         self.allocate(max_len)
 
     # ------------------------------------------------------------------ set-up
@@ -192,6 +199,37 @@ class FastModel:
         self.cache = StaticCache(len(self.layers), s.n_kv_heads, length, s.head_dim,
                                  cos[0].to(self.dtype), sin[0].to(self.dtype), self.dtype, self.device)
         self.max_len = max_len
+        self.seen = 0
+        self._allocate_features()
+        if self._compiled is not None:
+            self.compile(self.compile_mode)
+
+    def _allocate_features(self) -> None:
+        n = len(self.feature_layers)
+        if n:
+            self.cache.register_buffer("features", torch.zeros(self.cache.key_pos.shape[0], n * self.shape.hidden_size,
+                                                               dtype=self.dtype, device=self.device), persistent=False)
+
+    def capture_features(self, layers) -> None:
+        """Write, in every pass, the states entering decoder layers `layers` (ascending; transformers'
+        `output_hidden_states[l]`, 0 = the embedding output) at the pass's positions into
+        `cache.features` [positions, len(layers) * hidden], concatenated in that order.
+
+        Position p's features are valid while p < `seen` (they are written with its K/V). A model
+        that skips layers (the slim verifier) captures, for layer l, the state entering its first
+        run layer at or after l (its final state when none): its own residual stream at that depth.
+        """
+        layers = tuple(int(l) for l in layers)
+        if layers == self.feature_layers:
+            return
+        if list(layers) != sorted(set(layers)) or not all(0 <= l < self.shape.n_layers for l in layers):
+            raise ValueError(f"feature layers must be distinct ascending indices below {self.shape.n_layers}, got {list(layers)}")
+        self.feature_layers = layers
+        self._capture = [[] for _ in range(len(self.layers) + 1)]  # run-layer index -> feature slots read there
+        for slot, l in enumerate(layers):
+            point = next((ci for ci, lid in enumerate(self.layer_ids) if lid >= l), len(self.layers))
+            self._capture[point].append(slot)
+        self._allocate_features()
         self.seen = 0
         if self._compiled is not None:
             self.compile(self.compile_mode)
@@ -248,7 +286,10 @@ class FastModel:
         for window in set(self.windows) if masked else ():
             mask = causal if window is None else causal & (key_pos[None, :] > input_pos[:, None] - window)
             masks[window] = mask.repeat(rep, 1)  # [rep * T, L]: query heads packed per KV head
+        captured: list = [None] * len(self.feature_layers)
         for ci, layer in enumerate(self.layers):
+            for slot in self._capture[ci]:
+                captured[slot] = x[0]
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q = attn.q_proj(h).view(1, T, s.n_heads, s.head_dim)
@@ -270,6 +311,10 @@ class FastModel:
             o = o.reshape(1, s.n_heads, T, s.head_dim).transpose(1, 2).reshape(1, T, s.n_heads * s.head_dim)
             x = x + attn.o_proj(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+        for slot in self._capture[len(self.layers)]:
+            captured[slot] = x[0]
+        if captured:
+            cache.features[input_pos] = torch.cat(captured, dim=-1)  # [T, n * H]
         h = self.norm(x[0].index_select(0, rows))
         logits = self.lm_head(h).float()
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:

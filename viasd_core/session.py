@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from . import paths
-from .drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from .drafters import ChainDrafter, HybridDrafter, ModelDrafter, NgramDrafter
 from .engine import Engine
+from .feature_drafter import FeatureDrafter
 from .errors import UsageError, ViasdError
 from .loading import EMBEDDED_TARGET, Loaded, check_same_vocab, eos_ids, load_model
 from .model import FastModel
 from .profile import Profile, find_profile
 from .router import Thresholds
 
-EMBEDDED_DRAFT = "embedded:smollm2-135m-draft"
+EMBEDDED_DRAFT = "embedded:smollm2-135m-draft"  # the distilled 2-layer draft model
+EMBEDDED_HEAD = "embedded:smollm2-135m-eagle3"  # the EAGLE-3 head trained by viasd (the default)
 HYBRID_SUFFIX = "+ngram"  # REF+ngram: prompt lookup where the context repeats, the model draft elsewhere
 _EMBEDDED_DRAFT_ALIASES = {EMBEDDED_DRAFT, "smollm2-135m-draft"}
+_EMBEDDED_HEAD_ALIASES = {EMBEDDED_HEAD, "smollm2-135m-eagle3"}
 
 
 @dataclass
@@ -63,8 +67,11 @@ def _draft_ref(opts: ModelOptions, target: Loaded) -> str:
     if target.model_id == EMBEDDED_TARGET:
         from .draft_model import embedded_draft_dir
 
-        # The distilled draft is weak on copied text; prompt lookup covers it (docs/distill.md).
-        return EMBEDDED_DRAFT + HYBRID_SUFFIX if (embedded_draft_dir() / "model.safetensors").exists() else "ngram"
+        # The best measured draft first (docs/benchmarks.md); prompt lookup covers copied text.
+        for ref, name in ((EMBEDDED_HEAD, "smollm2-135m-eagle3"), (EMBEDDED_DRAFT, "smollm2-135m")):
+            if (embedded_draft_dir(name) / "model.safetensors").exists():
+                return ref + HYBRID_SUFFIX
+        return "ngram"
     from .catalog import draft_for
     from .hub import is_cached
 
@@ -80,7 +87,7 @@ def load_drafter(opts: ModelOptions, target: Loaded, target_fast: FastModel, pro
     if ref.endswith(HYBRID_SUFFIX) and ref != HYBRID_SUFFIX:
         drafter, draft_id, draft = load_drafter(ModelOptions(**{**opts.__dict__, "draft": ref[: -len(HYBRID_SUFFIX)]}),
                                                 target, target_fast, progress)
-        if not isinstance(drafter, ModelDrafter):
+        if not isinstance(drafter, ChainDrafter):
             raise UsageError(f"'{ref}': the {HYBRID_SUFFIX} suffix goes after a draft model")
         return HybridDrafter(drafter), draft_id + HYBRID_SUFFIX, draft
     vocab = target_fast.shape.vocab_size
@@ -96,6 +103,9 @@ def load_drafter(opts: ModelOptions, target: Loaded, target_fast: FastModel, pro
         draft_model = load_draft(embedded_draft_dir(), target.model, tokenizer=target.tokenizer)
         fast = FastModel(draft_model, max_len=target_fast.max_len, name="draft")
         return ModelDrafter(fast, vocab, vocab_map=draft_model.viasd_vocab_map), EMBEDDED_DRAFT, None
+    head_folder = _feature_head_folder(ref, opts)
+    if head_folder is not None:
+        return feature_drafter(head_folder, target, target_fast), ref, None
     draft = load_model(ref, dtype=opts.dtype, device=opts.device, trust_remote_code=opts.trust_remote_code,
                        allow_pickle=opts.allow_pickle, quant=opts.draft_quant, progress=progress)
     check_same_vocab(target, draft)
@@ -104,6 +114,40 @@ def load_drafter(opts: ModelOptions, target: Loaded, target_fast: FastModel, pro
     cap_vocab(target_fast, token_rows(draft.model))
     cap_vocab(fast, emittable(target_fast))
     return ModelDrafter(fast, vocab), draft.model_id, draft
+
+
+def _feature_head_folder(ref: str, opts: ModelOptions):
+    """The folder of an EAGLE-3 head named by `ref` (embedded, a local folder, or a cached hub repo), else None."""
+    from . import catalog, hub
+    from .eagle import is_feature_head_folder
+
+    if ref in _EMBEDDED_HEAD_ALIASES:
+        return _embedded_head_dir()
+    local = Path(ref).expanduser()
+    if local.is_dir():
+        return local if is_feature_head_folder(local) else None
+    if hub.is_repo_id(ref) and (catalog.is_feature_head(ref) or (hub.is_cached(ref, opts.revision) and
+                                                                  is_feature_head_folder(hub.resolve_local(ref)))):
+        return hub.resolve_local(ref)
+    return None
+
+
+def feature_drafter(folder, target: Loaded, target_fast: FastModel) -> FeatureDrafter:
+    """An EAGLE-3 head for the target (its embedding shared, its dtype and device) as a drafter."""
+    from .eagle import load_feature_head
+
+    if target.model_id != EMBEDDED_TARGET and Path(folder) == _embedded_head_dir():
+        raise UsageError(f"the embedded EAGLE-3 head was trained for '{EMBEDDED_TARGET}', not '{target.model_id}': "
+                         "choose another --draft")
+    head = load_feature_head(folder, target.model.config, embed=target_fast.embed, dtype=target_fast.dtype,
+                             device=target_fast.device, max_len=target_fast.max_len + 1)
+    return FeatureDrafter(head, target_fast, target_fast.shape.vocab_size)
+
+
+def _embedded_head_dir() -> Path:
+    from .draft_model import embedded_draft_dir
+
+    return embedded_draft_dir("smollm2-135m-eagle3")
 
 
 def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_profile: bool | None = None) -> Session:
