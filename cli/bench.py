@@ -16,7 +16,7 @@ from viasd_core.prompts import load_prompts
 from viasd_core.session import ModelOptions, build_session
 
 from .app import app
-from .options import AdaptiveOpt, GammaOpt, handle_errors, model_options
+from .options import AdaptiveOpt, GammaOpt, MinConfidenceOpt, handle_errors, model_options
 
 EXAMPLES = """
 EXAMPLES
@@ -111,6 +111,7 @@ def bench(
     methods: Annotated[str, typer.Option("--methods", help=f"Comma-separated subset of {','.join(core.METHODS)}, or 'all'.")] = "all",
     gamma: GammaOpt = 5,
     adaptive: AdaptiveOpt = True,
+    min_confidence: MinConfidenceOpt = core.BenchConfig.min_confidence,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Largest number of new tokens per prompt.")] = 128,
     prompts: Annotated[Optional[str], typer.Option("--prompts", help="Spec-Bench JSONL (category, turns) or plain text, one prompt per line (default: the shipped set).")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Use the first N prompts (after --categories).")] = None,
@@ -135,7 +136,7 @@ def bench(
     if acceptance_from is not None or force:
         raise UsageError("--acceptance-from and --force only apply with --synthetic")
     config = core.BenchConfig(methods=core.parse_methods(methods), max_new_tokens=max_new_tokens, gamma=gamma,
-                              adaptive=adaptive, warmup=warmup, repeats=repeats, seed=seed, raw=raw,
+                              adaptive=adaptive, min_confidence=min_confidence, warmup=warmup, repeats=repeats, seed=seed, raw=raw,
                               viasd_profiles=[p.strip() for p in (viasd_profiles or "").split(",") if p.strip()])
     config.validate()
     cats = [c.strip() for c in categories.split(",") if c.strip()] if categories else None

@@ -72,7 +72,7 @@ def models(
         table.add_row(
             row["name"],
             row["target"],
-            row["draft"],
+            row["draft"] + (" (EAGLE-3 head)" if row["draft_kind"] == "feature" else ""),
             f"{catalog.human_params(row['target_params'])} / {catalog.human_params(row['draft_params'])}",
             download,
             yes_no(row["target_local"]),

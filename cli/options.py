@@ -38,6 +38,7 @@ AllowPickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow pick
 ModeOpt = Annotated[str, typer.Option("--mode", help="ar (plain), sd (two-tier, exact), exact (multi-tier, exact) or viasd (three tiers, calibrated, lossy).")]
 GammaOpt = Annotated[int, typer.Option("--gamma", "-g", help="Draft tokens per step (the largest when adaptive).")]
 AdaptiveOpt = Annotated[bool, typer.Option("--adaptive/--fixed", help="Adapt the draft length to acceptance and measured cost, with plain steps while drafting does not pay (default), or keep gamma fixed.")]
+MinConfidenceOpt = Annotated[float, typer.Option("--min-confidence", help="With --adaptive, a model draft stops before the token where its own estimate that the whole block is accepted (the product of its top probabilities) falls below this; 0 = off.")]
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Largest number of new tokens per prompt.")]
 TempOpt = Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy (default); > 0 samples.")]
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens when sampling (0 = off).")]
@@ -100,6 +101,7 @@ def generation_options(max_new_tokens: int):
     """Give a command the generation options (--mode ... --stop), passed to it as `config: GenerationConfig`."""
     return _option_group(
         {"mode": (ModeOpt, "sd"), "gamma": (GammaOpt, 5), "adaptive": (AdaptiveOpt, True),
+         "min_confidence": (MinConfidenceOpt, GenerationConfig.min_confidence),
          "max_new_tokens": (MaxNewOpt, max_new_tokens), "temperature": (TempOpt, 0.0), "top_k": (TopKOpt, 0),
          "top_p": (TopPOpt, 1.0), "seed": (SeedOpt, None), "stop": (StopOpt, None)},
         "config", _generation_config,

@@ -88,6 +88,48 @@ def test_pull_revision_is_passed_to_the_target(fake_hub, hub_env, model_files, o
     assert fake_hub.info_calls == [("org/target", "v1")]
 
 
+LLAMA, EAGLE3 = "meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+
+
+def eagle_head_files(hidden: int = 8, vocab: int = 64) -> dict[str, bytes]:
+    """A head repo as published: config.json and pytorch_model.bin only (no tokenizer, no safetensors)."""
+    import io
+
+    import torch
+
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
+              "intermediate_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 1,
+              "rms_norm_eps": 1e-5, "vocab_size": vocab, "draft_vocab_size": 16}
+    buf = io.BytesIO()
+    torch.save({"fc.weight": torch.zeros(hidden, 3 * hidden)}, buf)
+    return {"config.json": json.dumps(config).encode(), "pytorch_model.bin": buf.getvalue()}
+
+
+def deep_target_files(model_files) -> dict[str, bytes]:
+    config = json.loads(model_files["config.json"]) | {"num_hidden_layers": 8}  # feature layers (2, 4, 5)
+    return model_files | {"config.json": json.dumps(config).encode()}
+
+
+def test_pull_eagle3_pair_fetches_the_published_head_and_checks_it_fits(fake_hub, hub_env, model_files):
+    fake_hub.add(LLAMA, deep_target_files(model_files))
+    fake_hub.add(EAGLE3, eagle_head_files())
+    result = invoke("pull", "llama3.1-8b-eagle3", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.splitlines() == [snapshot(hub_env, LLAMA), snapshot(hub_env, EAGLE3)]
+    assert f"checking that {EAGLE3} fits {LLAMA}" in result.stderr
+    head = repo_folder(hub_env.cache, EAGLE3) / "snapshots" / commit_of(EAGLE3)
+    assert sorted(p.name for p in head.iterdir()) == ["config.json", "pytorch_model.bin"]
+
+
+def test_pull_eagle3_head_for_another_model_exits_1_naming_the_mismatch(fake_hub, hub_env, model_files):
+    fake_hub.add(LLAMA, deep_target_files(model_files))
+    fake_hub.add(EAGLE3, eagle_head_files(hidden=16))
+    result = invoke("pull", "llama3.1-8b-eagle3", "-q")
+    assert result.exit_code == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "hidden size 16 does not match the target's 8" in errors[0]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -152,6 +194,7 @@ ROW_KEYS = {
     "approx_download_gb": float,
     "notes": str,
     "gated": bool,
+    "draft_kind": str,
     "embedded": bool,
     "target_local": bool,
     "draft_local": bool,
@@ -172,7 +215,7 @@ def test_models_json_schema_and_local_and_profile_status(hub_env, model_files, m
     assert result.exit_code == 0
     assert result.stderr == ""
     rows = json.loads(result.stdout)
-    assert [row["name"] for row in rows] == ["smollm2-135m", "smollm2-1.7b", "qwen2.5-7b", "llama3.1-8b"]
+    assert [row["name"] for row in rows] == ["smollm2-135m", "smollm2-1.7b", "qwen2.5-7b", "llama3.1-8b", "llama3.1-8b-eagle3"]
     for row in rows:
         assert set(row) == set(ROW_KEYS)
         for key, kind in ROW_KEYS.items():
@@ -183,7 +226,9 @@ def test_models_json_schema_and_local_and_profile_status(hub_env, model_files, m
         "smollm2-1.7b": (True, False, False),
         "qwen2.5-7b": (False, False, True),
         "llama3.1-8b": (False, False, False),
+        "llama3.1-8b-eagle3": (False, False, False),
     }
+    assert [row["draft_kind"] for row in rows] == ["feature", "model", "model", "model", "feature"]
     qwen = rows[2]
     assert qwen["profiles"] == [str(profiles / "qwen.json")]
     assert (qwen["target"], qwen["draft"], qwen["approx_download_gb"]) == ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", 16.2)
@@ -203,3 +248,4 @@ def test_models_table(hub_env, monkeypatch):
         assert pair.name in result.stdout
         assert pair.target in result.stdout
     assert "~16.2 GB" in result.stdout and "(gated)" in result.stdout
+    assert "EAGLE-3" in result.stdout

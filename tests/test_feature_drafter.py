@@ -14,7 +14,7 @@ from viasd_core.drafters import HybridDrafter
 from viasd_core.engine import Engine, GenerationConfig
 from viasd_core.feature_drafter import FeatureDrafter
 from viasd_core.model import FastModel
-from viasd_core.router import Thresholds
+from viasd_core.router import OFF, Thresholds
 from viasd_core.sampling import SamplingParams, process_logits
 
 LAYERS = (1, 2, 3)
@@ -164,7 +164,7 @@ def test_viasd_drafts_from_the_slim_features_where_the_target_did_not_run():
 
     eng.drafter._features = spy
     got = eng.generate(prompt, GenerationConfig(mode="viasd", max_new_tokens=NEW, gamma=3, adaptive=False,
-                                                thresholds=Thresholds(accept=0.0, slim=0.0)))
+                                                thresholds=Thresholds(accept=OFF, slim=0.0)))  # every token: slim tier
     assert got.tokens == ar
     assert any(used)  # some proposals read the slim's features (the target lagged behind)
     assert got.stats.draft_tokens > 0
@@ -285,3 +285,64 @@ def test_training_resumes_from_its_checkpoint_exactly(tmp_path):
     assert log["steps"] == 20
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
+
+
+# ---------------------------------------------------------------------- through the session and the CLI
+@pytest.fixture(scope="module")
+def head_dir(tiny_dirs, tmp_path_factory):
+    """An EAGLE-3 head for the tiny target folder, written in the published layout."""
+    from transformers import AutoModelForCausalLM
+
+    from viasd_core.eagle import save_feature_head
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_dirs["target"])
+    head = eagle_train.init_head(target, (0, 1, 2), torch.arange(0, 256, 2), seed=1)
+    return save_feature_head(head, tmp_path_factory.mktemp("heads") / "head")
+
+
+def test_a_head_folder_is_a_draft_for_generate_sd_equal_to_ar(tiny_dirs, head_dir, viasd_home):
+    import json
+
+    from typer.testing import CliRunner
+
+    from viasd_cli.app import get_app
+    from viasd_core.session import ModelOptions, build_session
+
+    session = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=f"{head_dir}+ngram"), mode="sd")
+    assert isinstance(session.engine.drafter, HybridDrafter)
+    assert isinstance(session.engine.drafter.model_drafter, FeatureDrafter)
+    outs = {}
+    for mode in ("ar", "sd"):
+        r = CliRunner().invoke(get_app(), ["generate", "w1 w2 w3 w4 w5 w6", "-m", str(tiny_dirs["target"]), "-d", str(head_dir),
+                                           "-n", "16", "--mode", mode, "--json", "-q"])
+        assert r.exit_code == 0, r.stderr
+        outs[mode] = json.loads(r.stdout)
+    assert outs["sd"]["text"] == outs["ar"]["text"]
+    assert outs["sd"]["stats"]["draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("hidden", "hidden size 32 does not match the target's"),
+    ("truncate", "model.safetensors"),
+])
+def test_a_head_that_does_not_fit_is_a_one_line_error(tiny_dirs, head_dir, viasd_home, tmp_path, damage, message):
+    import json
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from viasd_cli.app import get_app
+
+    bad = tmp_path / "bad"
+    shutil.copytree(head_dir, bad)
+    if damage == "hidden":
+        cfg = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps(cfg | {"hidden_size": 32, "target_hidden_size": 32}))
+    else:
+        data = (bad / "model.safetensors").read_bytes()
+        (bad / "model.safetensors").write_bytes(data[: len(data) // 2])
+    r = CliRunner().invoke(get_app(), ["generate", "w1 w2", "-m", str(tiny_dirs["target"]), "-d", str(bad), "-n", "4"])
+    assert r.exit_code == 1
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and message in errors[0], r.stderr
+    assert "Traceback" not in r.stderr

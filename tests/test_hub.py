@@ -316,16 +316,17 @@ def test_unloadable_tokenizer_is_a_clear_error(tmp_path):
 
 
 def test_catalog_pairs_and_lookups():
-    assert [p.name for p in catalog.PAIRS] == ["smollm2-135m", "smollm2-1.7b", "qwen2.5-7b", "llama3.1-8b"]
+    assert [p.name for p in catalog.PAIRS] == ["smollm2-135m", "smollm2-1.7b", "qwen2.5-7b", "llama3.1-8b", "llama3.1-8b-eagle3"]
     qwen = catalog.find_pair("Qwen2.5-7B")
     assert (qwen.target, qwen.draft) == ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct")
     assert catalog.find_pair("nope") is None
     assert catalog.draft_for("HuggingFaceTB/SmolLM2-1.7B-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert catalog.draft_for("meta-llama/llama-3.1-8b-instruct") == "meta-llama/Llama-3.2-1B-Instruct"
-    assert catalog.draft_for("smollm2-135m") == "embedded:smollm2-135m-draft"
+    assert catalog.draft_for("smollm2-135m") == "embedded:smollm2-135m-eagle3"
     assert catalog.draft_for("Qwen/Qwen2.5-0.5B-Instruct") is None
-    assert [p.gated for p in catalog.PAIRS] == [False, False, False, True]
-    assert [p.embedded for p in catalog.PAIRS] == [True, False, False, False]
+    assert [p.gated for p in catalog.PAIRS] == [False, False, False, True, True]
+    assert [p.embedded for p in catalog.PAIRS] == [True, False, False, False, False]
+    assert catalog.is_feature_head("yuhuili/EAGLE3-LLaMA3.1-Instruct-8B") and not catalog.is_feature_head("meta-llama/Llama-3.2-1B-Instruct")
     for pair in catalog.PAIRS[1:]:
         # bf16: about 2 bytes a parameter for both models, within 10 %
         expected = 2 * (pair.target_params + pair.draft_params) / 1e9
@@ -345,10 +346,11 @@ def test_profiles_for_reads_only_target_and_draft_ids(hub_env):
     profiles = hub_env.home / "config" / "profiles"
     profiles.mkdir(parents=True)
     (profiles / "qwen.json").write_text(json.dumps({"target_id": "Qwen/Qwen2.5-7B-Instruct", "draft_id": "Qwen/Qwen2.5-0.5B-Instruct", "x": 1}))
-    (profiles / "embedded.json").write_text(json.dumps({"target_id": "smollm2-135m", "draft_id": "embedded:smollm2-135m-draft"}))
+    (profiles / "embedded.json").write_text(json.dumps({"target_id": "smollm2-135m", "draft_id": "embedded:smollm2-135m-eagle3"}))
     (profiles / "broken.json").write_text("{not json")
     (profiles / "list.json").write_text("[1, 2]")
     (profiles / "numbers.json").write_text(json.dumps({"target_id": 1, "draft_id": 2}))
     (profiles / "wrong-draft.json").write_text(json.dumps({"target_id": "Qwen/Qwen2.5-7B-Instruct", "draft_id": "org/other"}))
     found = {pair.name: [p.name for p in catalog.profiles_for(pair)] for pair in catalog.PAIRS}
-    assert found == {"smollm2-135m": ["embedded.json"], "smollm2-1.7b": [], "qwen2.5-7b": ["qwen.json"], "llama3.1-8b": []}
+    assert found == {"smollm2-135m": ["embedded.json"], "smollm2-1.7b": [], "qwen2.5-7b": ["qwen.json"], "llama3.1-8b": [],
+                     "llama3.1-8b-eagle3": []}

@@ -66,6 +66,7 @@ class BenchConfig:
     max_new_tokens: int = 128
     gamma: int = 5
     adaptive: bool = True
+    min_confidence: float = GenerationConfig.min_confidence
     warmup: int = 1
     repeats: int = 1
     seed: int = 0
@@ -130,7 +131,8 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
 
     def gen_config(mode, thresholds=None):
         return GenerationConfig(mode=mode, max_new_tokens=config.max_new_tokens, gamma=config.gamma,
-                                adaptive=config.adaptive, temperature=0.0, seed=config.seed, thresholds=thresholds)
+                                adaptive=config.adaptive, min_confidence=config.min_confidence, temperature=0.0,
+                                seed=config.seed, thresholds=thresholds)
 
     for m in config.methods:
         if m in NEEDS_DRAFT and engine.drafter is None:

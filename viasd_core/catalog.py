@@ -89,7 +89,7 @@ PAIRS: tuple[Pair, ...] = (
         target="meta-llama/Llama-3.1-8B-Instruct",
         draft="yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
         target_params=8_030_000_000,
-        draft_params=None,
+        draft_params=425_000_000,  # from the head's shapes: fc, one layer, lm_head over 32000 draft ids
         approx_download_gb=16.9,
         notes="The published EAGLE-3 head for the target (one decoder layer reading its features). Gated target: "
         "accept the Llama licence, then `hf auth login`.",
