@@ -116,7 +116,7 @@ def test_one_host_read_per_step(monkeypatch, compiled_engine, compiled, mode, te
     eng = compiled_engine if compiled else engine_pair()
     eng.reset()
     prompt = list(range(3, 40))
-    config = GenerationConfig(mode=mode, max_new_tokens=30, gamma=4, temperature=temperature, seed=1)
+    config = GenerationConfig(mode=mode, max_new_tokens=30, gamma=4, temperature=temperature, seed=1, min_confidence=0.0)
     eng.generate(prompt, config)  # warm: first calls may read for set-up
     eng.reset()
     eng.host_reads = 0
@@ -126,6 +126,24 @@ def test_one_host_read_per_step(monkeypatch, compiled_engine, compiled, mode, te
     assert gen.stats.steps >= 8
     assert eng.host_reads == gen.stats.steps  # the engine's own count: one read a step
     assert reads.count == gen.stats.steps  # and nothing else read the device
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_confidence_stop_rule_reads_once_per_drafted_position_and_says_so(monkeypatch, temperature):
+    """With the stop rule on, the draft reads its confidence at each position it drafts: the engine
+    counts those reads too, and nothing else reads."""
+    eng = engine_pair()
+    prompt = list(range(3, 40))
+    config = GenerationConfig(mode="sd", max_new_tokens=30, gamma=4, temperature=temperature, seed=1, min_confidence=0.01)
+    eng.generate(prompt, config)
+    eng.reset()
+    eng.host_reads = 0
+    reads = HostReads(monkeypatch)
+    gen = eng.generate(prompt, config)
+    monkeypatch.undo()
+    assert gen.stats.draft_tokens > 0
+    assert eng.host_reads == reads.count
+    assert gen.stats.steps + gen.stats.draft_tokens <= reads.count <= gen.stats.steps + gen.stats.draft_tokens + gen.stats.steps
 
 
 def test_caches_are_allocated_once_and_the_context_is_a_clear_limit():

@@ -311,6 +311,15 @@ def _batch(records: Sequence[Record], inverse: torch.Tensor, max_len: int, pad_i
     return input_ids, mask, labels
 
 
+def cosine_lr(step: int, steps: int, warmup: int, lr: float, elapsed_fraction: float = 0.0) -> float:
+    """Linear warm-up, then cosine from lr to 0.1 lr over the steps (or over the time budget, when
+    `elapsed_fraction` of it is further along)."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = max((step - warmup) / max(1, steps - warmup), elapsed_fraction)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
 def train_draft(
     draft,
     records: Sequence[Record],
@@ -353,13 +362,8 @@ def train_draft(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.98)
     )
 
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return lr * (step + 1) / warmup
-        t = (step - warmup) / max(1, steps - warmup)
-        if time_limit_s:  # the schedule follows whichever budget runs out first
-            t = max(t, (time.perf_counter() - t0) / time_limit_s)
-        return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
+    def lr_at(step: int) -> float:  # the schedule follows whichever budget runs out first
+        return cosine_lr(step, steps, warmup, lr, (time.perf_counter() - t0) / time_limit_s if time_limit_s else 0.0)
 
     rng = random.Random(seed)
     torch.manual_seed(seed)

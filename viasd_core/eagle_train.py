@@ -23,7 +23,6 @@ predicts the token at p + 2, whose target distribution is the one at target posi
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import time
@@ -32,10 +31,9 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
+from .distill import cosine_lr
 from .eagle import LAYER_IDS_KEY, FeatureHead
-from .errors import ViasdError
 from .model import model_shape
 
 TOPK = 20  # soft labels kept per position
@@ -98,8 +96,8 @@ def teacher_pass(target, sequences: Sequence[tuple[list[int], int, str]], layers
     return out  # type: ignore[return-value]
 
 
-def save_records(records: Sequence[FeatureRecord], path: Path) -> None:
-    """Write records to `path` (a temporary file, then a rename)."""
+def save_records(records: Sequence, path: Path) -> None:
+    """Write records (anything with `to_dict()`) to `path` (a temporary file, then a rename)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     torch.save([r.to_dict() for r in records], tmp)
@@ -256,14 +254,6 @@ def ttt_loss(head: FeatureHead, records: Sequence[FeatureRecord], t2d_index: tor
 
 
 # ---------------------------------------------------------------------- training loop
-def cosine_lr(step: int, steps: int, warmup: int, lr: float, elapsed_fraction: float = 0.0) -> float:
-    """Linear warm-up, then cosine from lr to 0.1 lr (following time when that runs out first)."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    t = max((step - warmup) / max(1, steps - warmup), elapsed_fraction)
-    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
-
-
 @dataclass
 class HeadTrainConfig:
     steps: int = 2000
@@ -280,6 +270,13 @@ class HeadTrainConfig:
     time_limit_s: Optional[float] = None
 
 
+def draft_index(head: FeatureHead) -> torch.Tensor:
+    """[vocab] int64 on the CPU: the draft index of each target id, -1 where the head cannot propose it."""
+    index = torch.full((head.vocab_size,), -1, dtype=torch.long)
+    index[head.to_target_ids(torch.arange(head.draft_vocab_size, device=head.d2t.device)).cpu()] = torch.arange(head.draft_vocab_size)
+    return index
+
+
 def _trainable(head: FeatureHead):
     return [p for n, p in head.named_parameters() if not n.startswith("embed_tokens.")]
 
@@ -291,8 +288,7 @@ def train_head(head: FeatureHead, records: Sequence[FeatureRecord], config: Head
     `checkpoint_every` steps (temporary file, then rename). With `eval_fn` (higher is better) the best
     evaluated weights are kept. Returns the training log (losses per window, evaluations, wall time)."""
     device = head.fc.weight.device
-    t2d_index = torch.full((head.vocab_size,), -1, dtype=torch.long)
-    t2d_index[head.to_target_ids(torch.arange(head.draft_vocab_size, device=head.d2t.device)).cpu()] = torch.arange(head.draft_vocab_size)
+    t2d_index = draft_index(head)
     params = _trainable(head)
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
@@ -364,8 +360,6 @@ def train_head(head: FeatureHead, records: Sequence[FeatureRecord], config: Head
 def evaluate_head(head: FeatureHead, records: Sequence[FeatureRecord], steps: int = 1, max_len: int = 2048) -> dict:
     """Teacher-forced top-1 agreement of the head's drafting step s with the target's argmax, over the
     generated positions of `records` (step 0 = the first drafted token after committed text)."""
-    t2d_index = torch.full((head.vocab_size,), -1, dtype=torch.long)
-    t2d_index[head.to_target_ids(torch.arange(head.draft_vocab_size, device=head.d2t.device)).cpu()] = torch.arange(head.draft_vocab_size)
     hits = [0] * steps
     totals = [0] * steps
     device = head.fc.weight.device

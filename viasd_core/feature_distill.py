@@ -70,12 +70,6 @@ def _cached(path: Path, make: Callable[[], list], save: Callable, load: Callable
     return items
 
 
-def _save_records(records: list[Record], path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save([r.to_dict() for r in records], tmp)
-    tmp.replace(path)
-
-
 def _load_records(path: Path) -> list[Record]:
     return [Record(**d) for d in torch.load(path, weights_only=True)]
 
@@ -108,7 +102,7 @@ def run_feature_distill(target_ref: str, out: str | Path, config: FeatureDistill
                                  categories=[p.category for p in items], progress=lambda i, n: log(f"{split}: {i}/{n} prompts"))
             timings[f"generate_{split}_s"] = round(time.perf_counter() - t0, 1)
             return recs
-        return _cached(work / f"{split}.pt", make, _save_records, _load_records, log)
+        return _cached(work / f"{split}.pt", make, eagle_train.save_records, _load_records, log)
 
     def features(split: str, records: list[Record]) -> list[eagle_train.FeatureRecord]:
         def make():
