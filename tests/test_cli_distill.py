@@ -55,6 +55,45 @@ def test_recipe_end_to_end(tiny_dirs, viasd_home, prompt_file, tmp_path):
     assert draft.viasd_vocab_map.numel() == 16 and len(draft.model.layers) == 1
 
 
+def test_feature_head_recipe_end_to_end_and_resumes_from_its_work_folder(tiny_dirs, viasd_home, prompt_file, tmp_path):
+    from viasd_core.eagle import read_head_config
+
+    out, work = tmp_path / "head", tmp_path / "work"
+    args = ("--kind", "feature", "--target", tiny_dirs["target"], "--out", out, "--work", work, "--prompts", prompt_file,
+            "--eval-prompts", prompt_file, "--eval-limit", "2", "--draft-vocab", "32", "--steps", "4", "--batch-size", "2",
+            "--max-new-tokens", "6", "--fp32", "--device", "cpu", "--threads", "1")
+    r = run(*args)
+    assert r.exit_code == 0, r.stderr
+    assert r.stdout == f"{out}\n"
+    assert "greedy: 5/5 prompts" in r.stderr and "sampled: 5/5 prompts" in r.stderr
+    cfg = read_head_config(out)
+    info = cfg["viasd_training"]
+    assert cfg["draft_vocab_size"] == 32 and cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]  # 4-layer target
+    assert info["sequences"] == 4 + 4 and info["held_out_sequences"] == 1  # prompt 0 held out (greedy answer kept)
+    assert info["train"]["steps"] == 4 and len(info["eval"]["agreement_by_position"]) == 8
+    assert sorted(p.name for p in work.iterdir()) == ["eval.pt", "features-eval.pt", "features-greedy.pt",
+                                                      "features-sampled.pt", "greedy.pt", "head.ckpt", "sampled.pt"]
+    # The head is a draft for generation, token-identical to plain decoding.
+    texts = {}
+    for mode in ("ar", "sd"):
+        g = CliRunner().invoke(get_app(), ["generate", "w1 w2 w3", "-m", str(tiny_dirs["target"]), "-d", str(out), "-n", "8",
+                                           "--mode", mode, "-q"])
+        assert g.exit_code == 0, g.stderr
+        texts[mode] = g.stdout
+    assert texts["sd"] == texts["ar"]
+    # The same command again: every stage is cached, training is already at its last step.
+    again = run(*args)
+    assert again.exit_code == 0, again.stderr
+    assert "greedy.pt: cached" in again.stderr and "features-sampled.pt: cached" in again.stderr
+    assert "resumed at step 4" in again.stderr and "greedy: 1/5" not in again.stderr
+
+
+def test_feature_kind_needs_a_work_folder(tiny_dirs, viasd_home, tmp_path):
+    one_line_error(run("--kind", "feature", "--target", tiny_dirs["target"], "--out", tmp_path / "h"), 2,
+                   "--kind feature needs --work FOLDER")
+    one_line_error(run("--kind", "tree", "--target", tiny_dirs["target"], "--out", tmp_path / "h"), 2, "unknown --kind 'tree'")
+
+
 @pytest.mark.parametrize("args, message", [
     (("--batch-size", "0"), "--batch-size must be at least 1 (got 0)"),
     (("--lr", "0"), "--lr must be > 0 (got 0.0)"),

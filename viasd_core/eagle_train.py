@@ -34,6 +34,7 @@ import torch
 
 from .distill import cosine_lr
 from .eagle import LAYER_IDS_KEY, FeatureHead
+from .errors import UsageError
 from .model import model_shape
 
 TOPK = 20  # soft labels kept per position
@@ -61,8 +62,12 @@ class FeatureRecord:
 
 
 def default_feature_layers(n_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's choice (also vLLM's default): a low, a middle and a high layer."""
-    return (2, n_layers // 2, n_layers - 3)
+    """EAGLE-3's choice (also vLLM's default): a low, a middle and a high layer, (2, L//2, L-3);
+    a target too shallow for those takes its last three layers' inputs."""
+    if n_layers < 3:
+        raise UsageError(f"a feature head reads three layers: this target has only {n_layers}")
+    layers = (2, n_layers // 2, n_layers - 3)
+    return layers if len(set(layers)) == 3 and layers == tuple(sorted(layers)) else (n_layers - 3, n_layers - 2, n_layers - 1)
 
 
 @torch.no_grad()
