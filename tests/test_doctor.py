@@ -22,8 +22,8 @@ class CorruptingDrafter:
         self.inner = inner
         self.model = inner.model
 
-    def propose(self, ids, n, gamma, params, sampler, host_tokens=None):
-        proposal = self.inner.propose(ids, n, gamma, params, sampler, host_tokens)
+    def propose(self, ids, n, gamma, params, sampler, host_tokens=None, **options):
+        proposal = self.inner.propose(ids, n, gamma, params, sampler, host_tokens, **options)
         ids[n - 1] = (ids[n - 1] + 7) % 200 + 8
         return proposal
 
