@@ -8,6 +8,7 @@ which the acceptance rule treats as a one-hot distribution).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ class Proposal:
     reads: int = 0  # device-to-host reads the drafter made (the confidence stop rule)
 
 
-class ChainDrafter:
+class ChainDrafter(ABC):
     """Drafts a block token by token from logits over its own (possibly reduced) vocabulary.
 
     Subclasses give `_first_logits` (catch up on the committed context, logits of the next token;
@@ -50,11 +51,13 @@ class ChainDrafter:
             full[:, : self.limit] = draft_probs
         return full
 
+    @abstractmethod
     def _first_logits(self, ids: torch.Tensor, n: int) -> torch.Tensor | None:
-        raise NotImplementedError
+        """Catch up on the committed context; logits [1, width] of token n (None: cannot draft now)."""
 
+    @abstractmethod
     def _next_logits(self, ids: torch.Tensor, n: int, i: int) -> torch.Tensor:
-        raise NotImplementedError
+        """Feed drafted token i (at ids[n + i]); logits [1, width] of the next one."""
 
     def propose(self, ids: torch.Tensor, n: int, gamma: int, params: SamplingParams, sampler: Sampler, host_tokens=None,
                 stop_below: float = 0.0) -> Proposal:
