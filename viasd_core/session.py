@@ -233,7 +233,7 @@ def apply_compile(engine: Engine, choice: str) -> bool:
 # row count in play: it can then never emit such an id.
 def token_rows(hf_model) -> int:
     """Token ids a model can both read and score: min(input embedding rows, lm_head rows)."""
-    return min(hf_model.get_input_embeddings().num_embeddings, hf_model.get_output_embeddings().weight.shape[0])
+    return min(hf_model.get_input_embeddings().num_embeddings, hf_model.get_output_embeddings().out_features)
 
 
 def tokenizer_size(tokenizer) -> int | None:
