@@ -72,7 +72,7 @@ def calibrate(
     gamma: GammaOpt = 5,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
-    quant: QuantOpt = "none",
+    quant: QuantOpt = "auto",
     draft_quant: DraftQuantOpt = "none",
     trust_remote_code: TrustOpt = False,
     allow_pickle: AllowPickleOpt = False,

@@ -31,7 +31,7 @@ DtypeOpt = Annotated[
     Optional[str], typer.Option("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU).")
 ]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda or cuda:N (default: cuda if available).")]
-QuantOpt = Annotated[str, typer.Option("--quant", help="Target weights: none, int8 or int4 (weight-only, packed by torchao; bf16 activations), 8bit or 4bit (bitsandbytes LLM.int8 / NF4).")]
+QuantOpt = Annotated[str, typer.Option("--quant", help="Target weights: auto (int4 for the embedded model on CPU, else none), none, int8 or int4 (weight-only, packed by torchao; bf16 activations), 8bit or 4bit (bitsandbytes LLM.int8 / NF4).")]
 DraftQuantOpt = Annotated[str, typer.Option("--draft-quant", help="Draft weights: none, int8, int4, 8bit or 4bit (as --quant).")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the model repo (off by default).")]
 AllowPickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow pickle (.bin) weights (off by default: safetensors only).")]
@@ -78,7 +78,7 @@ def _option_group(options: dict[str, tuple[object, object]], name: str, build):
 
 MODEL_OPTIONS = {
     "model": (ModelOpt, DEFAULT_MODEL), "draft": (DraftOpt, None), "revision": (RevisionOpt, None),
-    "dtype": (DtypeOpt, None), "device": (DeviceOpt, None), "quant": (QuantOpt, "none"),
+    "dtype": (DtypeOpt, None), "device": (DeviceOpt, None), "quant": (QuantOpt, "auto"),
     "draft_quant": (DraftQuantOpt, "none"), "trust_remote_code": (TrustOpt, False),
     "allow_pickle": (AllowPickleOpt, False), "profile": (ProfileOpt, None),
     "max_context": (MaxContextOpt, None), "compile": (CompileOpt, "auto"),

@@ -109,3 +109,33 @@ def test_sd_and_exact_equal_ar_and_transformers_on_spec_bench_prompts(smollm2):
     # The head drafts better than the distilled draft model it replaced (more tokens per target pass).
     ratio = {name: tokens / passes for name, (tokens, passes) in per_pass.items()}
     assert ratio["head"] > ratio["shipped"], ratio  # measured 1.37 vs 1.26 (fixed gamma 4, 3 dev prompts)
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8"])
+def test_int_formats_sd_and_exact_equal_ar_at_the_same_format(quant, tmp_path, monkeypatch):
+    """int8 / int4 weight-only (torchao-packed, bf16 activations): the shipped head drafting for
+    the quantized target, sd and exact token-identical to ar at that format, drafts accepted."""
+    pytest.importorskip("torchao")
+    from viasd_core.engine import Engine, GenerationConfig
+    from viasd_core.loading import load_model
+    from viasd_core.model import FastModel
+    from viasd_core.prompts import encode
+    from viasd_core.session import ModelOptions, eos_ids, load_drafter
+
+    monkeypatch.setenv("VIASD_HOME", str(tmp_path))
+    loaded = load_model("smollm2-135m", device="cpu", quant=quant)
+    target = FastModel(loaded.model, max_len=1024)
+    assert target.weight_format and target.row_attention and target.dtype == torch.bfloat16
+    head, _, _ = load_drafter(ModelOptions(model="smollm2-135m", draft="embedded:smollm2-135m-eagle3"), loaded, target)
+    slim = FastModel(loaded.model, layer_ids=[i for i in range(30) if not 12 <= i < 18], max_len=1024, name="slim")
+    eos = eos_ids(loaded)
+    for category, text in spec_bench_prompts(("writing", "qa")).items():
+        ids = encode(loaded.tokenizer, text)
+        ar = Engine(target, loaded.tokenizer, eos_token_ids=eos).generate(ids, GenerationConfig(mode="ar", max_new_tokens=NEW))
+        assert len(ar.tokens) >= 16, category
+        for mode in ("sd", "exact"):
+            eng = Engine(target, loaded.tokenizer, drafter=head, slim=slim, eos_token_ids=eos)
+            eng.reset()
+            out = eng.generate(ids, GenerationConfig(mode=mode, max_new_tokens=NEW, gamma=4, adaptive=False))
+            assert out.tokens == ar.tokens, (quant, category, mode)
+            assert out.stats.acceptance_rate > 0 and out.stats.target_passes < len(out.tokens), (quant, category, mode)

@@ -8,6 +8,7 @@ Methods
     sd           our engine, two tiers (exact)
     exact        our engine, multi-tier exact (needs a calibration profile: the slim verifier)
     viasd        our engine, three tiers (lossy; needs a calibration profile)
+    llama.cpp    llama-cpp-python on the embedded target's GGUF file (Q4_1), greedy, CPU (optional)
 
 Per (method, prompt, repeat): one timed run (perf_counter, CUDA synchronised) after `warmup` untimed
 runs per method, then ONE teacher-forced target pass over the output for its fidelity (never
@@ -27,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from .bench_runners import Broken, EngineRunner, HFRunner, Output, Skip, full_vocab_assistant
+from .bench_runners import Broken, EngineRunner, HFRunner, Output, Skip, full_vocab_assistant, llama_cpp_runner
 from .engine import Engine, GenerationConfig
 from .errors import UsageError, ViasdError
 from .fidelity import fidelity
@@ -37,7 +38,7 @@ from .router import Thresholds
 from .session import Session, slim_verifier, thresholds_of
 from .stats import TIERS
 
-METHODS = ("ar", "hf", "hf-assisted", "hf-pld", "sd", "exact", "viasd")
+METHODS = ("ar", "hf", "hf-assisted", "hf-pld", "sd", "exact", "viasd", "llama.cpp")
 NEEDS_DRAFT = ("sd", "exact", "viasd", "hf-assisted")
 NEEDS_PROFILE = ("exact", "viasd")
 PHASES = ("prefill", "draft", "slim", "verify", "other")  # where our engine's run time goes (result rows)
@@ -148,6 +149,11 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
                 runners[m] = EngineRunner(slim_engine, gen_config(m, thresholds_of(session.profile)))
         elif m == "hf":
             runners[m] = HFRunner(target_hf, eos, config.max_new_tokens, pad)
+        elif m == "llama.cpp":
+            try:
+                runners[m] = llama_cpp_runner(session.target.ref, eos, config.max_new_tokens, engine.target.max_len)
+            except Exception as e:  # noqa: BLE001 - reported as this method's failure, the others still run
+                runners[m] = Broken(e)
         elif m == "hf-pld":
             runners[m] = HFRunner(target_hf, eos, config.max_new_tokens, pad, prompt_lookup=config.gamma)
         elif m == "hf-assisted":

@@ -178,3 +178,47 @@ def _trim_lengths(lengths: list[int], total: int) -> list[int]:
         out.append(min(n, left))
         left -= out[-1]
     return out
+
+
+# ---------------------------------------------------------------------- llama.cpp
+class LlamaCppRunner:
+    """llama.cpp (llama-cpp-python) on a GGUF file, greedy, on the CPU with torch's thread count:
+    what a person running a model on a CPU would otherwise use. Fed the same prompt token ids
+    (the GGUF's vocabulary is the target's); its output is scored against the target like any
+    other method's (fidelity)."""
+
+    def __init__(self, gguf: str, eos: set[int], max_new_tokens: int, n_ctx: int, n_threads: int):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
+                                   n_gpu_layers=0, verbose=False)
+        self.eos = eos
+        self.max_new_tokens = max_new_tokens
+
+    def reset(self) -> None:
+        self.llm.reset()
+
+    def __call__(self, prompt_ids: list[int]) -> Output:
+        tokens: list[int] = []
+        finish = "length"
+        for tok in self.llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            tokens.append(int(tok))
+            if tok in self.eos:
+                finish = "eos"
+                break
+            if len(tokens) >= self.max_new_tokens:
+                break
+        return Output(tokens, finish, len(tokens), [1] * len(tokens))
+
+
+def llama_cpp_runner(target_ref: str, eos: set[int], max_new_tokens: int, n_ctx: int):
+    """The llama.cpp runner for the embedded target's GGUF file, or a Skip saying why not."""
+    import importlib.util
+
+    from .loading import EMBEDDED_ALIASES, embedded_gguf
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return Skip("llama-cpp-python is not installed (pip install llama-cpp-python; it builds llama.cpp from source)")
+    if target_ref.lower() not in EMBEDDED_ALIASES:
+        return Skip("llama.cpp runs a GGUF file: only the embedded target has one (its Q4_1 file)")
+    return LlamaCppRunner(str(embedded_gguf()), eos, max_new_tokens, n_ctx, torch.get_num_threads())

@@ -341,7 +341,7 @@ def run_calibration(opts, prompts, budget: float = DEFAULT_BUDGET, skip_ratio: f
     # heldout_sd.fidelity stays None: sd is exact by construction (tested), not re-measured here
     met = heldout_viasd.fidelity is not None and heldout_viasd.fidelity >= 1 - budget
     profile = Profile(
-        target_id=session.target.model_id, draft_id=session.draft_id, quant=opts.quant,
+        target_id=session.target.model_id, draft_id=session.draft_id, quant=session.options.quant,
         device=engine.device.type, dtype=str(engine.target.dtype).replace("torch.", ""),
         layer_ids=search.best.layer_ids, n_layers=evaluator.n_layers,
         theta_accept=fit.thresholds.accept, theta_slim=fit.thresholds.slim, budget=budget,

@@ -234,10 +234,14 @@ class FastModel:
     def compile(self, mode: str | None = "default") -> bool:
         """torch.compile the pass function (fullgraph, static shapes); False where it cannot apply.
 
-        bitsandbytes layers are not traceable: quantized models stay eager. On CUDA the default
-        mode is "reduce-overhead" (CUDA graphs).
+        bitsandbytes layers are not traceable: quantized models stay eager. int8/int4 models stay
+        eager on CPU: there inductor's graphs round a position differently with the pass's width
+        (a 1-token graph vs wider ones, up to 0.3 in a logit of SmolLM2), which would break sd ==
+        ar, while the eager pass with `row_attention` is exact and as fast (int4 SmolLM2: 16.0 ms a
+        token eager, 15.1 ms for the compiled 2-token pass that would be needed). On CUDA the
+        default mode is "reduce-overhead" (CUDA graphs).
         """
-        if self.quantized:
+        if self.quantized or (self.weight_format and self.device.type != "cuda"):
             return False
         if mode == "default" and self.device.type == "cuda":
             mode = "reduce-overhead"
@@ -256,14 +260,9 @@ class FastModel:
     def min_pass(self) -> int:
         """The fewest positions a pass covers (a cached one is re-fed to reach it): 2 where a
         1-token pass would round differently from a wider one, so that plain decoding and block
-        verification compute the same numbers. On CPU bitsandbytes runs 1 token through another
-        kernel (gemv), and inductor's 1-token graph of a bf16 int8/int4 model differs from its
-        wider graphs (up to 0.3 in a logit on SmolLM2, where widths 2-16 agree bit for bit; the
-        eager int8/int4 pass agrees at every width). On CUDA 1-token passes are allowed
-        (docs/engine.md says what is bit-exact there)."""
-        if self.device.type == "cuda":
-            return 1
-        return 2 if self.quantized or (self.weight_format and self.compiled) else 1
+        verification compute the same numbers: on CPU bitsandbytes runs 1 token through another
+        kernel (gemv). On CUDA 1-token passes are allowed (docs/engine.md says what is bit-exact there)."""
+        return 2 if self.quantized and self.device.type != "cuda" else 1
 
     def rollback(self, n: int) -> None:
         """Keep the first `n` cached positions; later ones are overwritten by the next forward."""
@@ -277,11 +276,13 @@ class FastModel:
 
     # ------------------------------------------------------------------ forward
     def _run(self, input_ids: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor, attn_len: int,
-             masked: bool = True) -> torch.Tensor:
+             masked: bool = True, by_row: bool = False) -> torch.Tensor:
         """The pass: positions `input_pos` [T] (device) of tokens `input_ids` [T]; logits of `rows` [R].
 
         Attends over cache[:attn_len]; `masked=False` (a 1-token pass that may see every cached
-        position) skips the mask. Returns [R, vocab] float32. No host synchronization.
+        position) skips the mask. `by_row` (eager, positions attn_len - T .. attn_len - 1): each
+        position attends in its own call over exactly the keys it sees (see `row_attention`).
+        Returns [R, vocab] float32. No host synchronization.
         """
         s = self.shape
         T = input_ids.shape[0]
@@ -313,11 +314,14 @@ class FastModel:
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             k_cache, v_cache = cache.layers[ci].update(input_pos, k, v.transpose(1, 2))
-            q = q.reshape(1, s.n_kv_heads, rep * T, s.head_dim)  # head h -> KV head h // rep
-            o = F.scaled_dot_product_attention(
-                q, k_cache[:, :, :attn_len], v_cache[:, :, :attn_len],
-                attn_mask=masks.get(self.windows[ci]), scale=attn.scaling,
-            )  # [1, Hkv, rep * T, D]
+            if by_row:
+                o = self._attend_by_row(q, k_cache, v_cache, attn_len, self.windows[ci], attn.scaling)
+            else:
+                q = q.reshape(1, s.n_kv_heads, rep * T, s.head_dim)  # head h -> KV head h // rep
+                o = F.scaled_dot_product_attention(
+                    q, k_cache[:, :, :attn_len], v_cache[:, :, :attn_len],
+                    attn_mask=masks.get(self.windows[ci]), scale=attn.scaling,
+                )  # [1, Hkv, rep * T, D]
             o = o.reshape(1, s.n_heads, T, s.head_dim).transpose(1, 2).reshape(1, T, s.n_heads * s.head_dim)
             x = x + attn.o_proj(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -330,6 +334,31 @@ class FastModel:
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
             logits[:, self.vocab_limit:] = float("-inf")
         return logits
+
+    def _attend_by_row(self, q, k_cache, v_cache, attn_len: int, window: int | None, scale: float) -> torch.Tensor:
+        """Attention of q [1, Hq, T, D] at positions attn_len - T .. attn_len - 1, one position per
+        call over exactly its keys (no mask): [1, Hq, T, D]."""
+        s = self.shape
+        T = q.shape[2]
+        rep = s.n_heads // s.n_kv_heads
+        outs = []
+        for i in range(T):
+            end = attn_len - T + i + 1
+            lo = 0 if window is None else max(0, end - window)
+            qi = q[:, :, i].reshape(1, s.n_kv_heads, rep, s.head_dim)
+            o = F.scaled_dot_product_attention(qi, k_cache[:, :, lo:end], v_cache[:, :, lo:end], scale=scale)
+            outs.append(o.reshape(1, s.n_heads, 1, s.head_dim))
+        return torch.cat(outs, dim=2)  # [1, Hq, T, D]; the caller's reshape reads it as heads x T
+
+    @property
+    def row_attention(self) -> bool:
+        """Whether eager short passes attend one position at a time. On CPU a bf16 pass's
+        attention rounds differently with the number of queries and keys in the call (up to 0.4 in
+        a logit of SmolLM2 int4: the kernel tiles them differently), while the int8/int4 layers
+        and the output head compute each row alike at any row count. Attending per position over
+        exactly its keys makes a token's logits independent of the pass it is in, so plain
+        decoding and block verification compute the same numbers (sd == ar)."""
+        return self.weight_format and self.device.type != "cuda"
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: int, n_logits: int = 1) -> torch.Tensor:
@@ -361,7 +390,8 @@ class FastModel:
                 rows = torch.arange(n_c - max(want, 1), n_c, device=self.device)
                 end_c = start + c + n_c
                 masked = n_c > 1 or any(w is not None and end_c > w for w in self.windows)
-                logits = self._run(input_ids[c : c + n_c], pos, rows, end_c, masked)
+                by_row = self.row_attention and n_c <= PASS_WIDTHS[-1]  # a prompt's prefill attends at once
+                logits = self._run(input_ids[c : c + n_c], pos, rows, end_c, masked, by_row)
                 if want:
                     outs.append(logits[-want:])
             out = outs[0] if len(outs) == 1 else torch.cat(outs)

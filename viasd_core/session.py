@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,10 +14,11 @@ from .drafters import ChainDrafter, HybridDrafter, ModelDrafter, NgramDrafter
 from .engine import Engine
 from .feature_drafter import FeatureDrafter
 from .errors import UsageError, ViasdError
-from .loading import EMBEDDED_TARGET, Loaded, check_same_vocab, eos_ids, load_model
+from .loading import EMBEDDED_TARGET, Loaded, check_same_vocab, eos_ids, load_model, resolve_device
 from .model import FastModel
 from .profile import Profile, find_profile
 from .router import Thresholds
+from .weight_formats import default_quant
 
 EMBEDDED_DRAFT = "embedded:smollm2-135m-draft"  # the distilled 2-layer draft model
 EMBEDDED_HEAD = "embedded:smollm2-135m-eagle3"  # the EAGLE-3 head trained by viasd (the default)
@@ -32,7 +34,7 @@ class ModelOptions:
     revision: str | None = None
     dtype: str | None = None
     device: str | None = None
-    quant: str = "none"
+    quant: str = "auto"  # auto: int4 for the embedded target on CPU (weight_formats.default_quant), else none
     draft_quant: str = "none"
     trust_remote_code: bool = False
     allow_pickle: bool = False
@@ -151,6 +153,7 @@ def _embedded_head_dir() -> Path:
 
 
 def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_profile: bool | None = None) -> Session:
+    opts = dataclasses.replace(opts, quant=default_quant(opts.quant, opts.model, resolve_device(opts.device), opts.dtype))
     target = load_model(opts.model, dtype=opts.dtype, device=opts.device, revision=opts.revision,
                         trust_remote_code=opts.trust_remote_code, allow_pickle=opts.allow_pickle,
                         quant=opts.quant, progress=progress)

@@ -34,6 +34,20 @@ def is_weight_format(quant: str) -> bool:
     return quant in FORMATS
 
 
+def default_quant(quant: str, model_ref: str | None, device: torch.device, dtype: str | None) -> str:
+    """`auto` -> the format to run: `int4` for the embedded target on CPU where torchao is installed
+    and no --dtype was given (on this project's CPU the fastest format whose measured agreement with
+    fp32 meets 0.97: docs/benchmarks.md section 10), `none` elsewhere (not measured there)."""
+    if quant != "auto":
+        return quant
+    from .loading import EMBEDDED_ALIASES
+
+    embedded = (model_ref or "").lower() in EMBEDDED_ALIASES
+    if embedded and device.type == "cpu" and dtype is None and importlib.util.find_spec("torchao") is not None:
+        return "int4"
+    return "none"
+
+
 def activation_dtype(quant: str, dtype: str | None, device: torch.device) -> torch.dtype:
     """The activations' dtype for a torchao format: bfloat16 (float16 on a GPU without bf16)."""
     want = torch.bfloat16 if device.type != "cuda" or torch.cuda.is_bf16_supported() else torch.float16

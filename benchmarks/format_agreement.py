@@ -1,0 +1,58 @@
+"""How often each weight format's greedy token equals fp32 `ar`'s, teacher-forced on fp32's answers.
+
+    python benchmarks/format_agreement.py --results out/formats/none/results.jsonl \
+        --prompts docs/results/cpu-prompts.jsonl [--formats bf16,int8,int4] [--threads 2]
+
+Reads fp32 `ar`'s answers from a `viasd bench` results file, then for every format feeds each
+prompt + answer through the target at that format in one pass and counts the positions whose argmax
+is fp32's token (the first answer token included). Prints JSON: agreement per format and per
+category, positions counted. `bf16` is the unquantized model in bfloat16 (the activations the int
+formats run with).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+
+import torch
+
+from viasd_core.loading import load_model
+from viasd_core.model import FastModel
+from viasd_core.prompts import encode, load_prompts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--results", required=True)
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--formats", default="bf16,int8,int4")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = {r["prompt_id"]: r for r in map(json.loads, open(args.results, encoding="utf-8"))
+            if r["method"] == "ar" and r["status"] == "ok" and r["repeat"] == 0}
+    prompts = [p for p in load_prompts(args.prompts) if p.id in rows]
+    out = {"model": args.model, "prompts": len(prompts), "formats": {}}
+    for fmt in args.formats.split(","):
+        quant, dtype = ("none", "bfloat16") if fmt == "bf16" else (fmt, None)
+        loaded = load_model(args.model, device="cpu", quant=quant, dtype=dtype)
+        fm = FastModel(loaded.model, max_len=4096)
+        hits: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for p in prompts:
+            ids, answer = encode(loaded.tokenizer, p.text), rows[p.id]["tokens"]
+            fm.reset()
+            pred = fm.forward(torch.tensor(ids + answer[:-1]), 0, len(answer)).argmax(-1)
+            same = int((pred == torch.tensor(answer)).sum())
+            for key in (p.category, "all"):
+                hits[key][0] += same
+                hits[key][1] += len(answer)
+        out["formats"][fmt] = {"agreement": round(hits["all"][0] / hits["all"][1], 4), "positions": hits["all"][1],
+                               "by_category": {c: round(h / n, 4) for c, (h, n) in sorted(hits.items()) if c != "all"}}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
