@@ -10,6 +10,7 @@ import typer
 
 from viasd_core import bench as core
 from viasd_core.bench_files import make_meta, session_meta, summary_json, write_outputs, write_summary
+from viasd_core.bench_formats import split_formats
 from viasd_core.bench_summary import summarize
 from viasd_core.errors import UsageError
 from viasd_core.prompts import load_prompts
@@ -106,6 +107,7 @@ def print_projection(summary: dict) -> None:
 @handle_errors
 @model_options
 def bench(
+    ctx: typer.Context,
     *,
     opts: ModelOptions,
     methods: Annotated[str, typer.Option("--methods", help=f"Comma-separated subset of {','.join(core.METHODS)}, or 'all'.")] = "all",
@@ -131,6 +133,9 @@ def bench(
 ):
     """Benchmark every method on the same models, prompts and seeds; the summary on stdout."""
     log = (lambda msg: None) if quiet else (lambda msg: typer.echo(msg, err=True))
+    formats = split_formats(opts.quant)
+    if formats is not None:
+        return _formats(ctx, formats, out, as_json, log)
     if synthetic is not None:
         return _synthetic(synthetic, opts.device, opts.dtype, gamma, acceptance_from, force, out, as_json, log)
     if acceptance_from is not None or force:
@@ -158,6 +163,40 @@ def bench(
         sys.stdout.write(summary_json(summary))
     else:
         print_summary(summary, breakdown)
+
+
+def _formats(ctx: typer.Context, formats: list[str], out: str | None, as_json: bool, log) -> None:
+    """--quant A,B,...: one bench process per format with this invocation's other options."""
+    from viasd_core.bench_formats import run_formats
+
+    if not out:
+        raise UsageError("--quant with several formats needs --out DIR (each format writes DIR/<format>/)")
+    args: list[str] = []
+    for param in ctx.command.params:  # the options given, except those run_formats sets per format
+        value = ctx.params.get(param.name)
+        if param.name in ("quant", "out", "as_json", "quiet") or value is None or value == param.default:
+            continue
+        if getattr(param, "is_flag", False):
+            args.append(param.opts[0] if value else param.secondary_opts[0])
+        else:
+            args += [param.opts[0], str(value)]
+    combined = run_formats(args, formats, out, log)
+    log(f"wrote {out}/formats.json")
+    if as_json:
+        sys.stdout.write(summary_json(combined))
+        return
+    from rich.table import Table
+
+    table = Table(title=f"viasd bench, one process per format ({', '.join(formats)})", title_justify="left")
+    for col in ("format", "method", "tok/s", "x fp32 ar", "x fp32 hf", "tok/pass", "fidelity", "peak MiB", "status"):
+        table.add_column(col, justify="left" if col in ("format", "method", "status") else "right")
+    for r in combined["rows"]:
+        if r["status"] != "ok":
+            table.add_row(r["format"], r["method"], "", "", "", "", "", "", f"{r['status']}: {r['reason']}")
+            continue
+        table.add_row(r["format"], r["method"], f"{r['tokens_per_s']:.1f}", _fmt(r["x_fp32_ar"]), _fmt(r["x_fp32_hf"]),
+                      _fmt(r["tokens_per_pass"]), _fmt(r["fidelity_mean"], ".3f"), _fmt(r["peak_mib"], ".0f"), "ok")
+    _table_console().print(table)
 
 
 def _run_with_progress(session, prompt_list, config, runners, quiet):

@@ -86,7 +86,7 @@ def test_sd_and_exact_on_a_quantized_target_equal_ar_on_it(quant_dir, quant):
 
 
 def test_unknown_quantization_is_a_usage_error():
-    with pytest.raises(UsageError, match="use none, 8bit or 4bit"):
+    with pytest.raises(UsageError, match=r"unknown quantization .3bit.: use none, int8, int4 \(torchao\) or 8bit, 4bit \(bitsandbytes\)"):
         quantization_config("3bit", torch.float32)
 
 
