@@ -63,7 +63,7 @@ def environment(session: Session) -> dict:
         "bf16_supported": bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()),
         **versions(),
     }
-    for name in ("bitsandbytes", "triton"):
+    for name in ("bitsandbytes", "torchao", "triton"):
         try:
             env[name] = __import__(name).__version__
         except ImportError:
