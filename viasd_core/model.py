@@ -294,7 +294,7 @@ class FastModel:
         key_pos = cache.key_pos[:attn_len]  # [L]
         causal = key_pos[None, :] <= input_pos[:, None]  # [T, L]
         masks = {None: None}
-        for window in set(self.windows) if masked else ():
+        for window in set(self.windows) if masked and not by_row else ():  # by_row slices its keys instead
             mask = causal if window is None else causal & (key_pos[None, :] > input_pos[:, None] - window)
             masks[window] = mask.repeat(rep, 1)  # [rep * T, L]: query heads packed per KV head
         captured: list = [None] * len(self.feature_layers)
