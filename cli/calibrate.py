@@ -1,4 +1,4 @@
-"""`viasd calibrate`: the slim verifier's layer mask and tier thresholds for a target/draft pair."""
+"""`viasd calibrate`: the slim view (layers x weight format) and tier thresholds for a target/draft pair."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from viasd_core.calibrate import DEFAULT_BUDGET, DEFAULT_SKIP_RATIO, CalibrationMissed, check_budget, check_skip_ratio, run_calibration
+from viasd_core.calibrate import (DEFAULT_BUDGET, DEFAULT_SKIP_RATIO, SLIM_FORMAT_CHOICES, CalibrationMissed, check_budget,
+                                  check_skip_ratio, parse_slim_formats, run_calibration)
 from viasd_core.errors import ViasdError
 from viasd_core.prompts import load_prompts
 from viasd_core.session import ModelOptions
@@ -27,6 +28,8 @@ EXAMPLES
 
   viasd calibrate --budget 0.03 --skip-ratio 0.5    (allow 3% fidelity loss, skip half the layers)
 
+  viasd calibrate --quant none --slim-formats int4  (fp32 target; try slim views on an int4 copy of it)
+
   viasd calibrate -m ./target -d ./draft --prompts spec_bench.jsonl --limit 40
 """
 
@@ -39,10 +42,10 @@ def report_table(report) -> Table:
     table.add_column("value", justify="right")
     sh = v.tier_shares
     rows = [
-        ("slim verifier layers", f"{len(p.layer_ids)}/{p.n_layers} (skip {p.skip_ratio:.2f})"),
+        ("slim view (chosen)", p.view.describe(p.n_layers)),
         ("slim top-1 agreement (search text)", f"{p.slim_agreement:.3f}"),
         ("best random mask agreement", f"{report.search.random_best.agreement:.3f}" if report.search.random_best else "-"),
-        ("theta_accept / theta_slim", f"{p.theta_accept:.4f} / {p.theta_slim:.4f}"),
+        ("theta_accept / theta_slim / theta_confidence", f"{p.theta_accept:.4f} / {p.theta_slim:.4f} / {p.theta_confidence:.4f}"),
         ("budget (max fidelity loss)", f"{p.budget}"),
         ("fit fidelity (replayed)", format_fidelity(p.fit_fidelity)),
         ("held-out fidelity (measured)", format_fidelity(p.heldout_fidelity)),
@@ -55,6 +58,24 @@ def report_table(report) -> Table:
     ]
     for k, val in rows:
         table.add_row(k, val)
+    return table
+
+
+def candidates_table(report) -> Table:
+    """Every slim view calibration measured: what the choice was made from."""
+    table = Table(title="slim views measured (fit prompts)", show_header=True)
+    for column in ("view", "agreement", "pass cost vs target", "thresholds accept / slim / confidence", "modeled vs sd"):
+        table.add_column(column, justify="left" if column == "view" else "right")
+    n_layers, target = report.profile.n_layers, report.costs["target"]
+    for c in report.candidates:
+        name = c.view.describe(n_layers) + (" (chosen)" if c is report.chosen else "")
+        if c.fit is None:
+            table.add_row(name, "-", "-", "-", f"skipped: {c.skipped}")
+            continue
+        th = c.fit.thresholds
+        table.add_row(name, f"{c.agreement:.3f}", f"{c.costs['slim'] / target:.2f}",
+                      f"{th.accept:.3f} / {th.slim:.3f} / {th.confidence:.3f}" if th.active else "off (as sd)",
+                      f"{c.speedup:.2f}x" if c.speedup is not None else "not measured")
     return table
 
 
@@ -79,10 +100,12 @@ def calibrate(
     out: Annotated[Optional[str], typer.Option("--out", help="Write the profile here instead of the config directory.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Save the profile even if it misses the budget on held-out prompts.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON on stdout.")] = False,
+    slim_formats: Annotated[str, typer.Option("--slim-formats", help=f"Weight formats of the target's copies to try as slim views besides its own weights: {SLIM_FORMAT_CHOICES}. auto: every format below the target's precision.")] = "auto",
 ):
     """Find the slim verifier and calibrate the tier thresholds to a fidelity budget."""
     check_budget(budget)
     check_skip_ratio(skip_ratio)
+    parse_slim_formats(slim_formats)
     prompt_list = load_prompts(prompts, limit=limit)
     opts = ModelOptions(model=model, draft=draft, revision=revision, dtype=dtype, device=device, quant=quant,
                         draft_quant=draft_quant, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
@@ -95,13 +118,16 @@ def calibrate(
 
         try:
             report = run_calibration(opts, prompt_list, budget=budget, skip_ratio=skip_ratio, max_new_tokens=max_new_tokens,
-                                     gamma=gamma, force=force, profile_path=out, log=err.print, progress=progress)
+                                     gamma=gamma, force=force, profile_path=out, slim_formats=slim_formats, log=err.print,
+                                     progress=progress)
         except CalibrationMissed as e:
+            err.print(candidates_table(e.report))
             err.print(report_table(e.report))
             raise ViasdError(str(e))
     if as_json:
         typer.echo(json.dumps(report.profile.to_json(), indent=2))
     else:
+        Console().print(candidates_table(report))
         Console().print(report_table(report))
     where = report.saved_to
     err.print(f"profile saved to {where}" + ("" if report.met_budget else " (forced: it MISSES the budget)"))

@@ -23,8 +23,9 @@ def test_thresholds_must_be_ordered():
         Thresholds(accept=0.3, slim=0.5)
 
 
-def block(gate, draft_ok, slim_ok, eq, bonus=True):
-    return BlockRecord(tuple(gate), tuple(draft_ok), tuple(slim_ok), tuple(eq), bonus)
+def block(gate, draft_ok, slim_ok, eq, bonus=True, confidence=None):
+    confidence = confidence or [1.0] * len(gate)
+    return BlockRecord(tuple(gate), tuple(draft_ok), tuple(slim_ok), tuple(eq), bonus, tuple(confidence))
 
 
 def test_replay_counts_tokens_errors_and_passes():
@@ -60,8 +61,9 @@ def test_replay_routes_recorded_gates_as_route_block_did():
     theta = gate[0].item() + 1e-10  # above the recorded value in float64, equal in float32
     assert theta > gate[0].item() and torch.tensor(theta, dtype=torch.float32) == gate[0]
     assert route_block(logits, draft_tokens, 0.0, theta, 0.0).tiers.tolist() == [0, 0]  # both accepted
-    record = BlockRecord.from_choices(gate.tolist(), [1, 0], slim_argmax=[0, 0, 5], target_argmax=[1, 0, 5])
-    assert record == BlockRecord(tuple(gate.tolist()), (True, True), (False, True), (False, True), True)
+    record = BlockRecord.from_choices(gate.tolist(), [1, 0], slim_argmax=[0, 0, 5], target_argmax=[1, 0, 5],
+                                      confidence=[0.5, 0.6])
+    assert record == BlockRecord(tuple(gate.tolist()), (True, True), (False, True), (False, True), True, (0.5, 0.6))
     out = replay([record], Thresholds(theta, 0.0))
     assert out.tiers == ["accept", "accept", "slim"] and out.wrong == 0
 

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from conftest import TinyTokenizer, tiny_model
+from conftest import TinyTokenizer, record_forward, tiny_model
 from viasd_core.drafters import ModelDrafter
 from viasd_core.engine import Engine, GenerationConfig
 from viasd_core.fidelity import fidelity, target_argmax_along
@@ -226,7 +226,8 @@ def test_slim_verifier_with_all_layers_keeps_fidelity_exactly_one(theta_accept, 
 
 
 # ---------------------------------------------------------------------- record, replay, compare
-@pytest.mark.parametrize("thresholds", [Thresholds(0.9, 0.2), Thresholds(0.6, 0.1), Thresholds(0.3, 0.01)])
+@pytest.mark.parametrize("thresholds", [Thresholds(0.9, 0.2), Thresholds(0.6, 0.1), Thresholds(0.3, 0.01),
+                                        Thresholds(0.3, 0.01, 0.2)])
 def test_replay_of_a_recorded_run_matches_the_run_token_for_token(thresholds):
     e = engine(NEAR, FastModel(TARGET, layer_ids=SLIM_LAYERS, max_len=96))
     gen = run_viasd(e, thresholds, 32)
@@ -240,6 +241,15 @@ def test_replay_of_a_recorded_run_matches_the_run_token_for_token(thresholds):
     assert gen.stats.target_passes == replayed.target_passes + plain
     assert gen.stats.slim_passes == replayed.slim_passes == len(blocks)
     assert gen.stats.draft_tokens == replayed.drafted
+    if thresholds.confidence:  # the confidence condition sent some positions to the target
+        assert replay(blocks, Thresholds(thresholds.accept, thresholds.slim)).tiers != replayed.tiers
+    # the positions the target runs in the blocks' passes (after the prefill, before a last plain
+    # step), in the same run without recording (recording runs the target every step for its labels)
+    quiet = engine(NEAR, FastModel(TARGET, layer_ids=SLIM_LAYERS, max_len=96))
+    quiet.recorder = None
+    calls = record_forward(quiet.target)
+    assert run_viasd(quiet, thresholds, 32).tokens == gen.tokens
+    assert sum(length for _, length in calls[1 : len(calls) - plain]) == replayed.target_positions
     # wrong tokens against the target's teacher-forced choices along the emitted text
     labels = target_argmax_along(TARGET, PROMPT, gen.tokens)
     wrong = sum(a != b for a, b in zip(labels, gen.tokens))

@@ -8,6 +8,8 @@ Methods
     sd           our engine, two tiers (exact)
     exact        our engine, multi-tier exact (needs a calibration profile: the slim verifier)
     viasd        our engine, three tiers (lossy; needs a calibration profile)
+    ar-slim      our engine, plain decoding by the profile's slim view alone: what a user gives up
+                 by running the cheap view without the tiers (lossy; needs a calibration profile)
     llama.cpp    llama-cpp-python on the embedded target's GGUF file (Q4_1), greedy, CPU (optional)
 
 Per (method, prompt, repeat): one timed run (perf_counter, CUDA synchronised) after `warmup` untimed
@@ -34,13 +36,13 @@ from .errors import UsageError, ViasdError
 from .fidelity import fidelity
 from .loading import EMBEDDED_TARGET, eos_ids, pad_token_id
 from .prompts import Prompt, encode
-from .router import Thresholds
-from .session import Session, slim_verifier, thresholds_of
+from .session import Session, thresholds_of
+from .slim_view import SlimView, slim_verifier
 from .stats import TIERS
 
-METHODS = ("ar", "hf", "hf-assisted", "hf-pld", "sd", "exact", "viasd", "llama.cpp")
+METHODS = ("ar", "hf", "hf-assisted", "hf-pld", "sd", "exact", "viasd", "ar-slim", "llama.cpp")
 NEEDS_DRAFT = ("sd", "exact", "viasd", "hf-assisted")
-NEEDS_PROFILE = ("exact", "viasd")
+NEEDS_PROFILE = ("exact", "viasd", "ar-slim")
 PHASES = ("prefill", "draft", "slim", "verify", "other")  # where our engine's run time goes (result rows)
 
 
@@ -127,7 +129,7 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
     runners: dict[str, object] = {}
     slim_engine = None
     profile_error = None
-    if any(m in config.methods for m in NEEDS_PROFILE) and engine.drafter is not None:
+    if any(m in config.methods for m in NEEDS_PROFILE):
         slim_engine, profile_error = _slim_engine(session)
 
     def gen_config(mode, thresholds=None):
@@ -145,6 +147,9 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
         elif m in NEEDS_PROFILE:
             if slim_engine is None:
                 runners[m] = Skip(profile_error)
+            elif m == "ar-slim":  # the slim view as the only model: an engine whose target it is
+                alone = Engine(slim_engine.slim, engine.tokenizer, eos_token_ids=engine.eos, context_len=engine.context_len)
+                runners[m] = EngineRunner(alone, gen_config("ar"))
             else:
                 runners[m] = EngineRunner(slim_engine, gen_config(m, thresholds_of(session.profile)))
         elif m == "hf":
@@ -203,15 +208,15 @@ def profile_runners(session: Session, config: BenchConfig, gen_config) -> dict[s
         prof = read_profile(path)
         check_profile(prof, session.target.model_id, session.draft_id, session.options.quant, e.target.device.type,
                       e.target.shape.n_layers, path)
-        engine = _engine_with_slim(session, prof.layer_ids)
-        out[f"viasd@{prof.budget:g}"] = EngineRunner(engine, gen_config("viasd", Thresholds(prof.theta_accept, prof.theta_slim)))
+        engine = _engine_with_slim(session, prof.view)
+        out[f"viasd@{prof.budget:g}"] = EngineRunner(engine, gen_config("viasd", thresholds_of(prof)))
     return out
 
 
-def _engine_with_slim(session: Session, layer_ids: list[int]) -> Engine:
-    """An engine sharing the session's target and drafter, with a slim verifier of `layer_ids`."""
+def _engine_with_slim(session: Session, view: SlimView) -> Engine:
+    """An engine sharing the session's target and drafter, with the slim verifier of `view`."""
     e = session.engine
-    engine = Engine(e.target, e.tokenizer, drafter=e.drafter, slim=slim_verifier(e.target, layer_ids),
+    engine = Engine(e.target, e.tokenizer, drafter=e.drafter, slim=slim_verifier(e.target, view),
                     eos_token_ids=e.eos, context_len=e.context_len)
     if e.compiled:
         engine.compile()
@@ -231,7 +236,7 @@ def _slim_engine(session: Session):
                                            explicit=session.options.profile)
         except ViasdError as e:
             return None, e.message
-    return _engine_with_slim(session, session.profile.layer_ids), None
+    return _engine_with_slim(session, session.profile.view), None
 
 
 def run_bench(session: Session, prompts: list[Prompt], config: BenchConfig,

@@ -71,7 +71,9 @@ def session_meta(session: Session, config: BenchConfig, prompts_source: str | No
         draft_quant=session.options.draft_quant,
         dtype=str(session.engine.target.dtype).replace("torch.", ""),
         profile=({"layer_ids": profile.layer_ids, "n_layers": profile.n_layers, "theta_accept": profile.theta_accept,
-                  "theta_slim": profile.theta_slim, "budget": profile.budget} if profile else None),
+                  "theta_slim": profile.theta_slim, "theta_confidence": profile.theta_confidence, "budget": profile.budget,
+                  "slim_weights": profile.slim_weights}
+                 if profile else None),
         methods=list(config.methods), gamma=config.gamma, adaptive=config.adaptive,
         max_new_tokens=config.max_new_tokens, warmup=config.warmup, repeats=config.repeats, seed=config.seed,
         greedy=True, prompts=prompts_source or "shipped default set", n_prompts=n_prompts,

@@ -25,7 +25,8 @@ from .engine import MODES, Generation, GenerationConfig, common_prefix
 from .errors import UsageError, ViasdError
 from .fidelity import fidelity
 from .prompts import encode
-from .session import Session, load_drafter, slim_verifier, thresholds_of
+from .session import Session, load_drafter, thresholds_of
+from .slim_view import slim_verifier
 from .stats import TIERS, RunStats
 from .streaming import stats_line
 
@@ -312,7 +313,7 @@ class Chat:
             shape = engine.target.shape
             s.profile = find_profile(s.target.model_id, s.draft_id, s.options.quant, engine.target.device.type,
                                      shape.n_layers, explicit=s.options.profile)
-            engine.slim = slim_verifier(engine.target, s.profile.layer_ids)
+            engine.slim = slim_verifier(engine.target, s.profile.view)
 
     def _gamma(self, arg: str) -> Reply:
         try:

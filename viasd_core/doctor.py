@@ -15,7 +15,8 @@ import torch
 from .bench_files import device_name, versions
 from .engine import GenerationConfig
 from .model import FastModel
-from .session import Session, slim_verifier
+from .session import Session
+from .slim_view import SlimView, slim_verifier
 from .stats import RunStats
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
@@ -118,7 +119,7 @@ def check_exact_mode(session: Session, mode: str, prompts_ids: list[list[int]], 
     if mode == "exact" and own_slim is None:
         # exactness does not depend on which layers the slim keeps: the first half and the last
         n_layers = engine.target.shape.n_layers
-        engine.slim = slim_verifier(engine.target, sorted(set(range(n_layers // 2)) | {n_layers - 1}))
+        engine.slim = slim_verifier(engine.target, SlimView(tuple(sorted(set(range(n_layers // 2)) | {n_layers - 1}))))
     try:
         for i, ids in enumerate(prompts_ids):
             engine.reset()

@@ -27,7 +27,7 @@ import torch
 from .draft_policy import DraftPolicy
 from .errors import UsageError, ViasdError
 from .model import PASS_WIDTHS, FastModel
-from .router import OFF, BlockRecord, Thresholds, walk_block
+from .router import OFF, BlockRecord, Thresholds, route_tiers, slim_confidence, walk_block
 from .sampling import Sampler, SamplingParams, greedy_accept, prefix_length, process_logits, speculative_sample
 from .stats import RunStats
 
@@ -351,6 +351,10 @@ class Engine:
         # 3. verify: one target pass over the pending token(s) and the block
         t = self._clock()
         target_logits = self.target.extend(self.ids, n + g, g + 1)  # [g + 1, V]
+        if self.recorder is not None and config.mode == "sd" and params.greedy:
+            # Calibration only: the slim runs over the drafted block, as viasd's slim pass would, so
+            # before the accepted tokens overwrite the draft's in the buffer.
+            self._record(n, g, drafted_t.tolist(), target_logits.argmax(-1).tolist(), {})
         # 4. accept
         block_t = self.ids[n : n + g]
         if params.greedy:
@@ -367,8 +371,6 @@ class Engine:
         n_acc, kept_draft, out = vals[0], vals[1], vals[2 : vals[0] + 3]
         stats.time_verify += self._clock() - t
         stats.target_passes += 1
-        if self.recorder is not None and config.mode == "sd" and params.greedy:
-            self._record(n, g, drafted_t.tolist(), target_logits.argmax(-1).tolist(), {})
         stats.tier_counts["full"] += len(out) - n_acc - (1 if n_acc == g else 0)
         stats.tier_counts["accept"] += n_acc
         stats.tier_counts["bonus"] += 1 if n_acc == g else 0
@@ -391,7 +393,8 @@ class Engine:
             slim_logits = self.slim.extend(self.ids, n + g, g + 1)  # [g + 1, V]
             fed[id(self.slim)] = block
             route = route_block(slim_logits, self.ids[n : n + g], 0.0, OFF, OFF)  # the gate only
-        self.recorder.append(BlockRecord.from_choices(route.gate.tolist(), block, route.argmax.tolist(), target_argmax))
+        self.recorder.append(BlockRecord.from_choices(route.gate.tolist(), block, route.argmax.tolist(), target_argmax,
+                                                      slim_confidence(route, g).tolist()))
 
     def _route_viasd(self, n: int, g: int, block: list[int], th: Thresholds, stats: RunStats):
         """Three tiers (docs/algorithm.md section 2): accept / slim / full, walked by router.walk_block."""
@@ -401,7 +404,7 @@ class Engine:
         t = self._clock()
         slim_logits = self.slim.extend(self.ids, n + g, g + 1)  # [g + 1, V]
         route = route_block(slim_logits, self.ids[n : n + g], 0.0, th.accept, th.slim)
-        tiers_code = route.tiers.tolist()
+        tiers_code = route_tiers(route.gate, slim_confidence(route, g), th).tolist()
         slim_argmax = route.argmax.tolist()
         stats.time_slim += self._clock() - t
         stats.slim_passes += 1

@@ -80,7 +80,8 @@ class FeatureDrafter(ChainDrafter):
             return None
         mid = max(start, min(t.seen, end))
         parts = [t.cache.features[start:mid]] if mid > start else []
-        return torch.cat(parts + [s.cache.features[mid:end]]) if parts else s.cache.features[start:end]
+        slim = s.cache.features[mid:end].to(t.dtype)  # a lower-precision slim view runs in bfloat16
+        return torch.cat(parts + [slim]) if parts else slim
 
     def _mask(self, logits: torch.Tensor) -> torch.Tensor:
         if self.blocked is not None:

@@ -88,6 +88,13 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
            "float16": torch.float16, "fp16": torch.float16}
 
 
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory on a device (KV caches, a slim view's weights): the GPU's, or the host's available RAM."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
 def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype is None:
         if device.type != "cuda":

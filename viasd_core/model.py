@@ -159,6 +159,14 @@ class FastModel:
             self.dtype = torch.float32
         self.quantized = getattr(hf_model, "hf_quantizer", None) is not None  # bitsandbytes
         self.weight_format = has_weight_format(hf_model)  # int8/int4 weight-only (weight_formats.PackedLinear)
+        # Whether eager short passes attend one position at a time. On CPU a bf16 pass's attention
+        # rounds differently with the number of queries and keys in the call (up to 0.4 in a logit
+        # of SmolLM2 int4: the kernel tiles them differently), while the int8/int4 layers and the
+        # output head compute each row alike at any row count. Attending per position over exactly
+        # its keys makes a token's logits independent of the pass it is in, so plain decoding and
+        # block verification compute the same numbers (sd == ar). A model whose tokens need not
+        # match another pass's (a slim view: slim_view.slim_verifier) may turn it off.
+        self.row_attention = self.weight_format and self.device.type != "cuda"
         self.vocab_limit: int | None = None  # logits at columns >= vocab_limit are -inf (None: no mask)
         self.max_len = 0
         self.seen = 0
@@ -349,16 +357,6 @@ class FastModel:
             o = F.scaled_dot_product_attention(qi, k_cache[:, :, lo:end], v_cache[:, :, lo:end], scale=scale)
             outs.append(o.reshape(1, s.n_heads, 1, s.head_dim))
         return torch.cat(outs, dim=2)  # [1, Hq, T, D]; the caller's reshape reads it as heads x T
-
-    @property
-    def row_attention(self) -> bool:
-        """Whether eager short passes attend one position at a time. On CPU a bf16 pass's
-        attention rounds differently with the number of queries and keys in the call (up to 0.4 in
-        a logit of SmolLM2 int4: the kernel tiles them differently), while the int8/int4 layers
-        and the output head compute each row alike at any row count. Attending per position over
-        exactly its keys makes a token's logits independent of the pass it is in, so plain
-        decoding and block verification compute the same numbers (sd == ar)."""
-        return self.weight_format and self.device.type != "cuda"
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: int, n_logits: int = 1) -> torch.Tensor:

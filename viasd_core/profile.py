@@ -1,4 +1,4 @@
-"""Calibration profiles: the slim verifier's layer mask and the tier thresholds for one pair.
+"""Calibration profiles: the slim view (layer mask and weights) and the tier thresholds for one pair.
 
 Keyed by target, draft, quantization and device type; stored as versioned JSON in the user
 config directory, written atomically.
@@ -13,8 +13,10 @@ from pathlib import Path
 
 from . import paths
 from .errors import ViasdError
+from .weight_formats import FORMATS
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2 added the slim view's weights and the candidates calibration compared
+READABLE_VERSIONS = (1, 2)  # a version-1 profile's slim view runs the target's own weights
 
 
 @dataclass
@@ -39,6 +41,15 @@ class Profile:
     measured: dict = field(default_factory=dict)  # held-out run statistics
     created: str = ""
     version: int = PROFILE_VERSION
+    theta_confidence: float = 0.0  # positions where the slim's top-1 probability is below it go to the target
+    slim_weights: str = "target"  # slim_view.TARGET_WEIGHTS, or the weight format of the target's packed twin
+    candidates: list = field(default_factory=list)  # every slim view calibration measured, with its figures
+
+    @property
+    def view(self):
+        from .slim_view import SlimView
+
+        return SlimView(tuple(int(i) for i in self.layer_ids), self.slim_weights)
 
     @property
     def skip_ratio(self) -> float:
@@ -70,14 +81,16 @@ def read_profile(path: Path) -> Profile:
         raise ViasdError(f"profile '{path}' not found")
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ViasdError(f"profile '{path}' is corrupt (not JSON): delete it and run `viasd calibrate` again")
-    if not isinstance(data, dict) or data.get("version") != PROFILE_VERSION:
+    if not isinstance(data, dict) or data.get("version") not in READABLE_VERSIONS:
         raise ViasdError(f"profile '{path}' has an unknown version: run `viasd calibrate` again")
     try:
         profile = Profile(**data)
         layer_ids = [int(i) for i in profile.layer_ids]
         if not layer_ids or min(layer_ids) < 0 or max(layer_ids) >= profile.n_layers:
             raise ValueError("layer ids")
-        float(profile.theta_accept), float(profile.theta_slim)
+        float(profile.theta_accept), float(profile.theta_slim), float(profile.theta_confidence)
+        if profile.slim_weights not in ("target", *FORMATS):
+            raise ValueError("slim weights")
     except (TypeError, ValueError):
         raise ViasdError(f"profile '{path}' is corrupt (missing or invalid fields): delete it and run `viasd calibrate` again")
     return profile

@@ -3,8 +3,12 @@
 The gate of drafted token j is r_j = slim_prob(v_j) / max slim_prob, from the slim verifier's
 logits; its tier is accept (r >= theta_accept: keep the draft token), slim (theta_slim <= r <
 theta_accept: the slim verifier's token) or full (r < theta_slim: the target decides). Both the
-gate and the tier rule live in viasd_kernels (`route_block`, `tiers_from_gate`); this module walks
-one block through the tiers (`walk_block`) and replays recorded blocks with it (calibration).
+gate and that rule live in viasd_kernels (`route_block`, `tiers_from_gate`). One more condition
+(`route_tiers`): a position where the slim's own top-1 probability (its confidence, c_j = max
+slim_prob) is below theta_confidence goes to full whatever r says. r alone cannot see a strong
+but unsure slim view: r is 1 whenever the draft agrees with the slim, however close its top two.
+This module walks one block through the tiers (`walk_block`) and replays recorded blocks with it
+(calibration).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
-from viasd_kernels import TIER_ACCEPT, TIER_SLIM, tiers_from_gate
+from viasd_kernels import TIER_ACCEPT, TIER_FULL, TIER_SLIM, RouteResult, tiers_from_gate
 
 from .stats import TIERS
 
@@ -24,15 +28,33 @@ OFF = 1.5  # a threshold above 1 switches its tier off: the gate r is at most 1
 class Thresholds:
     accept: float  # theta_accept
     slim: float  # theta_slim
+    confidence: float = 0.0  # theta_confidence: below it the target decides (0: no condition)
 
     @property
     def active(self) -> bool:
         """False when both tiers are off: the slim pass would be wasted, viasd is plain sd."""
-        return self.accept <= 1.0 or self.slim <= 1.0
+        return (self.accept <= 1.0 or self.slim <= 1.0) and self.confidence <= 1.0
 
     def __post_init__(self):
         if not 0.0 <= self.slim <= self.accept <= 2.0:
             raise ValueError(f"need 0 <= theta_slim <= theta_accept <= 2 (above 1 = off), got {self.slim}, {self.accept}")
+        if not 0.0 <= self.confidence <= 2.0:
+            raise ValueError(f"need 0 <= theta_confidence <= 2 (above 1 = off), got {self.confidence}")
+
+
+def slim_confidence(route: RouteResult, num_draft: int) -> torch.Tensor:
+    """c_j = the slim's top-1 probability at block positions j < num_draft: [G] float32 (greedy, T = 1)."""
+    return torch.exp(route.max_logit[:num_draft] - route.lse[:num_draft])
+
+
+def route_tiers(gate: torch.Tensor, confidence: torch.Tensor, thresholds: Thresholds) -> torch.Tensor:
+    """The tier of every position: the kernels' rule on the gate, then full wherever the slim's
+    confidence is below theta_confidence (float32 comparisons, like the kernels'). [N] int8."""
+    tiers = tiers_from_gate(gate, thresholds.accept, thresholds.slim)
+    if thresholds.confidence > 0.0:
+        unsure = confidence.float() < torch.tensor(thresholds.confidence, dtype=torch.float32)
+        tiers = torch.where(unsure, torch.tensor(TIER_FULL, dtype=torch.int8), tiers)
+    return tiers
 
 
 def walk_block(tiers: Sequence[int], draft_eq_slim: Sequence[bool], target_agrees: Callable[[int], bool]) -> list[str]:
@@ -72,8 +94,9 @@ class BlockRecord:
 
     Per position j < G: the gate value (from route_block), whether the draft token equals the
     target's greedy choice, whether the slim's argmax equals the target's, whether the draft
-    token equals the slim's argmax; `slim_bonus_ok`: the slim's token after the whole block
-    equals the target's. The target's choices are teacher-forced on the drafted block.
+    token equals the slim's argmax, the slim's confidence (slim_confidence); `slim_bonus_ok`:
+    the slim's token after the whole block equals the target's. The target's choices are
+    teacher-forced on the drafted block.
     """
 
     gate: tuple[float, ...]
@@ -81,11 +104,13 @@ class BlockRecord:
     slim_ok: tuple[bool, ...]
     draft_eq_slim: tuple[bool, ...]
     slim_bonus_ok: bool
+    confidence: tuple[float, ...]
 
     @classmethod
     def from_choices(cls, gate: Sequence[float], block: Sequence[int], slim_argmax: Sequence[int],
-                     target_argmax: Sequence[int]) -> "BlockRecord":
-        """From the G gate values, the G drafted tokens and the G + 1 slim / target argmaxes."""
+                     target_argmax: Sequence[int], confidence: Sequence[float]) -> "BlockRecord":
+        """From the G gate values, the G drafted tokens, the G + 1 slim / target argmaxes and the
+        G slim confidences."""
         num_draft = len(block)
         return cls(
             gate=tuple(float(r) for r in gate),
@@ -93,6 +118,7 @@ class BlockRecord:
             slim_ok=tuple(slim_argmax[j] == target_argmax[j] for j in range(num_draft)),
             draft_eq_slim=tuple(block[j] == slim_argmax[j] for j in range(num_draft)),
             slim_bonus_ok=slim_argmax[num_draft] == target_argmax[num_draft],
+            confidence=tuple(float(c) for c in confidence),
         )
 
 
@@ -104,6 +130,8 @@ class ReplayOutcome:
     target_passes: int = 0
     slim_passes: int = 0
     drafted: int = 0
+    target_positions: int = 0  # positions the target's passes ran, in all (a skipped step's tokens join the next)
+    slim_positions: int = 0
 
     @property
     def tokens(self) -> int:
@@ -131,23 +159,32 @@ def _emitted_ok(b: BlockRecord, j: int, name: str) -> bool:
 def replay(blocks: list[BlockRecord], thresholds: Thresholds) -> ReplayOutcome:
     """The engine's viasd walk (walk_block) over recorded blocks, with teacher-forced labels.
 
-    Tiers come from the recorded gates through the kernels' tier rule, so a replay with the
-    thresholds of a recorded viasd run routes exactly as that run did. Counts emitted tokens,
+    Tiers come from the recorded gates and confidences through `route_tiers`, so a replay with
+    the thresholds of a recorded viasd run routes exactly as that run did. Counts emitted tokens,
     tokens that differ from the target's greedy choice, and passes.
     """
     res = ReplayOutcome()
     all_gates = torch.tensor([r for b in blocks for r in b.gate], dtype=torch.float32)
-    all_tiers = tiers_from_gate(all_gates, thresholds.accept, thresholds.slim).tolist()
+    all_confidence = torch.tensor([c for b in blocks for c in b.confidence], dtype=torch.float32)
+    all_tiers = route_tiers(all_gates, all_confidence, thresholds).tolist()
     start = 0
+    unseen = 0  # tokens committed since the target last ran: its next pass runs them too
     for b in blocks:
         num_draft = len(b.gate)
         tiers = all_tiers[start : start + num_draft]
         start += num_draft
         res.steps += 1
-        res.slim_passes += 1 if thresholds.active else 0
+        if thresholds.active:
+            res.slim_passes += 1
+            res.slim_positions += num_draft + 1
         res.drafted += num_draft
         names = walk_block(tiers, b.draft_eq_slim, b.draft_ok.__getitem__)
-        res.target_passes += 1 if "full" in names else 0
+        if "full" in names:
+            res.target_passes += 1
+            res.target_positions += unseen + num_draft + 1
+            unseen = 0
+        else:
+            unseen += len(names)
         res.wrong += sum(not _emitted_ok(b, j, name) for j, name in enumerate(names))
         res.tiers.extend(names)
     return res

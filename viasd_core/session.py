@@ -7,17 +7,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from . import paths
 from .drafters import ChainDrafter, HybridDrafter, ModelDrafter, NgramDrafter
 from .engine import Engine
 from .feature_drafter import FeatureDrafter
 from .errors import UsageError, ViasdError
-from .loading import EMBEDDED_TARGET, Loaded, check_same_vocab, eos_ids, load_model, resolve_device
+from .loading import EMBEDDED_TARGET, Loaded, check_same_vocab, eos_ids, free_memory_bytes, load_model, resolve_device
 from .model import FastModel
 from .profile import Profile, find_profile
 from .router import Thresholds
+from .slim_view import slim_verifier
 from .weight_formats import default_quant
 
 EMBEDDED_DRAFT = "embedded:smollm2-135m-draft"  # the distilled 2-layer draft model
@@ -171,7 +170,7 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
     if need_profile:
         profile = find_profile(target.model_id, draft_id, opts.quant, target_fast.device.type,
                                target_fast.shape.n_layers, explicit=opts.profile)
-        slim = slim_verifier(target_fast, profile.layer_ids)
+        slim = slim_verifier(target_fast, profile.view)
     engine = Engine(target_fast, target.tokenizer, drafter=drafter, slim=slim, eos_token_ids=eos_ids(target),
                     context_len=max_context)
     session = Session(engine, target, draft_id, draft, profile, opts)
@@ -185,13 +184,6 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
 
 
 # ---------------------------------------------------------------------- context and compilation
-def free_memory_bytes(device: torch.device) -> int:
-    """Free memory where the KV caches live: the GPU's, or the host's available RAM."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-
-
 def context_size(hf_model, requested: int | None) -> int:
     """Positions every KV cache is allocated for: --max-context, or the model's own context capped
     at DEFAULT_CONTEXT_CAP and at what a quarter of free memory holds (target, slim and draft caches)."""
@@ -258,12 +250,5 @@ def cap_vocab(fast: FastModel, limit: int | None) -> None:
         fast.vocab_limit = int(limit)
 
 
-def slim_verifier(target_fast: FastModel, layer_ids: list[int], max_len: int | None = None) -> FastModel:
-    """The slim verifier over `layer_ids` of the target, masked like the target: its tokens are emitted too."""
-    slim = FastModel(target_fast.hf_model, layer_ids=layer_ids, max_len=max_len or target_fast.max_len, name="slim")
-    slim.vocab_limit = target_fast.vocab_limit
-    return slim
-
-
 def thresholds_of(profile: Profile | None) -> Thresholds | None:
-    return Thresholds(profile.theta_accept, profile.theta_slim) if profile else None
+    return Thresholds(profile.theta_accept, profile.theta_slim, profile.theta_confidence) if profile else None

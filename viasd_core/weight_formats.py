@@ -99,20 +99,41 @@ class PackedLinear(torch.nn.Module):
         return f"{self.kind}, in={self.in_features}, out={self.out_features}" + (f", group={self.group}" if self.kind == "int4" else "")
 
 
-def _pack(linear: torch.nn.Linear, kind: str) -> PackedLinear:
+def _pack(linear: torch.nn.Linear, kind: str, dtype: torch.dtype | None = None) -> PackedLinear:
+    """`linear` packed as `kind`, from its weight in `dtype` (default: the weight's own dtype)."""
     import torchao.quantization as tq  # its import-time noise is quieted by loading.quiet_transformers
 
-    w = linear.weight.detach()
+    w = linear.weight.detach() if dtype is None else linear.weight.detach().to(dtype)
+    bias = linear.bias if linear.bias is None or dtype is None else linear.bias.to(dtype)
     if kind == "int8":
         q = tq.Int8Tensor.from_hp(w, granularity=tq.PerRow())
         return PackedLinear("int8", q.qdata.contiguous(), q.scale.reshape(-1).to(w.dtype).contiguous(), w.shape[0],
-                            w.shape[1], w.shape[1], linear.bias)
+                            w.shape[1], w.shape[1], bias)
     if w.device.type == "cuda":
         from torchao.quantization.quantize_.workflows import Int4TilePackedTo4dTensor as Int4
     else:
         from torchao.prototype.quantization.int4 import Int4OpaqueTensor as Int4
     q = Int4.from_hp(w, [1, INT4_GROUP])
-    return PackedLinear("int4", q.qdata, q.scale_and_zero, w.shape[0], w.shape[1], INT4_GROUP, linear.bias)
+    return PackedLinear("int4", q.qdata, q.scale_and_zero, w.shape[0], w.shape[1], INT4_GROUP, bias)
+
+
+def _kind(model: torch.nn.Module, name: str, module: torch.nn.Module, quant: str) -> str | None:
+    """How `quant` packs `module` (named `name` in `model`): int8, int4, or None (left as it is).
+
+    The rule of the module doc: int4 layers with an int8 output head; a layer whose input width is
+    not a multiple of the int4 group stays in floating point."""
+    if not isinstance(module, torch.nn.Linear):
+        return None
+    head_module = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = module is head_module if head_module is not None else name.split(".")[-1] == "lm_head"
+    kind = "int8" if quant == "int8" or head else "int4"
+    return None if kind == "int4" and module.in_features % INT4_GROUP else kind
+
+
+def _check_format(quant: str) -> None:
+    if quant not in FORMATS:
+        raise UsageError(f"unknown weight format '{quant}': use {', '.join(FORMATS)}")
+    _check_torchao()
 
 
 def apply_weight_format(model: torch.nn.Module, quant: str) -> None:
@@ -121,21 +142,61 @@ def apply_weight_format(model: torch.nn.Module, quant: str) -> None:
     A tied output head gets its own int8 copy (the input embedding keeps its table: a lookup
     reads one row). Layers whose input width is not a multiple of the int4 group stay as they are.
     """
-    if quant not in FORMATS:
-        raise UsageError(f"unknown weight format '{quant}': use {', '.join(FORMATS)}")
-    _check_torchao()
+    _check_format(quant)
     if hasattr(model, "_tied_weights_keys"):
         model._tied_weights_keys = None  # the head's weight is replaced; it is no longer the embedding
     with torch.no_grad():
-        for parent in list(model.modules()):
+        for parent_name, parent in list(model.named_modules()):
             for name, child in list(parent.named_children()):
-                if not isinstance(child, torch.nn.Linear):
-                    continue
-                head = child is model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else name == "lm_head"
-                kind = "int8" if quant == "int8" or head else "int4"
-                if kind == "int4" and child.in_features % INT4_GROUP:
-                    continue
-                setattr(parent, name, _pack(child, kind))
+                kind = _kind(model, f"{parent_name}.{name}".lstrip("."), child, quant)
+                if kind is not None:
+                    setattr(parent, name, _pack(child, kind))
+
+
+def packed_copy(model: torch.nn.Module, quant: str) -> torch.nn.Module:
+    """A copy of `model` in `quant`, as `--quant quant` would load it; `model` is left untouched.
+
+    The linear layers are packed from the original weights rounded to the activation dtype; the
+    other parameters (embedding, norms) are copied in that dtype; buffers (RoPE's frequencies) as
+    they are. This is the lower-precision twin a slim view can run (slim_view.py)."""
+    import copy
+
+    _check_format(quant)
+    device = next(model.parameters()).device
+    dtype = activation_dtype(quant, None, device)
+    memo: dict[int, object] = {}
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            kind = _kind(model, name, module, quant)
+            if kind is not None:
+                memo[id(module)] = _pack(module, kind, dtype)
+                continue
+            for p in module.parameters(recurse=False):
+                if id(p) not in memo:
+                    memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype) if p.is_floating_point() else p.detach().clone(),
+                                                     requires_grad=False)
+        twin = copy.deepcopy(model, memo)
+    if hasattr(twin, "_tied_weights_keys"):
+        twin._tied_weights_keys = None
+    return twin
+
+
+def packed_bytes(model: torch.nn.Module, quant: str) -> int:
+    """Bytes `packed_copy(model, quant)` will hold, estimated from the shapes before making it:
+    int8 1 byte a weight plus a 2-byte scale a row; int4 half a byte a weight plus a 2-byte scale
+    and zero per group of 32; the other parameters 2 bytes each (bfloat16)."""
+    total = 0
+    kept: dict[int, int] = {}  # parameters left in floating point (a tied embedding among them)
+    for name, module in model.named_modules():
+        kind = _kind(model, name, module, quant)
+        if kind == "int8":
+            total += module.out_features * (module.in_features + 2)
+        elif kind == "int4":
+            total += module.out_features * (module.in_features // 2 + 4 * (module.in_features // INT4_GROUP))
+        else:
+            kept.update((id(p), p.numel() * 2) for p in module.parameters(recurse=False))
+    total += sum(kept.values())
+    return total
 
 
 def has_weight_format(model: torch.nn.Module) -> bool:
