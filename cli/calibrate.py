@@ -64,16 +64,17 @@ def report_table(report) -> Table:
 def candidates_table(report) -> Table:
     """Every slim view calibration measured: what the choice was made from."""
     table = Table(title="slim views measured (fit prompts)", show_header=True)
-    for column in ("view", "agreement", "pass cost vs target", "thresholds accept / slim / confidence", "modeled vs sd"):
+    for column in ("view", "extra memory", "agreement", "pass cost vs target", "thresholds accept / slim / confidence",
+                   "modeled vs sd"):
         table.add_column(column, justify="left" if column == "view" else "right")
     n_layers, target = report.profile.n_layers, report.costs["target"]
     for c in report.candidates:
         name = c.view.describe(n_layers) + (" (chosen)" if c is report.chosen else "")
         if c.fit is None:
-            table.add_row(name, "-", "-", "-", f"skipped: {c.skipped}")
+            table.add_row(name, "-", "-", "-", "-", f"skipped: {c.skipped}")
             continue
         th = c.fit.thresholds
-        table.add_row(name, f"{c.agreement:.3f}", f"{c.costs['slim'] / target:.2f}",
+        table.add_row(name, f"{c.extra_bytes / 2**20:.0f} MiB", f"{c.agreement:.3f}", f"{c.costs['slim'] / target:.2f}",
                       f"{th.accept:.3f} / {th.slim:.3f} / {th.confidence:.3f}" if th.active else "off (as sd)",
                       f"{c.speedup:.2f}x" if c.speedup is not None else "not measured")
     return table

@@ -5,9 +5,9 @@ import json
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
 from conftest import TinyTokenizer, tiny_model
+from test_calibrate import invoke, prompt_file  # noqa: F401 (prompt_file: a fixture)
 from viasd_core import slim_view
 from viasd_core.calibrate import (Candidate, Fit, collect_blocks, choose_candidate, fidelity_lower_bound, fit_thresholds,
                                   modeled_tokens_per_s, parse_slim_formats, pass_seconds, slim_candidates)
@@ -253,20 +253,6 @@ def test_profile_records_the_view_and_reads_version_1(tmp_path, viasd_home):
 
 
 # ---------------------------------------------------------------------- end to end
-def invoke(*args):
-    from viasd_cli.app import get_app
-
-    return CliRunner().invoke(get_app(), [*map(str, args)])
-
-
-@pytest.fixture
-def prompt_file(tmp_path):
-    path = tmp_path / "prompts.txt"
-    words = [f"w{i}" for i in range(10, 60)]
-    path.write_text("\n".join(" ".join(words[i : i + 6]) for i in range(0, 48, 6)) + "\n")
-    return path
-
-
 def test_calibrate_compares_views_and_the_modes_run_the_chosen_one(tiny_dirs, viasd_home, prompt_file, tmp_path):
     out = tmp_path / "profile.json"
     pair = ["-m", tiny_dirs["target"], "-d", tiny_dirs["draft"]]
@@ -278,6 +264,8 @@ def test_calibrate_compares_views_and_the_modes_run_the_chosen_one(tiny_dirs, vi
     assert views == [("target", 2), ("int4", 4), ("int4", 2)]
     measured = [c for c in prof["candidates"] if c["modeled_speedup"] is not None]
     assert len(measured) == 3 and all(0 <= c["agreement"] <= 1 and c["costs"]["slim"] > 0 for c in measured)
+    target_model = load_model(str(tiny_dirs["target"]), with_tokenizer=False).model
+    assert [c["extra_bytes"] for c in prof["candidates"]] == [0] + [weight_bytes(packed_copy(target_model, "int4"))] * 2
     chosen = next(c for c in prof["candidates"] if (c["weights"], c["layer_ids"]) == (prof["slim_weights"], prof["layer_ids"]))
     active = [c for c in measured if c["theta_accept"] <= 1 or c["theta_slim"] <= 1]
     assert chosen["modeled_speedup"] == max(c["modeled_speedup"] for c in measured) if active else chosen is measured[0]

@@ -28,7 +28,7 @@ from .errors import UsageError, ViasdError
 from .fidelity import fidelity
 from .model import FastModel
 from .router import OFF, BlockRecord, ReplayOutcome, Thresholds, replay
-from .slim_view import SlimView, lower_formats, release_twins, slim_verifier
+from .slim_view import SlimView, lower_formats, release_twins, slim_verifier, twin_bytes
 from .stats import RunStats, format_fidelity
 from .weight_formats import FORMATS
 
@@ -372,6 +372,7 @@ class Candidate:
     agreement: float | None = None  # teacher-forced top-1 agreement with the target (search text)
     kl: float | None = None
     costs: dict = field(default_factory=dict)  # its slim pass costs (slim, slim_1), seconds
+    extra_bytes: int | None = None  # memory its weights add to the target's (its twin; 0 on the target's)
     fit: Fit | None = None
     skipped: str | None = None  # why it was not measured
 
@@ -385,7 +386,7 @@ class Candidate:
     def to_json(self) -> dict:
         fit = self.fit
         return {"layer_ids": list(self.view.layer_ids), "weights": self.view.weights, "agreement": self.agreement,
-                "kl": self.kl, "costs": self.costs, "skipped": self.skipped,
+                "kl": self.kl, "costs": self.costs, "extra_bytes": self.extra_bytes, "skipped": self.skipped,
                 "theta_accept": fit.thresholds.accept if fit else None, "theta_slim": fit.thresholds.slim if fit else None,
                 "theta_confidence": fit.thresholds.confidence if fit else None,
                 "fit_fidelity": fit.outcome.fidelity if fit else None,
@@ -475,13 +476,15 @@ def run_calibration(opts, prompts, budget: float = DEFAULT_BUDGET, skip_ratio: f
             cand.skipped = e.message
             log(f"slim view {view.describe(n_layers)}: skipped ({e.message})")
             continue
+        cand.extra_bytes = twin_bytes(hf_model, view.weights)
         cand.agreement, cand.kl = evaluator.compare(slim)
         cand.costs = pass_costs(slim, "slim", gamma + 1)
         engine.slim = slim
         label = f"recording gates: {view.describe(n_layers)}"
         blocks = [b for per in collect_blocks(engine, fit_ids, config, progress=bar(label, len(fit_ids))) for b in per]
         cand.fit = fit_thresholds(blocks, {**base_costs, **cand.costs}, budget)
-        log(f"slim view {view.describe(n_layers)}: agreement {cand.agreement:.3f}, pass {cand.costs['slim'] * 1e3:.1f} ms "
+        log(f"slim view {view.describe(n_layers)} (+{cand.extra_bytes / 2**20:.0f} MiB): agreement {cand.agreement:.3f}, "
+            f"pass {cand.costs['slim'] * 1e3:.1f} ms "
             f"vs target {base_costs['target'] * 1e3:.1f} ms ({cand.costs['slim'] / base_costs['target']:.2f}), "
             "modeled " + (f"{cand.speedup:.2f}x sd" if cand.speedup is not None else "speed not measured (nothing replayed)")
             + ("" if cand.fit.thresholds.active else " (tiers off)"))

@@ -16,7 +16,7 @@ from .loading import EMBEDDED_TARGET, Loaded, check_same_vocab, eos_ids, free_me
 from .model import FastModel
 from .profile import Profile, find_profile
 from .router import Thresholds
-from .slim_view import slim_verifier
+from .slim_view import TARGET_WEIGHTS, slim_verifier, twin_bytes
 from .weight_formats import default_quant
 
 EMBEDDED_DRAFT = "embedded:smollm2-135m-draft"  # the distilled 2-layer draft model
@@ -171,6 +171,9 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
         profile = find_profile(target.model_id, draft_id, opts.quant, target_fast.device.type,
                                target_fast.shape.n_layers, explicit=opts.profile)
         slim = slim_verifier(target_fast, profile.view)
+        if progress and profile.view.weights != TARGET_WEIGHTS:
+            progress(f"slim view: {profile.view.describe(target_fast.shape.n_layers)} "
+                     f"({twin_bytes(target.model, profile.view.weights) / 2**20:.0f} MiB beside the target's weights)")
     engine = Engine(target_fast, target.tokenizer, drafter=drafter, slim=slim, eos_token_ids=eos_ids(target),
                     context_len=max_context)
     session = Session(engine, target, draft_id, draft, profile, opts)

@@ -22,7 +22,7 @@ import torch
 from .errors import ViasdError
 from .loading import free_memory_bytes
 from .model import FastModel
-from .weight_formats import FORMATS, packed_bytes, packed_copy
+from .weight_formats import FORMATS, packed_bytes, packed_copy, weight_bytes
 
 TARGET_WEIGHTS = "target"  # the view runs the target's own weights
 
@@ -62,6 +62,11 @@ def slim_weights(target_hf: torch.nn.Module, weights: str) -> torch.nn.Module:
         check_twin_fits(target_hf, weights)
         twins[weights] = packed_copy(target_hf, weights)
     return twins[weights]
+
+
+def twin_bytes(target_hf: torch.nn.Module, weights: str) -> int:
+    """Bytes the view's weights add to the target's: its twin's (0 on the target's own weights)."""
+    return 0 if weights == TARGET_WEIGHTS else weight_bytes(slim_weights(target_hf, weights))
 
 
 def release_twins(target_hf: torch.nn.Module, keep=()) -> None:
