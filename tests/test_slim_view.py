@@ -313,3 +313,29 @@ def test_bench_ar_slim_runs_the_view_alone_with_fidelity_against_the_target(tiny
             target_choices = loaded.model(torch.tensor([ids + row["tokens"]])).logits[0, len(ids) - 1 : -1].argmax(-1)
         agree = sum(int(a == b) for a, b in zip(target_choices.tolist(), row["tokens"]))
         assert row["fidelity"] == pytest.approx(agree / len(row["tokens"]), abs=1e-12)
+
+
+def test_a_feature_draft_reads_a_bfloat16_views_features_in_the_targets_dtype():
+    from test_feature_drafter import make_head
+
+    from viasd_core.feature_drafter import FeatureDrafter
+
+    target = tiny_model("llama", n_layers=5, seed=12)
+    fast = FastModel(target, max_len=128)
+    drafter = FeatureDrafter(make_head(target, seed=12), fast)
+    engine = Engine(fast, TinyTokenizer(), drafter=drafter, slim=slim_verifier(fast, SlimView(tuple(range(5)), "int4")))
+    assert engine.slim.cache.features.dtype == torch.bfloat16 and fast.dtype == torch.float32
+    read = []
+    inner = drafter._features
+
+    def spy(start, end):
+        feats = inner(start, end)
+        read.append((end > fast.seen, None if feats is None else feats.dtype))
+        return feats
+
+    drafter._features = spy
+    gen = engine.generate(prompt(6), GenerationConfig(mode="viasd", max_new_tokens=NEW, gamma=3, adaptive=False,
+                                                      thresholds=Thresholds(OFF, 0.0)))
+    assert gen.stats.draft_tokens > 0
+    assert any(lagging for lagging, _ in read)  # some proposals came from the view's features alone
+    assert {dtype for _, dtype in read if dtype is not None} == {torch.float32}
