@@ -304,7 +304,13 @@ def test_viasd_with_both_tiers_off_is_sd_without_slim_passes():
         return Engine(FastModel(target, max_len=96), TinyTokenizer(), drafter=ModelDrafter(FastModel(draft, max_len=96), 256),
                       slim=FastModel(target, layer_ids=[0, 3], max_len=96))
 
-    sd = engine().generate(prompt, GenerationConfig(mode="sd", max_new_tokens=30, gamma=4))
-    off = engine().generate(prompt, GenerationConfig(mode="viasd", max_new_tokens=30, gamma=4, thresholds=Thresholds(OFF, OFF)))
+    sd_engine, off_engine = engine(), engine()
+    sd = sd_engine.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=30, gamma=4))
+    off = off_engine.generate(prompt, GenerationConfig(mode="viasd", max_new_tokens=30, gamma=4, thresholds=Thresholds(OFF, OFF)))
     assert off.tokens == sd.tokens and off.stats.slim_passes == 0
+    # a slim verifier the mode never runs is not even prefilled (no pass at all)
+    assert sd_engine.slim.passes == off_engine.slim.passes == 0
+    active = off_engine.generate(prompt, GenerationConfig(mode="viasd", max_new_tokens=30, gamma=4,
+                                                          thresholds=Thresholds(0.9, 0.5)))
+    assert active.stats.slim_passes > 0 and off_engine.slim.passes > active.stats.slim_passes  # prefilled, then run
     assert replay([block([0.5], [True], [True], [True])], Thresholds(OFF, OFF)).slim_passes == 0

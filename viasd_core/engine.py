@@ -163,6 +163,11 @@ class Engine:
         if link is not None:
             link(self._slim)
 
+    def _slim_runs(self, config: GenerationConfig) -> bool:
+        """Whether a generation with `config` runs the slim verifier (calibration's recording does, in sd)."""
+        active = config.thresholds is not None and config.thresholds.active
+        return config.mode == "exact" or (config.mode == "viasd" and active) or self.recorder is not None
+
     def _models(self):
         out = [self.target]
         if self.slim is not None:
@@ -240,11 +245,13 @@ class Engine:
         sampler = Sampler(config.seed, device=self.device)
         gen = Generation(list(prompt_ids), [], [], "", "length", stats)
         t0 = self._clock()
-        # Prefill every model up to the last prompt token (whose logits start the decode).
+        # Prefill every model that will run up to the last prompt token (whose logits start the
+        # decode). A slim verifier the mode never runs (ar, sd, viasd with its tiers off) is not
+        # prefilled; one that runs later catches up in its first pass anyway.
         n = len(prompt_ids)
         stats.prefill_cached = self.target.seen  # prompt positions whose K/V the target kept
         for m in self._models():
-            if m.seen < n - 1:
+            if m.seen < n - 1 and (m is not self.slim or self._slim_runs(config)):
                 m.extend(self.ids, n - 1, 1)
         # What the target's prefill pass wrote, plus the last prompt token (the first step runs it).
         stats.prefill_processed = self.target.seen - stats.prefill_cached + 1
