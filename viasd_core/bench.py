@@ -147,8 +147,9 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
         elif m in NEEDS_PROFILE:
             if slim_engine is None:
                 runners[m] = Skip(profile_error)
-            elif m == "ar-slim":  # the slim view as the only model: an engine whose target it is
-                alone = Engine(slim_engine.slim, engine.tokenizer, eos_token_ids=engine.eos, context_len=engine.context_len)
+            elif m == "ar-slim":  # the slim view as the only model (its own KV cache, the same weights)
+                alone = Engine(slim_verifier(engine.target, session.profile.view), engine.tokenizer, eos_token_ids=engine.eos,
+                               context_len=engine.context_len)
                 runners[m] = EngineRunner(alone, gen_config("ar"))
             else:
                 runners[m] = EngineRunner(slim_engine, gen_config(m, thresholds_of(session.profile)))

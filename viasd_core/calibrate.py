@@ -188,16 +188,14 @@ def pass_costs(model: FastModel, name: str, block: int, context: int = 256, repe
         model.reset()
         return statistics.median(times)
 
-    return {name: timed(block), f"{name}_1": timed(1)}
+    one = timed(1)
+    return {name: one if block == 1 else timed(block), f"{name}_1": one}
 
 
-def measure_costs(target: FastModel, slim: FastModel | None, draft: FastModel | None, context: int = 256,
-                  block: int = 6, repeats: int = 7) -> dict:
-    """Seconds of one pass, measured here: target and slim over `block` tokens and over 1 token
-    (`target_1`, `slim_1`), one draft token; `block` records the width."""
+def measure_costs(target: FastModel, draft: FastModel | None, context: int = 256, block: int = 6, repeats: int = 7) -> dict:
+    """Seconds of one pass, measured here: the target over `block` tokens and over 1 token
+    (`target_1`), one draft token; `block` records the width. A slim view's come from pass_costs."""
     costs = {"block": block, **pass_costs(target, "target", block, context, repeats)}
-    if slim is not None:
-        costs.update(pass_costs(slim, "slim", block, context, repeats))
     costs["draft"] = pass_costs(draft, "draft", 1, context, repeats)["draft"] if draft is not None else 0.0
     return costs
 
@@ -464,7 +462,7 @@ def run_calibration(opts, prompts, budget: float = DEFAULT_BUDGET, skip_ratio: f
         f"{search.best.agreement:.3f} (best of 6 random masks: {search.random_best.agreement if search.random_best else float('nan'):.3f})")
     # 3. every candidate view: agreement, pass costs, gate records on the fit half, thresholds
     draft_fast = getattr(engine.drafter, "model", None)
-    base_costs = measure_costs(engine.target, None, draft_fast, block=gamma + 1)
+    base_costs = measure_costs(engine.target, draft_fast, block=gamma + 1)
     views = slim_candidates(search.best.layer_ids, n_layers, formats)
     candidates: list[Candidate] = []
     for i, view in enumerate(views):

@@ -27,7 +27,7 @@ import torch
 from .draft_policy import DraftPolicy
 from .errors import UsageError, ViasdError
 from .model import PASS_WIDTHS, FastModel
-from .router import OFF, BlockRecord, Thresholds, route_tiers, slim_confidence, walk_block
+from .router import OFF, BlockRecord, Thresholds, slim_confidence, unsure_to_full, walk_block
 from .sampling import Sampler, SamplingParams, greedy_accept, prefix_length, process_logits, speculative_sample
 from .stats import RunStats
 
@@ -411,7 +411,7 @@ class Engine:
         t = self._clock()
         slim_logits = self.slim.extend(self.ids, n + g, g + 1)  # [g + 1, V]
         route = route_block(slim_logits, self.ids[n : n + g], 0.0, th.accept, th.slim)
-        tiers_code = route_tiers(route.gate, slim_confidence(route, g), th).tolist()
+        tiers_code = unsure_to_full(route.tiers, slim_confidence(route, g), th).tolist()
         slim_argmax = route.argmax.tolist()
         stats.time_slim += self._clock() - t
         stats.slim_passes += 1

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from . import paths
 from .errors import ViasdError
+from .slim_view import TARGET_WEIGHTS, SlimView
 from .weight_formats import FORMATS
 
 PROFILE_VERSION = 2  # 2 added the slim view's weights and the candidates calibration compared
@@ -42,13 +43,11 @@ class Profile:
     created: str = ""
     version: int = PROFILE_VERSION
     theta_confidence: float = 0.0  # positions where the slim's top-1 probability is below it go to the target
-    slim_weights: str = "target"  # slim_view.TARGET_WEIGHTS, or the weight format of the target's packed twin
+    slim_weights: str = TARGET_WEIGHTS  # or the weight format of the target's packed twin
     candidates: list = field(default_factory=list)  # every slim view calibration measured, with its figures
 
     @property
-    def view(self):
-        from .slim_view import SlimView
-
+    def view(self) -> SlimView:
         return SlimView(tuple(int(i) for i in self.layer_ids), self.slim_weights)
 
     @property
@@ -89,7 +88,7 @@ def read_profile(path: Path) -> Profile:
         if not layer_ids or min(layer_ids) < 0 or max(layer_ids) >= profile.n_layers:
             raise ValueError("layer ids")
         float(profile.theta_accept), float(profile.theta_slim), float(profile.theta_confidence)
-        if profile.slim_weights not in ("target", *FORMATS):
+        if profile.slim_weights not in (TARGET_WEIGHTS, *FORMATS):
             raise ValueError("slim weights")
     except (TypeError, ValueError):
         raise ViasdError(f"profile '{path}' is corrupt (missing or invalid fields): delete it and run `viasd calibrate` again")

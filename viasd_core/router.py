@@ -4,8 +4,9 @@ The gate of drafted token j is r_j = slim_prob(v_j) / max slim_prob, from the sl
 logits; its tier is accept (r >= theta_accept: keep the draft token), slim (theta_slim <= r <
 theta_accept: the slim verifier's token) or full (r < theta_slim: the target decides). Both the
 gate and that rule live in viasd_kernels (`route_block`, `tiers_from_gate`). One more condition
-(`route_tiers`): a position where the slim's own top-1 probability (its confidence, c_j = max
-slim_prob) is below theta_confidence goes to full whatever r says. r alone cannot see a strong
+(`unsure_to_full`, on the kernels' tiers, in the engine and in replay alike): a position where
+the slim's own top-1 probability (its confidence, c_j = max slim_prob) is below theta_confidence
+goes to full whatever r says. r alone cannot see a strong
 but unsure slim view: r is 1 whenever the draft agrees with the slim, however close its top two.
 This module walks one block through the tiers (`walk_block`) and replays recorded blocks with it
 (calibration).
@@ -47,14 +48,19 @@ def slim_confidence(route: RouteResult, num_draft: int) -> torch.Tensor:
     return torch.exp(route.max_logit[:num_draft] - route.lse[:num_draft])
 
 
+def unsure_to_full(tiers: torch.Tensor, confidence: torch.Tensor, thresholds: Thresholds) -> torch.Tensor:
+    """The confidence condition on tiers the kernels' rule gave: full wherever the slim's confidence
+    is below theta_confidence (a float32 comparison, like the kernels'). [N] int8."""
+    if thresholds.confidence <= 0.0:
+        return tiers
+    unsure = confidence.float() < torch.tensor(thresholds.confidence, dtype=torch.float32)
+    return torch.where(unsure, torch.tensor(TIER_FULL, dtype=torch.int8), tiers)
+
+
 def route_tiers(gate: torch.Tensor, confidence: torch.Tensor, thresholds: Thresholds) -> torch.Tensor:
-    """The tier of every position: the kernels' rule on the gate, then full wherever the slim's
-    confidence is below theta_confidence (float32 comparisons, like the kernels'). [N] int8."""
-    tiers = tiers_from_gate(gate, thresholds.accept, thresholds.slim)
-    if thresholds.confidence > 0.0:
-        unsure = confidence.float() < torch.tensor(thresholds.confidence, dtype=torch.float32)
-        tiers = torch.where(unsure, torch.tensor(TIER_FULL, dtype=torch.int8), tiers)
-    return tiers
+    """The tier of every position from recorded gates and confidences: the kernels' rule on the
+    gate (as route_block applied it), then `unsure_to_full`. [N] int8."""
+    return unsure_to_full(tiers_from_gate(gate, thresholds.accept, thresholds.slim), confidence, thresholds)
 
 
 def walk_block(tiers: Sequence[int], draft_eq_slim: Sequence[bool], target_agrees: Callable[[int], bool]) -> list[str]:
