@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from viasd_core import distill
-from viasd_core.draft_model import load_draft, save_draft
-from viasd_core.loading import load_model
-from viasd_core.prompts import load_prompts
+from viasd_core.training import distill
+from viasd_core.loading.draft_model import load_draft, save_draft
+from viasd_core.loading.models import load_model
+from viasd_core.loading.prompts import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ROOT / "viasd_core/data/distill_prompts.jsonl"

@@ -18,9 +18,9 @@ from collections import defaultdict
 
 import torch
 
-from viasd_core.loading import load_model
-from viasd_core.model import FastModel
-from viasd_core.prompts import encode, load_prompts
+from viasd_core.loading.models import load_model
+from viasd_core.decoding.model import FastModel
+from viasd_core.loading.prompts import encode, load_prompts
 
 
 def main() -> None:

@@ -8,12 +8,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from viasd_core import bench as core
-from viasd_core.bench_files import make_meta, session_meta, summary_json, write_outputs, write_summary
-from viasd_core.bench_formats import split_formats
-from viasd_core.bench_summary import summarize
+from viasd_core.bench import harness as core
+from viasd_core.bench.files import make_meta, session_meta, summary_json, write_outputs, write_summary
+from viasd_core.bench.formats import split_formats
+from viasd_core.bench.summary import summarize
 from viasd_core.errors import UsageError
-from viasd_core.prompts import load_prompts
+from viasd_core.loading.prompts import load_prompts
 from viasd_core.session import ModelOptions, build_session
 
 from .app import app
@@ -167,7 +167,7 @@ def bench(
 
 def _formats(ctx: typer.Context, formats: list[str], out: str | None, as_json: bool, log) -> None:
     """--quant A,B,...: one bench process per format with this invocation's other options."""
-    from viasd_core.bench_formats import run_formats
+    from viasd_core.bench.formats import run_formats
 
     if not out:
         raise UsageError("--quant with several formats needs --out DIR (each format writes DIR/<format>/)")
@@ -217,8 +217,8 @@ def _run_with_progress(session, prompt_list, config, runners, quiet):
 
 
 def _synthetic(name, device, dtype, gamma, acceptance_from, force, out, as_json, log):
-    from viasd_core import synthetic as syn
-    from viasd_core.loading import resolve_device
+    from viasd_core.loading import synthetic as syn
+    from viasd_core.devices import resolve_device
 
     dev = resolve_device(device)
     plan = syn.SyntheticPlan(name=name, device=str(dev), dtype=dtype, gamma=gamma, force=force,

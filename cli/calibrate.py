@@ -10,12 +10,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from viasd_core.calibrate import (DEFAULT_BUDGET, DEFAULT_SKIP_RATIO, SLIM_FORMAT_CHOICES, CalibrationMissed, check_budget,
+from viasd_core.calibration.calibrate import (DEFAULT_BUDGET, DEFAULT_SKIP_RATIO, SLIM_FORMAT_CHOICES, CalibrationMissed, check_budget,
                                   check_skip_ratio, parse_slim_formats, run_calibration)
 from viasd_core.errors import ViasdError
-from viasd_core.prompts import load_prompts
+from viasd_core.loading.prompts import load_prompts
 from viasd_core.session import ModelOptions
-from viasd_core.stats import format_fidelity
+from viasd_core.decoding.stats import format_fidelity
 
 from .app import app
 from .options import (DEFAULT_MODEL, AllowPickleOpt, DeviceOpt, DraftOpt, DraftQuantOpt, DtypeOpt, GammaOpt, ModelOpt,

@@ -1,6 +1,6 @@
 """`viasd chat`: a multi-turn terminal chat that keeps the KV caches between turns.
 
-The conversation logic lives in viasd_core.chat; this module only reads lines and draws:
+The conversation logic lives in viasd_core.frontends.chat; this module only reads lines and draws:
   - a terminal (stdout is a TTY, no --plain): tokens colored by tier, a live status line
   - otherwise (piped): plain answers on stdout, everything else on stderr, no escape codes
 """
@@ -17,11 +17,11 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from viasd_core.chat import STATS_COLUMNS, TIER_LEGEND, Chat, parse_command, session_summary, stats_rows, turn_summary
-from viasd_core.engine import GenerationConfig
+from viasd_core.frontends.chat import STATS_COLUMNS, TIER_LEGEND, Chat, parse_command, session_summary, stats_rows, turn_summary
+from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.errors import ViasdError
 from viasd_core.session import ModelOptions
-from viasd_core.streaming import TextStream, TieredText
+from viasd_core.frontends.streaming import TextStream, TieredText
 
 from .app import app
 from .options import generation_options, handle_errors, model_options, open_session

@@ -1,5 +1,5 @@
 """`viasd distill`: make a draft for a target from the target's own outputs: a small draft model
-(viasd_core.distill.run_distill) or an EAGLE-3 head (--kind feature: viasd_core.feature_distill)."""
+(viasd_core.training.distill.run_distill) or an EAGLE-3 head (--kind feature: viasd_core.training.feature_distill)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import typer
 
 from viasd_cli.app import app
 from viasd_cli.options import DeviceOpt, TrustOpt, handle_errors
-from viasd_core.distill import DistillConfig, run_distill
-from viasd_core.eagle_train import HeadTrainConfig
+from viasd_core.training.distill import DistillConfig, run_distill
+from viasd_core.training.eagle_train import HeadTrainConfig
 from viasd_core.errors import UsageError
-from viasd_core.feature_distill import FeatureDistillConfig, run_feature_distill
+from viasd_core.training.feature_distill import FeatureDistillConfig, run_feature_distill
 
 EXAMPLES = """
 EXAMPLES

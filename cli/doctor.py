@@ -9,9 +9,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from viasd_core.doctor import FAIL, PASS, run_doctor
+from viasd_core.frontends.doctor import FAIL, PASS, run_doctor
 from viasd_core.errors import UsageError
-from viasd_core.prompts import default_prompts, encode
+from viasd_core.loading.prompts import default_prompts, encode
 from viasd_core.session import ModelOptions, build_session
 
 from .app import app

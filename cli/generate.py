@@ -8,12 +8,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from viasd_core.engine import GenerationConfig
+from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.errors import UsageError
-from viasd_core.fidelity import fidelity
-from viasd_core.prompts import encode
+from viasd_core.decoding.fidelity import fidelity
+from viasd_core.loading.prompts import encode
 from viasd_core.session import ModelOptions
-from viasd_core.streaming import TextStream, stats_line
+from viasd_core.frontends.streaming import TextStream, stats_line
 
 from .app import app
 from .options import generation_options, handle_errors, model_options, open_session

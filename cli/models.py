@@ -9,7 +9,8 @@ import typer
 
 from viasd_cli.app import app
 from viasd_cli.options import handle_errors
-from viasd_core import catalog, hub
+from viasd_core.loading import catalog
+from viasd_core.loading import hub
 
 EXAMPLES = """
 EXAMPLES

@@ -11,9 +11,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from viasd_core.engine import GenerationConfig
+from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.errors import ViasdError
-from viasd_core.loading import EMBEDDED_TARGET
+from viasd_core.loading.models import EMBEDDED_TARGET
 from viasd_core.session import ModelOptions, Session, build_session, thresholds_of
 
 DEFAULT_MODEL = EMBEDDED_TARGET

@@ -124,7 +124,7 @@ class FakeHub:
         return commit
 
     def install(self, monkeypatch):
-        from viasd_core import hub
+        from viasd_core.loading import hub
 
         monkeypatch.setattr(hub, "HfApi", lambda *a, **k: self)
         monkeypatch.setattr(hub, "hf_hub_download", self.hf_hub_download)
@@ -199,7 +199,7 @@ def hub_env(tmp_path, monkeypatch):
 
 @pytest.fixture
 def fake_hub(hub_env, monkeypatch) -> FakeHub:
-    """A fake Hub, online (HF_HUB_OFFLINE=0), installed into viasd_core.hub."""
+    """A fake Hub, online (HF_HUB_OFFLINE=0), installed into viasd_core.loading.hub."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     return FakeHub(hub_env.cache).install(monkeypatch)
 

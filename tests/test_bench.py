@@ -11,10 +11,10 @@ from typer.testing import CliRunner
 
 from conftest import tiny_model
 from viasd_cli.app import get_app
-from viasd_core import bench as core
-from viasd_core import bench_runners as runners
-from viasd_core import synthetic as syn
-from viasd_core.bench_plots import PLOTS
+from viasd_core.bench import harness as core
+from viasd_core.bench import runners
+from viasd_core.loading import synthetic as syn
+from viasd_core.bench.plots import PLOTS
 
 PROMPTS = [
     {"question_id": 81, "category": "writing", "turns": ["w1 w2 w3 w4 w1 w2 w3"]},
@@ -116,7 +116,7 @@ def test_full_run_files_schema_summary_plots(tiny_dirs, viasd_home, prompt_file,
 
 
 def test_exact_and_viasd_with_a_profile(tiny_dirs, viasd_home, prompt_file, tmp_path):
-    from viasd_core.profile import Profile, save_profile
+    from viasd_core.loading.profile import Profile, save_profile
 
     profile = save_profile(Profile(target_id="target", draft_id="target", quant="none", device="cpu", dtype="float32",
                                    layer_ids=[0, 3], n_layers=4, theta_accept=0.9, theta_slim=0.3, budget=0.01,
@@ -176,7 +176,7 @@ def test_ngram_draft_skips_hf_assisted_and_bad_options(tiny_dirs, viasd_home, pr
 
 
 def test_reduced_vocab_draft_as_transformers_assistant():
-    from viasd_core.draft_model import build_draft, draft_llama_config
+    from viasd_core.loading.draft_model import build_draft, draft_llama_config
 
     target = tiny_model("llama", n_layers=2, seed=5)
     torch.manual_seed(6)
@@ -285,7 +285,7 @@ def test_synthetic_cli_is_labelled_a_projection(viasd_home, tmp_path, monkeypatc
 def test_eos_and_pad_ids_one_rule():
     from types import SimpleNamespace
 
-    from viasd_core.loading import eos_ids, pad_token_id
+    from viasd_core.loading.models import eos_ids, pad_token_id
 
     def loaded(model_eos, tok_eos, tok_pad):
         model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=model_eos))

@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
-from viasd_core.bench_formats import combine, run_formats, split_formats
+from viasd_core.bench.formats import combine, run_formats, split_formats
 from viasd_core.errors import UsageError, ViasdError
 
 

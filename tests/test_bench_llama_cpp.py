@@ -11,8 +11,8 @@ import types
 
 import pytest
 
-from viasd_core.bench import parse_methods
-from viasd_core.bench_runners import LlamaCppRunner, Skip, llama_cpp_runner
+from viasd_core.bench.harness import parse_methods
+from viasd_core.bench.runners import LlamaCppRunner, Skip, llama_cpp_runner
 
 
 class FakeLlama:

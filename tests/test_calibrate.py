@@ -9,11 +9,11 @@ from typer.testing import CliRunner
 
 from conftest import FAMILIES, tiny_model
 from viasd_cli.app import get_app
-from viasd_core.calibrate import MaskEvaluator, fit_thresholds, search_layer_mask, sd_outcome
+from viasd_core.calibration.calibrate import MaskEvaluator, fit_thresholds, search_layer_mask, sd_outcome
 from viasd_core.errors import ViasdError
-from viasd_core.model import FastModel
-from viasd_core.profile import Profile, find_profile, read_profile, save_profile
-from viasd_core.router import OFF, BlockRecord, Thresholds, replay
+from viasd_core.decoding.model import FastModel
+from viasd_core.loading.profile import Profile, find_profile, read_profile, save_profile
+from viasd_core.decoding.router import OFF, BlockRecord, Thresholds, replay
 from viasd_kernels import route_block
 
 
@@ -185,8 +185,8 @@ def test_calibrate_meets_budget_on_heldout_then_viasd_generates(tiny_dirs, viasd
     assert sum(row["stats"]["tier_counts"].values()) == row["new_tokens"] or row["finish_reason"] != "length"
     # The reported fidelity is that of the emitted tokens: the same run in-process, then the
     # target's greedy choices along it, counted here.
-    from viasd_core.engine import GenerationConfig
-    from viasd_core.prompts import encode
+    from viasd_core.decoding.engine import GenerationConfig
+    from viasd_core.loading.prompts import encode
     from viasd_core.session import ModelOptions, build_session, thresholds_of
 
     session = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=str(tiny_dirs["target"])), mode="viasd")
@@ -231,7 +231,7 @@ def test_calibrate_malformed_and_empty_prompt_files(tiny_dirs, viasd_home, tmp_p
 
 
 def test_calibrate_refuses_to_save_when_heldout_misses_the_budget(tiny_dirs, viasd_home, prompt_file, monkeypatch):
-    import viasd_core.calibrate as cal
+    import viasd_core.calibration.calibrate as cal
 
     real_fit = cal.fit_thresholds
 
@@ -249,8 +249,8 @@ def test_calibrate_refuses_to_save_when_heldout_misses_the_budget(tiny_dirs, via
 
 def test_run_prompts_reports_fidelity_only_where_measured():
     from conftest import TinyTokenizer
-    from viasd_core.calibrate import run_prompts
-    from viasd_core.engine import Engine, GenerationConfig
+    from viasd_core.calibration.calibrate import run_prompts
+    from viasd_core.decoding.engine import Engine, GenerationConfig
 
     target = tiny_model("llama", n_layers=2, seed=46)
     prompts = [torch.randint(3, 256, (6,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(2)]
@@ -268,8 +268,8 @@ def test_calibration_with_nothing_to_replay_reports_not_measured(tiny_dirs, vias
     from rich.console import Console
 
     from viasd_cli.calibrate import report_table
-    from viasd_core.calibrate import run_calibration
-    from viasd_core.prompts import load_prompts
+    from viasd_core.calibration.calibrate import run_calibration
+    from viasd_core.loading.prompts import load_prompts
     from viasd_core.session import ModelOptions
 
     # One new token per prompt: every step is a plain target step, no block is recorded.
@@ -293,8 +293,8 @@ def test_calibration_with_nothing_to_replay_reports_not_measured(tiny_dirs, vias
 
 def test_viasd_with_both_tiers_off_is_sd_without_slim_passes():
     from conftest import TinyTokenizer
-    from viasd_core.drafters import ModelDrafter
-    from viasd_core.engine import Engine, GenerationConfig
+    from viasd_core.decoding.drafters import ModelDrafter
+    from viasd_core.decoding.engine import Engine, GenerationConfig
 
     target = tiny_model("llama", n_layers=4, seed=44)
     draft = tiny_model("llama", n_layers=1, seed=45)

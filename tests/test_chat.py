@@ -1,5 +1,5 @@
 """`viasd chat`: a scripted session through the real app (piped stdin), and the conversation
-logic of viasd_core.chat: KV-cache re-use across turns equals re-processing the whole history."""
+logic of viasd_core.frontends.chat: KV-cache re-use across turns equals re-processing the whole history."""
 
 import json
 
@@ -8,9 +8,9 @@ from typer.testing import CliRunner
 
 from conftest import positions_run, record_forward
 from viasd_cli.app import get_app
-from viasd_core.chat import Chat, parse_command
-from viasd_core.engine import GenerationConfig
-from viasd_core.profile import Profile, profile_path, save_profile
+from viasd_core.frontends.chat import Chat, parse_command
+from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.loading.profile import Profile, profile_path, save_profile
 from viasd_core.session import ModelOptions, build_session
 
 N = 6  # new tokens per answer: several verification passes, still fast on a busy CPU
@@ -208,8 +208,8 @@ def test_prefill_counts_are_what_the_target_ran(tiny_dirs, viasd_home, mode):
 def test_prefill_counts_when_the_conversation_outgrows_the_context(tiny_dirs, viasd_home):
     """A conversation that outgrows the context drops its oldest turns; the caches are allocated
     once and never re-allocated, and the counts say exactly which prompt positions the target ran."""
-    from viasd_core.engine import Engine
-    from viasd_core.model import FastModel
+    from viasd_core.decoding.engine import Engine
+    from viasd_core.decoding.model import FastModel
 
     chat = make_chat(tiny_dirs, mode="ar", draft=None)
     small = chat.engine

@@ -113,7 +113,7 @@ class ScriptedTokenizer:
 def test_text_stream_releases_only_settled_text():
     import io
 
-    from viasd_core.streaming import TextStream
+    from viasd_core.frontends.streaming import TextStream
 
     out = io.StringIO()
     stream = TextStream(ScriptedTokenizer(["ab", "a", "abc\ufffd", "abcé", "abcé!"]), out)

@@ -17,7 +17,7 @@ from conftest_hub import (  # noqa: F401  (fixtures)
 from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
-from viasd_core import catalog
+from viasd_core.loading import catalog
 
 SMOL_TARGET, SMOL_DRAFT = "HuggingFaceTB/SmolLM2-1.7B-Instruct", "HuggingFaceTB/SmolLM2-135M-Instruct"
 

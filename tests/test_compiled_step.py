@@ -10,10 +10,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from conftest import FAMILIES, TinyTokenizer, tiny_model
-from viasd_core.drafters import ModelDrafter
-from viasd_core.engine import Engine, GenerationConfig
+from viasd_core.decoding.drafters import ModelDrafter
+from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.errors import UsageError, ViasdError
-from viasd_core.model import PASS_WIDTHS, FastModel
+from viasd_core.decoding.model import PASS_WIDTHS, FastModel
 
 
 def graphs_compiled() -> int:

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from viasd_core import distill
-from viasd_core.draft_model import embedded_draft_dir, load_draft, read_draft_config, save_draft
+from viasd_core.training import distill
+from viasd_core.loading.draft_model import embedded_draft_dir, load_draft, read_draft_config, save_draft
 from viasd_core.errors import ViasdError
 
 VOCAB = 96

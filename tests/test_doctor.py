@@ -6,7 +6,7 @@ import torch
 from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
-from viasd_core.doctor import FAIL, PASS, SKIP, run_doctor
+from viasd_core.frontends.doctor import FAIL, PASS, SKIP, run_doctor
 from viasd_core.session import ModelOptions, build_session
 
 

@@ -1,10 +1,10 @@
 """The draft-length policy: block length from acceptance, plain steps while drafting does not pay."""
 
 from conftest import TinyTokenizer, tiny_model
-from viasd_core.draft_policy import DraftPolicy
-from viasd_core.drafters import ModelDrafter
-from viasd_core.engine import Engine, GenerationConfig
-from viasd_core.model import FastModel
+from viasd_core.decoding.draft_policy import DraftPolicy
+from viasd_core.decoding.drafters import ModelDrafter
+from viasd_core.decoding.engine import Engine, GenerationConfig
+from viasd_core.decoding.model import FastModel
 
 
 def test_block_length_follows_acceptance():

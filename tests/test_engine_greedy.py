@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import FAMILIES, TinyTokenizer, positions_run, record_forward, tiny_model
-from viasd_core.drafters import ModelDrafter, NgramDrafter
-from viasd_core.engine import Engine, GenerationConfig
-from viasd_core.model import FastModel
+from viasd_core.decoding.drafters import ModelDrafter, NgramDrafter
+from viasd_core.decoding.engine import Engine, GenerationConfig
+from viasd_core.decoding.model import FastModel
 
 NEW = 40
 
@@ -140,7 +140,7 @@ def test_budget_and_stats_are_consistent():
 
 
 def test_hybrid_draft_is_exact_and_uses_both_sources():
-    from viasd_core.drafters import HybridDrafter
+    from viasd_core.decoding.drafters import HybridDrafter
 
     target = tiny_model("llama", seed=17)
     draft = tiny_model("llama", n_layers=1, seed=96)

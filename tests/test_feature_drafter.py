@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from conftest import FAMILIES, TinyTokenizer, tiny_model
-from viasd_core import eagle_train
-from viasd_core.drafters import HybridDrafter
-from viasd_core.engine import Engine, GenerationConfig
-from viasd_core.feature_drafter import FeatureDrafter
-from viasd_core.model import FastModel
-from viasd_core.router import OFF, Thresholds
-from viasd_core.sampling import SamplingParams, process_logits
+from viasd_core.training import eagle_train
+from viasd_core.decoding.drafters import HybridDrafter
+from viasd_core.decoding.engine import Engine, GenerationConfig
+from viasd_core.decoding.feature_drafter import FeatureDrafter
+from viasd_core.decoding.model import FastModel
+from viasd_core.decoding.router import OFF, Thresholds
+from viasd_core.decoding.sampling import SamplingParams, process_logits
 
 LAYERS = (1, 2, 3)
 NEW = 30
@@ -229,7 +229,7 @@ def teacher_records(target, n=24, length=40, seed=0):
 
 def trained_head(target, steps, checkpoint=None, config=None):
     records = teacher_records(target)
-    from viasd_core.distill import choose_vocab
+    from viasd_core.training.distill import choose_vocab
 
     vocab_map = choose_vocab(records, 96)
     head = eagle_train.init_head(target, LAYERS, vocab_map, seed=0)
@@ -261,7 +261,7 @@ def test_training_resumes_from_its_checkpoint_exactly(tmp_path):
     """A run killed mid-way and resumed from its last checkpoint ends with the same weights."""
     target = tiny_model("llama", n_layers=5, seed=10)
     records = teacher_records(target, n=8)
-    from viasd_core.distill import choose_vocab
+    from viasd_core.training.distill import choose_vocab
 
     vocab_map = choose_vocab(records, 96)
     cfg = eagle_train.HeadTrainConfig(steps=20, batch_size=4, lr=3e-3, warmup=5, bf16=False, checkpoint_every=5,
@@ -293,7 +293,7 @@ def head_dir(tiny_dirs, tmp_path_factory):
     """An EAGLE-3 head for the tiny target folder, written in the published layout."""
     from transformers import AutoModelForCausalLM
 
-    from viasd_core.eagle import save_feature_head
+    from viasd_core.decoding.eagle import save_feature_head
 
     target = AutoModelForCausalLM.from_pretrained(tiny_dirs["target"])
     head = eagle_train.init_head(target, (0, 1, 2), torch.arange(0, 256, 2), seed=1)

@@ -1,4 +1,4 @@
-"""viasd_core.hub and viasd_core.catalog against a temporary HF cache and a fake Hub (no network)."""
+"""viasd_core.loading.hub and viasd_core.loading.catalog against a temporary HF cache and a fake Hub (no network)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from conftest_hub import (  # noqa: F401  (fixtures)
     repo_folder,
 )
 
-from viasd_core import catalog, hub
+from viasd_core.loading import catalog
+from viasd_core.loading import hub
 from viasd_core.errors import UsageError, ViasdError
 
 NEEDED = {

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES, tiny_model
-from viasd_core.model import FastModel
+from viasd_core.decoding.model import FastModel
 
 
 @pytest.mark.parametrize("family", FAMILIES)

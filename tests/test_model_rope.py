@@ -14,8 +14,8 @@ import torch
 
 from conftest import tiny_model
 from viasd_core.errors import ViasdError
-from viasd_core.model import FastModel
-from viasd_core.rope import STATIC_ROPE_TYPES
+from viasd_core.decoding.model import FastModel
+from viasd_core.decoding.rope import STATIC_ROPE_TYPES
 
 ORIGINAL = 16  # original_max_position_embeddings of the scaled types
 N = 40  # sequence length: well past ORIGINAL
@@ -116,7 +116,7 @@ def saved_model_dir(folder, rope_parameters):
     ({"rope_type": "llama3", "rope_theta": 10000.0}, "could not load model"),  # keys missing: transformers' KeyError
 ], ids=["dynamic", "unknown", "incomplete"])
 def test_loading_a_model_with_a_bad_rope_is_a_one_line_error(tmp_path, rope_parameters, expected):
-    from viasd_core.loading import load_model
+    from viasd_core.loading.models import load_model
 
     folder = saved_model_dir(tmp_path / "m", rope_parameters)
     with pytest.raises(ViasdError) as info:
@@ -178,7 +178,7 @@ def llama3_target():
 
 
 def test_draft_of_a_llama3_target_has_the_targets_rope_tables(tmp_path):
-    from viasd_core.draft_model import build_draft, draft_llama_config, load_draft, save_draft
+    from viasd_core.loading.draft_model import build_draft, draft_llama_config, load_draft, save_draft
 
     target = llama3_target()
     target_fast = FastModel(target, max_len=N)

@@ -19,7 +19,7 @@ NEW = 64
 def smollm2(tmp_path_factory):
     import os
 
-    from viasd_core.loading import load_model
+    from viasd_core.loading.models import load_model
 
     home = tmp_path_factory.mktemp("viasd_home_real")
     old = os.environ.get("VIASD_HOME")
@@ -58,10 +58,10 @@ def test_embedded_model_converted_with_expected_config(smollm2):
 
 @pytest.mark.slow
 def test_sd_and_exact_equal_ar_and_transformers_on_spec_bench_prompts(smollm2):
-    from viasd_core.drafters import ModelDrafter, NgramDrafter
-    from viasd_core.engine import Engine, GenerationConfig
-    from viasd_core.model import FastModel
-    from viasd_core.prompts import encode
+    from viasd_core.decoding.drafters import ModelDrafter, NgramDrafter
+    from viasd_core.decoding.engine import Engine, GenerationConfig
+    from viasd_core.decoding.model import FastModel
+    from viasd_core.loading.prompts import encode
     from viasd_core.session import ModelOptions, eos_ids, load_drafter
 
     target = FastModel(smollm2.model, max_len=2048)
@@ -116,10 +116,10 @@ def test_int_formats_sd_and_exact_equal_ar_at_the_same_format(quant, tmp_path, m
     """int8 / int4 weight-only (torchao-packed, bf16 activations): the shipped head drafting for
     the quantized target, sd and exact token-identical to ar at that format, drafts accepted."""
     pytest.importorskip("torchao")
-    from viasd_core.engine import Engine, GenerationConfig
-    from viasd_core.loading import load_model
-    from viasd_core.model import FastModel
-    from viasd_core.prompts import encode
+    from viasd_core.decoding.engine import Engine, GenerationConfig
+    from viasd_core.loading.models import load_model
+    from viasd_core.decoding.model import FastModel
+    from viasd_core.loading.prompts import encode
     from viasd_core.session import ModelOptions, eos_ids, load_drafter
 
     monkeypatch.setenv("VIASD_HOME", str(tmp_path))
@@ -148,13 +148,13 @@ def test_an_int4_slim_view_of_the_fp32_target(smollm2):
     first miss survives verification (more tokens per target pass than `sd` with the same head);
     `viasd` with every position settled by the view runs without the target and reports the loss."""
     pytest.importorskip("torchao")
-    from viasd_core.engine import Engine, GenerationConfig
-    from viasd_core.fidelity import fidelity
-    from viasd_core.model import FastModel
-    from viasd_core.prompts import encode
-    from viasd_core.router import OFF, Thresholds
+    from viasd_core.decoding.engine import Engine, GenerationConfig
+    from viasd_core.decoding.fidelity import fidelity
+    from viasd_core.decoding.model import FastModel
+    from viasd_core.loading.prompts import encode
+    from viasd_core.decoding.router import OFF, Thresholds
     from viasd_core.session import ModelOptions, eos_ids, load_drafter
-    from viasd_core.slim_view import SlimView, slim_verifier
+    from viasd_core.decoding.slim_view import SlimView, slim_verifier
 
     target = FastModel(smollm2.model, max_len=1024)
     assert target.dtype == torch.float32

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from viasd_core.sampling import Sampler, SamplingParams, greedy_accept, process_logits, speculative_sample
+from viasd_core.decoding.sampling import Sampler, SamplingParams, greedy_accept, process_logits, speculative_sample
 
 
 class FixedSampler(Sampler):
@@ -124,9 +124,9 @@ def test_sampling_engine_follows_the_target_distribution():
     next step): over many seeds, the first two emitted tokens follow the target's distributions
     (temperature and top-k applied), not the draft's; a seed reproduces a run."""
     from conftest import TinyTokenizer, tiny_model
-    from viasd_core.drafters import ModelDrafter
-    from viasd_core.engine import Engine, GenerationConfig
-    from viasd_core.model import FastModel
+    from viasd_core.decoding.drafters import ModelDrafter
+    from viasd_core.decoding.engine import Engine, GenerationConfig
+    from viasd_core.decoding.model import FastModel
 
     target = tiny_model("llama", n_layers=2, seed=21)
     prompt = [5, 6, 7]

@@ -8,18 +8,18 @@ import torch
 
 from conftest import TinyTokenizer, tiny_model
 from test_calibrate import invoke, prompt_file  # noqa: F401 (prompt_file: a fixture)
-from viasd_core import slim_view
-from viasd_core.calibrate import (Candidate, Fit, collect_blocks, choose_candidate, fidelity_lower_bound, fit_thresholds,
+from viasd_core.decoding import slim_view
+from viasd_core.calibration.calibrate import (Candidate, Fit, collect_blocks, choose_candidate, fidelity_lower_bound, fit_thresholds,
                                   modeled_tokens_per_s, parse_slim_formats, pass_seconds, slim_candidates)
-from viasd_core.drafters import ModelDrafter
-from viasd_core.engine import Engine, GenerationConfig
+from viasd_core.decoding.drafters import ModelDrafter
+from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.errors import UsageError, ViasdError
-from viasd_core.loading import load_model
-from viasd_core.model import FastModel
-from viasd_core.profile import read_profile, save_profile
-from viasd_core.router import OFF, BlockRecord, ReplayOutcome, Thresholds, replay, route_tiers
-from viasd_core.slim_view import TARGET_WEIGHTS, SlimView, lower_formats, release_twins, slim_verifier, slim_weights
-from viasd_core.weight_formats import PackedLinear, has_weight_format, packed_bytes, packed_copy, weight_bytes
+from viasd_core.loading.models import load_model
+from viasd_core.decoding.model import FastModel
+from viasd_core.loading.profile import read_profile, save_profile
+from viasd_core.decoding.router import OFF, BlockRecord, ReplayOutcome, Thresholds, replay, route_tiers
+from viasd_core.decoding.slim_view import TARGET_WEIGHTS, SlimView, lower_formats, release_twins, slim_verifier, slim_weights
+from viasd_core.decoding.weight_formats import PackedLinear, has_weight_format, packed_bytes, packed_copy, weight_bytes
 from viasd_kernels import TIER_ACCEPT as A
 from viasd_kernels import TIER_FULL as F
 from viasd_kernels import TIER_SLIM as S
@@ -232,7 +232,7 @@ def test_viasd_on_an_int4_twin_emits_its_tokens_and_reports_fidelity():
 
 # ---------------------------------------------------------------------- profiles
 def test_profile_records_the_view_and_reads_version_1(tmp_path, viasd_home):
-    from viasd_core.profile import Profile
+    from viasd_core.loading.profile import Profile
 
     prof = Profile("t", "d", "none", "cpu", "float32", [0, 1, 2, 3], 4, 1.0, 0.0, 0.01, 0.995,
                    theta_confidence=0.42, slim_weights="int4", candidates=[{"weights": "int4"}])
@@ -289,8 +289,8 @@ def test_calibrate_rejects_a_slim_format_that_is_not_cheaper(tiny_dirs, viasd_ho
 
 
 def test_bench_ar_slim_runs_the_view_alone_with_fidelity_against_the_target(tiny_dirs, viasd_home, prompt_file, tmp_path):
-    from viasd_core.profile import Profile
-    from viasd_core.prompts import encode, load_prompts
+    from viasd_core.loading.profile import Profile
+    from viasd_core.loading.prompts import encode, load_prompts
 
     loaded = load_model(str(tiny_dirs["target"]))
     draft_id = load_model(str(tiny_dirs["draft"]), with_tokenizer=False).model_id
@@ -318,7 +318,7 @@ def test_bench_ar_slim_runs_the_view_alone_with_fidelity_against_the_target(tiny
 def test_a_feature_draft_reads_a_bfloat16_views_features_in_the_targets_dtype():
     from test_feature_drafter import make_head
 
-    from viasd_core.feature_drafter import FeatureDrafter
+    from viasd_core.decoding.feature_drafter import FeatureDrafter
 
     target = tiny_model("llama", n_layers=5, seed=12)
     fast = FastModel(target, max_len=128)

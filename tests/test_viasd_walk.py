@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from conftest import TinyTokenizer, record_forward, tiny_model
-from viasd_core.drafters import ModelDrafter
-from viasd_core.engine import Engine, GenerationConfig
-from viasd_core.fidelity import fidelity, target_argmax_along
-from viasd_core.model import FastModel
-from viasd_core.router import OFF, BlockRecord, Thresholds, replay, walk_block
+from viasd_core.decoding.drafters import ModelDrafter
+from viasd_core.decoding.engine import Engine, GenerationConfig
+from viasd_core.decoding.fidelity import fidelity, target_argmax_along
+from viasd_core.decoding.model import FastModel
+from viasd_core.decoding.router import OFF, BlockRecord, Thresholds, replay, walk_block
 from viasd_kernels import TIER_ACCEPT as A
 from viasd_kernels import TIER_FULL as F
 from viasd_kernels import TIER_SLIM as S

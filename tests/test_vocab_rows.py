@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from conftest import save_tiny_model_dir, tiny_model
-from viasd_core.drafters import ModelDrafter
-from viasd_core.engine import GenerationConfig
-from viasd_core.model import FastModel
-from viasd_core.profile import Profile, save_profile
-from viasd_core.sampling import Sampler, SamplingParams
+from viasd_core.decoding.drafters import ModelDrafter
+from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.decoding.model import FastModel
+from viasd_core.loading.profile import Profile, save_profile
+from viasd_core.decoding.sampling import Sampler, SamplingParams
 from viasd_core.session import ModelOptions, build_session, emittable, thresholds_of
 
 # name: (tokenizer size, draft rows, target rows) -> the expected limit of the target's ids

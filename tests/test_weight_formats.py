@@ -1,4 +1,4 @@
-"""--quant int8 / int4: weight-only formats packed by torchao (viasd_core.weight_formats).
+"""--quant int8 / int4: weight-only formats packed by torchao (viasd_core.decoding.weight_formats).
 
 The packed layer against a reference written here from the formats' definitions, the memory it
 saves, the slim view sharing the target's packed layers, batch invariance, and greedy `sd` /
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from conftest import FAMILIES, TinyTokenizer, tiny_model
-from viasd_core.drafters import ModelDrafter
-from viasd_core.engine import Engine, GenerationConfig
+from viasd_core.decoding.drafters import ModelDrafter
+from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.errors import UsageError, ViasdError
-from viasd_core.model import FastModel
-from viasd_core.weight_formats import INT4_GROUP, PackedLinear, apply_weight_format, weight_bytes
+from viasd_core.decoding.model import FastModel
+from viasd_core.decoding.weight_formats import INT4_GROUP, PackedLinear, apply_weight_format, weight_bytes
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
 FORMATS = ("int8", "int4")
@@ -177,7 +177,7 @@ def test_cpu_int_formats_stay_eager_and_exact(fmt):
 
 
 def test_load_model_applies_the_format_and_refuses_other_activation_dtypes(tiny_dirs):
-    from viasd_core.loading import load_model
+    from viasd_core.loading.models import load_model
 
     folder = str(tiny_dirs["target"])
     loaded = load_model(folder, device="cpu", quant="int4", with_tokenizer=False)
@@ -190,7 +190,7 @@ def test_load_model_applies_the_format_and_refuses_other_activation_dtypes(tiny_
 
 
 def test_missing_torchao_is_a_one_line_error(monkeypatch):
-    import viasd_core.weight_formats as wf
+    import viasd_core.decoding.weight_formats as wf
 
     real = importlib.util.find_spec
     monkeypatch.setattr(wf.importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
@@ -215,7 +215,7 @@ def test_cli_generate_with_int4_is_exact_and_says_so(tiny_dirs, viasd_home):
 
 
 def test_auto_picks_int4_only_for_the_embedded_target_on_cpu(monkeypatch):
-    from viasd_core.weight_formats import default_quant
+    from viasd_core.decoding.weight_formats import default_quant
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert default_quant("auto", "smollm2-135m", cpu, None) == "int4"  # measured fastest, agreement >= 0.97
@@ -224,7 +224,7 @@ def test_auto_picks_int4_only_for_the_embedded_target_on_cpu(monkeypatch):
     assert default_quant("auto", "org/other-model", cpu, None) == "none"
     assert default_quant("none", "smollm2-135m", cpu, None) == "none"  # an explicit choice is kept
     assert default_quant("8bit", "smollm2-135m", cpu, None) == "8bit"
-    import viasd_core.weight_formats as wf
+    import viasd_core.decoding.weight_formats as wf
 
     real = importlib.util.find_spec
     monkeypatch.setattr(wf.importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))

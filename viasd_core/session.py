@@ -7,17 +7,18 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import paths
-from .drafters import ChainDrafter, HybridDrafter, ModelDrafter, NgramDrafter
-from .engine import Engine
-from .feature_drafter import FeatureDrafter
-from .errors import UsageError, ViasdError
-from .loading import EMBEDDED_TARGET, Loaded, check_same_vocab, eos_ids, free_memory_bytes, load_model, resolve_device
-from .model import FastModel
-from .profile import Profile, find_profile
-from .router import Thresholds
-from .slim_view import TARGET_WEIGHTS, slim_verifier, twin_bytes
-from .weight_formats import default_quant
+from viasd_core import paths
+from viasd_core.decoding.drafters import ChainDrafter, HybridDrafter, ModelDrafter, NgramDrafter
+from viasd_core.decoding.engine import Engine
+from viasd_core.decoding.feature_drafter import FeatureDrafter
+from viasd_core.errors import UsageError, ViasdError
+from viasd_core.loading.models import EMBEDDED_TARGET, Loaded, check_same_vocab, eos_ids, load_model
+from viasd_core.devices import free_memory_bytes, resolve_device
+from viasd_core.decoding.model import FastModel
+from viasd_core.loading.profile import Profile, find_profile
+from viasd_core.decoding.router import Thresholds
+from viasd_core.decoding.slim_view import TARGET_WEIGHTS, slim_verifier, twin_bytes
+from viasd_core.decoding.weight_formats import default_quant
 
 EMBEDDED_DRAFT = "embedded:smollm2-135m-draft"  # the distilled 2-layer draft model
 EMBEDDED_HEAD = "embedded:smollm2-135m-eagle3"  # the EAGLE-3 head trained by viasd (the default)
@@ -66,15 +67,15 @@ def _draft_ref(opts: ModelOptions, target: Loaded) -> str:
     if ref != "auto":
         return ref
     if target.model_id == EMBEDDED_TARGET:
-        from .draft_model import embedded_draft_dir
+        from viasd_core.loading.draft_model import embedded_draft_dir
 
         # The best measured draft first (docs/benchmarks.md); prompt lookup covers copied text.
         for ref, name in ((EMBEDDED_HEAD, "smollm2-135m-eagle3"), (EMBEDDED_DRAFT, "smollm2-135m")):
             if (embedded_draft_dir(name) / "model.safetensors").exists():
                 return ref + HYBRID_SUFFIX
         return "ngram"
-    from .catalog import draft_for
-    from .hub import is_cached
+    from viasd_core.loading.catalog import draft_for
+    from viasd_core.loading.hub import is_cached
 
     candidate = draft_for(target.model_id)
     if candidate and is_cached(candidate):
@@ -97,7 +98,7 @@ def load_drafter(opts: ModelOptions, target: Loaded, target_fast: FastModel, pro
     if ref == "ngram":
         return NgramDrafter(), "ngram", None
     if ref in _EMBEDDED_DRAFT_ALIASES:
-        from .draft_model import embedded_draft_dir, load_draft
+        from viasd_core.loading.draft_model import embedded_draft_dir, load_draft
 
         if target.model_id != EMBEDDED_TARGET:
             raise UsageError(f"the embedded draft was distilled for '{EMBEDDED_TARGET}', not '{target.model_id}': choose another --draft")
@@ -119,8 +120,9 @@ def load_drafter(opts: ModelOptions, target: Loaded, target_fast: FastModel, pro
 
 def _feature_head_folder(ref: str, opts: ModelOptions):
     """The folder of an EAGLE-3 head named by `ref` (embedded, a local folder, or a cached hub repo), else None."""
-    from . import catalog, hub
-    from .eagle import is_feature_head_folder
+    from viasd_core.loading import catalog
+    from viasd_core.loading import hub
+    from viasd_core.decoding.eagle import is_feature_head_folder
 
     if ref in _EMBEDDED_HEAD_ALIASES:
         return _embedded_head_dir()
@@ -135,7 +137,7 @@ def _feature_head_folder(ref: str, opts: ModelOptions):
 
 def feature_drafter(folder, target: Loaded, target_fast: FastModel) -> FeatureDrafter:
     """An EAGLE-3 head for the target (its embedding shared, its dtype and device) as a drafter."""
-    from .eagle import load_feature_head
+    from viasd_core.decoding.eagle import load_feature_head
 
     if target.model_id != EMBEDDED_TARGET and Path(folder) == _embedded_head_dir():
         raise UsageError(f"the embedded EAGLE-3 head was trained for '{EMBEDDED_TARGET}', not '{target.model_id}': "
@@ -146,7 +148,7 @@ def feature_drafter(folder, target: Loaded, target_fast: FastModel) -> FeatureDr
 
 
 def _embedded_head_dir() -> Path:
-    from .draft_model import embedded_draft_dir
+    from viasd_core.loading.draft_model import embedded_draft_dir
 
     return embedded_draft_dir("smollm2-135m-eagle3")
 
@@ -190,7 +192,7 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
 def context_size(hf_model, requested: int | None) -> int:
     """Positions every KV cache is allocated for: --max-context, or the model's own context capped
     at DEFAULT_CONTEXT_CAP and at what a quarter of free memory holds (target, slim and draft caches)."""
-    from .model import model_shape
+    from viasd_core.decoding.model import model_shape
 
     shape = model_shape(hf_model)
     param = next(hf_model.parameters())

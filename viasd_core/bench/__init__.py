@@ -1,0 +1,1 @@
+"""Benchmarks: methods side by side, their files, tables and plots."""

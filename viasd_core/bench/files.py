@@ -1,0 +1,123 @@
+"""The files and the description of a `viasd bench` run: `results.jsonl`, `summary.json` (both
+written atomically, NaN/inf as null), the plots, and the meta block (date, command, device,
+versions, models) that makes a measurement traceable."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from viasd_core.bench.harness import BenchConfig, peak_memory_source
+from viasd_core.bench.plots import write_plots
+from viasd_core.errors import ViasdError
+from viasd_core.paths import atomic_write_text
+from viasd_core.session import Session
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"cpu: {line.split(':', 1)[1].strip()}"
+    except OSError:
+        pass
+    return f"cpu: {platform.processor() or platform.machine()}"
+
+
+def versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import transformers
+
+    try:
+        viasd_version = version("viasd")
+    except PackageNotFoundError:
+        viasd_version = "unknown"
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "viasd": viasd_version,
+            "python": platform.python_version()}
+
+
+def make_meta(device: torch.device, label: str = "measurement", **extra) -> dict:
+    return {
+        "label": label,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": list(sys.argv),
+        "device": str(device),
+        "device_name": device_name(device),
+        "torch_threads": torch.get_num_threads(),
+        **versions(),
+        **extra,
+    }
+
+
+def session_meta(session: Session, config: BenchConfig, prompts_source: str | None, n_prompts: int) -> dict:
+    t = session.target
+    profile = session.profile
+    return make_meta(
+        session.engine.device,
+        target={"id": t.model_id, "path": str(t.path), "revision": t.revision, "quant": t.quant},
+        draft={"id": session.draft_id, "path": str(session.draft.path) if session.draft else None,
+               "revision": session.draft.revision if session.draft else None,
+               "quant": session.draft.quant if session.draft else None},
+        quant=session.options.quant,
+        draft_quant=session.options.draft_quant,
+        dtype=str(session.engine.target.dtype).replace("torch.", ""),
+        profile=({"layer_ids": profile.layer_ids, "n_layers": profile.n_layers, "theta_accept": profile.theta_accept,
+                  "theta_slim": profile.theta_slim, "theta_confidence": profile.theta_confidence, "budget": profile.budget,
+                  "slim_weights": profile.slim_weights}
+                 if profile else None),
+        methods=list(config.methods), gamma=config.gamma, adaptive=config.adaptive,
+        max_new_tokens=config.max_new_tokens, warmup=config.warmup, repeats=config.repeats, seed=config.seed,
+        greedy=True, prompts=prompts_source or "shipped default set", n_prompts=n_prompts,
+        peak_memory=peak_memory_source(session.engine.device),
+        compiled=session.engine.compiled, compile_seconds=session.compile_seconds,
+        max_context=session.engine.context_len,
+    )
+
+
+def json_safe(x):
+    """`x` with every NaN/inf float replaced by None (JSON has no such numbers)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_safe(v) for v in x]
+    return x
+
+
+def summary_json(summary: dict) -> str:
+    """The text of a summary.json (also what `viasd bench --json` prints)."""
+    return json.dumps(json_safe(summary), indent=2) + "\n"
+
+
+def _out_folder(out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ViasdError(f"cannot create --out folder '{out_dir}': {e.strerror}")
+    return out
+
+
+def write_summary(out_dir: str | Path, summary: dict) -> Path:
+    """summary.json under out_dir, written atomically (temporary file, then rename)."""
+    path = _out_folder(out_dir) / "summary.json"
+    atomic_write_text(path, summary_json(summary))
+    return path
+
+
+def write_outputs(out_dir: str | Path, rows: list[dict], summary: dict) -> list[Path]:
+    """results.jsonl, summary.json (each written atomically) and the PNG plots under out_dir;
+    returns the paths written."""
+    results = _out_folder(out_dir) / "results.jsonl"
+    atomic_write_text(results, "".join(json.dumps(json_safe(r)) + "\n" for r in rows))
+    return [results, write_summary(out_dir, summary)] + write_plots(Path(out_dir), rows, summary["methods"])

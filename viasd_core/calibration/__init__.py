@@ -1,0 +1,1 @@
+"""Calibration: the slim verifier's search and the tiers' thresholds for a quality budget."""

@@ -1,0 +1,222 @@
+"""Proposers of draft blocks: a small draft model, prompt lookup (n-gram, model-free), or (in
+feature_drafter.py) an EAGLE-3 head reading the target's features.
+
+A drafter writes its proposed tokens into the engine's token buffer at [n, n + g) and returns
+them with the distribution each was sampled from (None when the proposal is deterministic,
+which the acceptance rule treats as a one-hot distribution).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from viasd_core.decoding.model import FastModel
+from viasd_core.decoding.sampling import Sampler, SamplingParams, process_logits
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [g] int64, also written to ids[n:n + g]
+    probs: torch.Tensor | None  # [g, V] float32 draft distribution, or None (greedy / deterministic)
+    reads: int = 0  # device-to-host reads the drafter made (the confidence stop rule)
+
+
+class ChainDrafter(ABC):
+    """Drafts a block token by token from logits over its own (possibly reduced) vocabulary.
+
+    Subclasses give `_first_logits` (catch up on the committed context, logits of the next token;
+    None when they cannot draft now) and `_next_logits` (feed drafted token i). Greedy proposals
+    are deterministic; sampled ones carry their distributions, placed in the target's vocabulary.
+    """
+
+    def __init__(self, vocab_size: int, draft_width: int, vocab_map: torch.Tensor | None = None):
+        self.vocab_size = vocab_size  # the target's logit width: draft probs are returned in it
+        self.vocab_map = vocab_map  # [Vd] int64: draft output index -> target token id (reduced-vocab drafts)
+        # Draft output columns used: all of a reduced head; else those both models have (their row
+        # counts may differ, e.g. Qwen2.5-7B 152064 vs 0.5B 151936), target ids equal to the column.
+        self.limit = vocab_map.shape[0] if vocab_map is not None else min(vocab_size, draft_width)
+
+    def _to_target(self, idx: torch.Tensor) -> torch.Tensor:
+        return idx if self.vocab_map is None else self.vocab_map[idx]
+
+    def _widen(self, draft_probs: torch.Tensor) -> torch.Tensor:
+        """Draft probabilities [1, limit] -> [1, target width], zero at the ids the draft cannot propose."""
+        full = torch.zeros(1, self.vocab_size, dtype=draft_probs.dtype, device=draft_probs.device)
+        if self.vocab_map is not None:
+            full[:, self.vocab_map] = draft_probs
+        else:
+            full[:, : self.limit] = draft_probs
+        return full
+
+    @abstractmethod
+    def _first_logits(self, ids: torch.Tensor, n: int) -> torch.Tensor | None:
+        """Catch up on the committed context; logits [1, width] of token n (None: cannot draft now)."""
+
+    @abstractmethod
+    def _next_logits(self, ids: torch.Tensor, n: int, i: int) -> torch.Tensor:
+        """Feed drafted token i (at ids[n + i]); logits [1, width] of the next one."""
+
+    def propose(self, ids: torch.Tensor, n: int, gamma: int, params: SamplingParams, sampler: Sampler, host_tokens=None,
+                stop_below: float = 0.0) -> Proposal:
+        """Draft up to `gamma` tokens into ids[n:]. `stop_below` > 0: the confidence stop rule. The
+        block ends before the first position at which the draft's own estimate that the block is
+        accepted (the product of its top probabilities so far) falls below `stop_below`; it may end
+        empty (the engine then takes a plain step). One host read per drafted token. Whether a
+        position is drafted depends on its distribution, never on the token drawn from it, so
+        speculative sampling stays exact."""
+        logits = self._first_logits(ids, n)
+        if logits is None:
+            return Proposal(tokens=ids[n:n], probs=None)
+        logits = logits[:, : self.limit]  # [1, Vd]
+        probs_rows = []
+        reads = 0
+        sure = None  # [1] the draft's probability that the block so far is all accepted
+        for i in range(gamma):
+            if params.greedy:
+                idx = logits.argmax(-1)
+                conf = torch.softmax(logits, -1).amax(-1) if stop_below > 0 else None
+            else:
+                draft_probs = process_logits(logits, params)  # [1, Vd]
+                idx = sampler.categorical(draft_probs)
+                conf = draft_probs.amax(-1) if stop_below > 0 else None
+            if conf is not None:
+                sure = conf if sure is None else sure * conf
+                reads += 1
+                if float(sure) < stop_below:
+                    gamma = i
+                    break
+            if not params.greedy:
+                if self.vocab_map is not None or self.limit != self.vocab_size:
+                    draft_probs = self._widen(draft_probs)
+                probs_rows.append(draft_probs)
+            ids[n + i] = self._to_target(idx)[0]
+            if i + 1 < gamma:
+                logits = self._next_logits(ids, n, i)[:, : self.limit]
+        probs = torch.cat(probs_rows) if probs_rows else None
+        return Proposal(tokens=ids[n : n + gamma], probs=probs, reads=reads)
+
+
+class ModelDrafter(ChainDrafter):
+    """Autoregressive proposals from a small model with its own static KV cache."""
+
+    name = "model"
+
+    def __init__(self, model: FastModel, vocab_size: int, vocab_map: torch.Tensor | None = None):
+        super().__init__(vocab_size, model.shape.vocab_size, vocab_map)
+        self.model = model
+
+    def reset(self) -> None:
+        self.model.reset()
+
+    def rollback(self, n: int) -> None:
+        self.model.rollback(n)
+
+    def ensure_capacity(self, max_len: int) -> None:
+        self.model.allocate(max_len)
+
+    def _first_logits(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        return self.model.extend(ids, n, 1)
+
+    def _next_logits(self, ids: torch.Tensor, n: int, i: int) -> torch.Tensor:
+        return self.model.forward(ids[n + i : n + i + 1], n + i, 1)
+
+
+class NgramDrafter:
+    """Prompt lookup: propose what followed the latest earlier occurrence of the current suffix.
+
+    Keeps an incremental index {n-gram -> latest end position} over the committed tokens, so a
+    proposal costs O(max_ngram) dictionary look-ups, not a scan of the context.
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.reset()
+
+    def reset(self) -> None:
+        self.index: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # end positions below this are indexed
+        self.tokens: list[int] = []
+
+    def rollback(self, n: int) -> None:
+        if n < self.indexed:  # history rewritten (a new conversation): rebuild lazily
+            self.reset()
+
+    def ensure_capacity(self, max_len: int) -> None:
+        pass
+
+    def _update(self, host_tokens: list[int]) -> None:
+        if host_tokens[: self.indexed] != self.tokens[: self.indexed]:
+            self.reset()
+        self.tokens = host_tokens
+        # Index every end position except the last (the suffix must not match itself).
+        for end in range(self.indexed, len(host_tokens) - 1):
+            for k in range(self.min_ngram, self.max_ngram + 1):
+                if end - k + 1 >= 0:
+                    self.index[tuple(host_tokens[end - k + 1 : end + 1])] = end
+        self.indexed = max(self.indexed, len(host_tokens) - 1)
+
+    def lookup(self, host_tokens: list[int], gamma: int) -> list[int]:
+        self._update(host_tokens)
+        L = len(host_tokens)
+        for k in range(self.max_ngram, self.min_ngram - 1, -1):
+            if L < k:
+                continue
+            end = self.index.get(tuple(host_tokens[L - k :]))
+            if end is not None:
+                return host_tokens[end + 1 : end + 1 + gamma]
+        return []
+
+    def propose(self, ids: torch.Tensor, n: int, gamma: int, params: SamplingParams, sampler: Sampler, host_tokens=None,
+                stop_below: float = 0.0) -> Proposal:
+        found = self.lookup(host_tokens, gamma)
+        if found:
+            ids[n : n + len(found)] = torch.tensor(found, dtype=ids.dtype, device=ids.device)
+        return Proposal(tokens=ids[n : n + len(found)], probs=None)
+
+
+class HybridDrafter:
+    """Prompt lookup when the context repeats itself, the draft model otherwise.
+
+    The choice depends only on the committed context, so each proposal still comes from a
+    well-defined distribution (one-hot for lookup) and the acceptance rule stays exact. The
+    model's cache simply lags while lookup proposes, and catches up on its next call.
+    """
+
+    name = "hybrid"
+
+    def __init__(self, model_drafter: ChainDrafter, ngram: NgramDrafter | None = None, min_match: int = 2):
+        self.model_drafter = model_drafter
+        self.ngram = ngram or NgramDrafter()
+        self.min_match = min_match
+        self.model = getattr(model_drafter, "model", None)  # the draft FastModel (compiled with the rest), if any
+
+    def reset(self) -> None:
+        self.model_drafter.reset()
+        self.ngram.reset()
+
+    def rollback(self, n: int) -> None:
+        self.model_drafter.rollback(n)
+        self.ngram.rollback(n)
+
+    def ensure_capacity(self, max_len: int) -> None:
+        self.model_drafter.ensure_capacity(max_len)
+
+    def link_slim(self, slim) -> None:
+        link = getattr(self.model_drafter, "link_slim", None)
+        if link is not None:
+            link(slim)
+
+    def propose(self, ids, n, gamma, params, sampler, host_tokens=None, stop_below: float = 0.0) -> Proposal:
+        found = self.ngram.lookup(host_tokens, gamma)
+        if len(found) >= self.min_match:
+            ids[n : n + len(found)] = torch.tensor(found, dtype=ids.dtype, device=ids.device)
+            return Proposal(tokens=ids[n : n + len(found)], probs=None)
+        return self.model_drafter.propose(ids, n, gamma, params, sampler, host_tokens, stop_below=stop_below)

@@ -1,0 +1,441 @@
+"""A lean batch-1 decoder forward with a static KV cache, over a transformers model's weights.
+
+`FastModel` runs the layers of a Hugging Face decoder-only model (Llama, Mistral, Qwen2,
+Qwen3, Gemma families) without the framework's per-call machinery, in the shape a compiler
+and CUDA graphs need (gpt-fast style):
+
+- the KV cache is allocated once (`max_len` positions plus a little slack for padded passes)
+  as module buffers; a pass writes its positions by index at DEVICE positions, so a
+  captured graph never bakes in a Python integer position;
+- compiled, attention reads the whole cache with a mask computed in the graph from the positions
+  (one static shape); eager, it reads `cache[:end]`. Rolling back after a rejected draft is a length
+  reset (`rollback(n)`): stale entries are masked, then overwritten;
+- compiled, short passes are padded to a few fixed widths (`PASS_WIDTHS`): one graph per width,
+  whatever the draft length; long passes (prefill) run in fixed-size chunks, eagerly;
+- grouped-query attention is computed by packing each KV head's query heads along the sequence
+  axis, so every pass takes SDPA's fused path with a mask (no `enable_gqa`, no K/V repeat).
+
+`compile()` wraps the one pass function in `torch.compile(fullgraph=True)` (CUDA graphs on CUDA);
+the eager path is the same function uncompiled: the plain reference the tests compare against.
+
+`capture_features(layers)` makes every pass also write the residual-stream states entering those
+layers (transformers' `output_hidden_states[l]`) into a static buffer at the pass's positions, the
+features an EAGLE-3 head drafts from: no extra pass, no host read.
+
+The same class is the **slim verifier**: pass `layer_ids` to run a subset of the layers. It
+holds references to the target's modules (embedding, kept layers, norm, lm_head), so it
+shares every weight and costs only its own KV cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from viasd_core.errors import ViasdError
+from viasd_core.decoding.rope import check_rope
+from viasd_core.decoding.weight_formats import has_weight_format
+
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
+PASS_WIDTHS = (1, 2, 4, 8, 16)  # a pass of T <= 16 tokens is padded to the next width
+PREFILL_CHUNK = 256  # longer passes run in chunks of this many positions (bounded memory)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    family: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int
+
+
+def model_shape(hf_model) -> ModelShape:
+    cfg = hf_model.config
+    family = getattr(cfg, "model_type", "?")
+    if family not in SUPPORTED_FAMILIES:
+        raise ViasdError(
+            f"model family '{family}' is not supported yet (supported: {', '.join(SUPPORTED_FAMILIES)}); "
+            "use a model of one of those families"
+        )
+    check_rope(cfg)
+    n_heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    return ModelShape(
+        family=family,
+        n_layers=cfg.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
+        head_dim=head_dim,
+        hidden_size=cfg.hidden_size,
+        vocab_size=hf_model.get_output_embeddings().out_features,
+        max_positions=getattr(cfg, "max_position_embeddings", 4096),
+    )
+
+
+def pass_width(n: int) -> int:
+    """The padded width of a pass over n <= PASS_WIDTHS[-1] tokens."""
+    for w in PASS_WIDTHS:
+        if n <= w:
+            return w
+    raise ValueError(f"a padded pass covers at most {PASS_WIDTHS[-1]} tokens, got {n}")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LayerCache(torch.nn.Module):
+    """One layer's K/V [1, kv_heads, length, head_dim] as buffers (static addresses for CUDA graphs).
+
+    Each layer owns its tensors (not views of one big tensor): a compiled in-place write then
+    stays in place instead of being functionalized into a copy of the whole cache.
+    """
+
+    def __init__(self, n_kv_heads: int, length: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (1, n_kv_heads, length, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v [1, kv_heads, T, head_dim] at positions input_pos [T]; returns the buffers."""
+        self.k[:, :, input_pos] = k
+        self.v[:, :, input_pos] = v
+        return self.k, self.v
+
+
+class StaticCache(torch.nn.Module):
+    """Every run layer's K/V and the RoPE tables, allocated once."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, length: int, head_dim: int, cos, sin, dtype, device):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(LayerCache(n_kv_heads, length, head_dim, dtype, device) for _ in range(n_layers))
+        self.register_buffer("cos", cos, persistent=False)  # [length, head_dim]
+        self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("key_pos", torch.arange(length, device=device), persistent=False)
+        self.register_buffer("features", None, persistent=False)  # [length, n * hidden] once features are captured
+
+
+class FastModel:
+    """Batch-1 forward with a preallocated KV cache over (a subset of) a HF model's layers.
+
+    `seen` is the number of positions whose K/V are valid in the cache. `forward(ids, start)`
+    writes positions [start, start + T) and returns logits for the last `n_logits` of them.
+    """
+
+    def __init__(self, hf_model, layer_ids: list[int] | None = None, max_len: int = 2048, name: str = "target"):
+        self.hf_model = hf_model
+        self.shape = model_shape(hf_model)
+        self.name = name
+        decoder = hf_model.get_decoder()
+        self.embed = decoder.embed_tokens
+        if self.shape.family == "gemma" and getattr(self.embed, "embed_scale", None) is None:
+            raise ViasdError("this Gemma model's embedding has no sqrt(hidden) scale (transformers < 5.4 applies it "
+                             "outside the module): upgrade transformers to 5.4 or later")
+        self.norm = decoder.norm
+        self.rotary = decoder.rotary_emb
+        self.lm_head = hf_model.get_output_embeddings()
+        all_layers = list(decoder.layers)
+        if layer_ids is None:
+            layer_ids = list(range(len(all_layers)))
+        if not layer_ids or any(not 0 <= i < len(all_layers) for i in layer_ids):
+            raise ValueError(f"layer_ids must be non-empty indices below {len(all_layers)}, got {layer_ids}")
+        self.layer_ids = sorted(layer_ids)
+        self.layers = [all_layers[i] for i in self.layer_ids]
+        self.windows = [self._window(layer) for layer in self.layers]
+        param = next(hf_model.parameters())
+        self.device = param.device
+        # Quantized weights (bitsandbytes) report uint8/int8: the activations use the compute dtype.
+        self.dtype = param.dtype if param.dtype.is_floating_point else getattr(hf_model, "dtype", torch.float32)
+        if not self.dtype.is_floating_point:
+            self.dtype = torch.float32
+        self.quantized = getattr(hf_model, "hf_quantizer", None) is not None  # bitsandbytes
+        self.weight_format = has_weight_format(hf_model)  # int8/int4 weight-only (weight_formats.PackedLinear)
+        # Whether eager short passes attend one position at a time. On CPU a bf16 pass's attention
+        # rounds differently with the number of queries and keys in the call (up to 0.4 in a logit
+        # of SmolLM2 int4: the kernel tiles them differently), while the int8/int4 layers and the
+        # output head compute each row alike at any row count. Attending per position over exactly
+        # its keys makes a token's logits independent of the pass it is in, so plain decoding and
+        # block verification compute the same numbers (sd == ar). A model whose tokens need not
+        # match another pass's (a slim view: slim_view.slim_verifier) may turn it off.
+        self.row_attention = self.weight_format and self.device.type != "cuda"
+        self.vocab_limit: int | None = None  # logits at columns >= vocab_limit are -inf (None: no mask)
+        self.max_len = 0
+        self.seen = 0
+        self.passes = 0  # forward passes run (tests and statistics read it)
+        self.positions_run = 0  # real (unpadded) positions processed
+        self._compiled = None
+        self.compile_mode: str | None = None
+        self.feature_layers: tuple[int, ...] = ()
+        self._capture: list[list[int]] = [[] for _ in range(len(self.layers) + 1)]
+        self.allocate(max_len)
+
+    # ------------------------------------------------------------------ set-up
+    def _window(self, layer) -> int | None:
+        attn = layer.self_attn
+        window = getattr(attn, "sliding_window", None)
+        if window is None and self.shape.family == "mistral":
+            window = getattr(self.hf_model.config, "sliding_window", None)
+        return int(window) if window else None
+
+    def allocate(self, max_len: int) -> None:
+        """Allocate the KV cache and RoPE tables for `max_len` positions (once; never shrinks).
+
+        A larger request re-allocates and empties the cache (and drops compiled graphs, which
+        hold the old buffers); the engine allocates once per session, for its whole context.
+        """
+        max_len = int(max_len)
+        if max_len <= self.max_len:
+            return
+        s = self.shape
+        length = max_len + PASS_WIDTHS[-1]  # slack: a padded pass may write past the end
+        positions = torch.arange(length, device=self.device)
+        dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            cos, sin = self.rotary(dummy, positions[None])
+        self.cache = StaticCache(len(self.layers), s.n_kv_heads, length, s.head_dim,
+                                 cos[0].to(self.dtype), sin[0].to(self.dtype), self.dtype, self.device)
+        self.max_len = max_len
+        self.seen = 0
+        self._allocate_features()
+        if self._compiled is not None:
+            self.compile(self.compile_mode)
+
+    def _allocate_features(self) -> None:
+        n = len(self.feature_layers)
+        if n:
+            self.cache.register_buffer("features", torch.zeros(self.cache.key_pos.shape[0], n * self.shape.hidden_size,
+                                                               dtype=self.dtype, device=self.device), persistent=False)
+
+    def capture_features(self, layers) -> None:
+        """Write, in every pass, the states entering decoder layers `layers` (ascending; transformers'
+        `output_hidden_states[l]`, 0 = the embedding output) at the pass's positions into
+        `cache.features` [positions, len(layers) * hidden], concatenated in that order.
+
+        Position p's features are valid while p < `seen` (they are written with its K/V). A model
+        that skips layers (the slim verifier) captures, for layer l, the state entering its first
+        run layer at or after l (its final state when none): its own residual stream at that depth.
+        """
+        layers = tuple(int(l) for l in layers)
+        if layers == self.feature_layers:
+            return
+        if list(layers) != sorted(set(layers)) or not all(0 <= l < self.shape.n_layers for l in layers):
+            raise ValueError(f"feature layers must be distinct ascending indices below {self.shape.n_layers}, got {list(layers)}")
+        self.feature_layers = layers
+        self._capture = [[] for _ in range(len(self.layers) + 1)]  # run-layer index -> feature slots read there
+        for slot, l in enumerate(layers):
+            point = next((ci for ci, lid in enumerate(self.layer_ids) if lid >= l), len(self.layers))
+            self._capture[point].append(slot)
+        self._allocate_features()
+        self.seen = 0
+        if self._compiled is not None:
+            self.compile(self.compile_mode)
+
+    def compile(self, mode: str | None = "default") -> bool:
+        """torch.compile the pass function (fullgraph, static shapes); False where it cannot apply.
+
+        bitsandbytes layers are not traceable: quantized models stay eager. int8/int4 models stay
+        eager on CPU: there inductor's graphs round a position differently with the pass's width
+        (a 1-token graph vs wider ones, up to 0.3 in a logit of SmolLM2), which would break sd ==
+        ar, while the eager pass with `row_attention` is exact and as fast (int4 SmolLM2: 16.0 ms a
+        token eager, 15.1 ms for the compiled 2-token pass that would be needed). On CUDA the
+        default mode is "reduce-overhead" (CUDA graphs).
+        """
+        if self.quantized or (self.weight_format and self.device.type != "cuda"):
+            return False
+        if mode == "default" and self.device.type == "cuda":
+            mode = "reduce-overhead"
+        self.compile_mode = mode
+        # Every FastModel shares `_run`'s code, whose graphs dynamo caches together (a session holds
+        # about 12: target, slim and draft shapes); the default limit of 8 would refuse the rest.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        self._compiled = torch.compile(self._run, fullgraph=True, dynamic=False, mode=mode)
+        return True
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
+
+    @property
+    def min_pass(self) -> int:
+        """The fewest positions a pass covers (a cached one is re-fed to reach it): 2 where a
+        1-token pass would round differently from a wider one, so that plain decoding and block
+        verification compute the same numbers: on CPU bitsandbytes runs 1 token through another
+        kernel (gemv). On CUDA 1-token passes are allowed (docs/engine.md says what is bit-exact there)."""
+        return 2 if self.quantized and self.device.type != "cuda" else 1
+
+    def rollback(self, n: int) -> None:
+        """Keep the first `n` cached positions; later ones are overwritten by the next forward."""
+        self.seen = min(self.seen, n)
+
+    def reset(self) -> None:
+        self.seen = 0
+
+    def cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for c in self.cache.layers for t in (c.k, c.v))
+
+    # ------------------------------------------------------------------ forward
+    def _run(self, input_ids: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor, attn_len: int,
+             masked: bool = True, by_row: bool = False) -> torch.Tensor:
+        """The pass: positions `input_pos` [T] (device) of tokens `input_ids` [T]; logits of `rows` [R].
+
+        Attends over cache[:attn_len]; `masked=False` (a 1-token pass that may see every cached
+        position) skips the mask. `by_row` (eager, positions attn_len - T .. attn_len - 1): each
+        position attends in its own call over exactly the keys it sees (see `row_attention`).
+        Returns [R, vocab] float32. No host synchronization.
+        """
+        s = self.shape
+        T = input_ids.shape[0]
+        rep = s.n_heads // s.n_kv_heads
+        cache = self.cache
+        x = self.embed(input_ids[None])  # [1, T, H]
+        cos = cache.cos.index_select(0, input_pos)  # [T, D]
+        sin = cache.sin.index_select(0, input_pos)
+        key_pos = cache.key_pos[:attn_len]  # [L]
+        causal = key_pos[None, :] <= input_pos[:, None]  # [T, L]
+        masks = {None: None}
+        for window in set(self.windows) if masked and not by_row else ():  # by_row slices its keys instead
+            mask = causal if window is None else causal & (key_pos[None, :] > input_pos[:, None] - window)
+            masks[window] = mask.repeat(rep, 1)  # [rep * T, L]: query heads packed per KV head
+        captured: list = [None] * len(self.feature_layers)
+        for ci, layer in enumerate(self.layers):
+            for slot in self._capture[ci]:
+                captured[slot] = x[0]
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(1, T, s.n_heads, s.head_dim)
+            k = attn.k_proj(h).view(1, T, s.n_kv_heads, s.head_dim)
+            v = attn.v_proj(h).view(1, T, s.n_kv_heads, s.head_dim)
+            if hasattr(attn, "q_norm"):  # Qwen3
+                q = attn.q_norm(q)
+                k = attn.k_norm(k)
+            q = q.transpose(1, 2)  # [1, Hq, T, D]
+            k = k.transpose(1, 2)  # [1, Hkv, T, D]
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k_cache, v_cache = cache.layers[ci].update(input_pos, k, v.transpose(1, 2))
+            if by_row:
+                o = self._attend_by_row(q, k_cache, v_cache, attn_len, self.windows[ci], attn.scaling)
+            else:
+                q = q.reshape(1, s.n_kv_heads, rep * T, s.head_dim)  # head h -> KV head h // rep
+                o = F.scaled_dot_product_attention(
+                    q, k_cache[:, :, :attn_len], v_cache[:, :, :attn_len],
+                    attn_mask=masks.get(self.windows[ci]), scale=attn.scaling,
+                )  # [1, Hkv, rep * T, D]
+            o = o.reshape(1, s.n_heads, T, s.head_dim).transpose(1, 2).reshape(1, T, s.n_heads * s.head_dim)
+            x = x + attn.o_proj(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        for slot in self._capture[len(self.layers)]:
+            captured[slot] = x[0]
+        if captured:
+            cache.features[input_pos] = torch.cat(captured, dim=-1)  # [T, n * H]
+        h = self.norm(x[0].index_select(0, rows))
+        logits = self.lm_head(h).float()
+        if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
+            logits[:, self.vocab_limit:] = float("-inf")
+        return logits
+
+    def _attend_by_row(self, q, k_cache, v_cache, attn_len: int, window: int | None, scale: float) -> torch.Tensor:
+        """Attention of q [1, Hq, T, D] at positions attn_len - T .. attn_len - 1, one position per
+        call over exactly its keys (no mask): [1, Hq, T, D]."""
+        s = self.shape
+        T = q.shape[2]
+        rep = s.n_heads // s.n_kv_heads
+        outs = []
+        for i in range(T):
+            end = attn_len - T + i + 1
+            lo = 0 if window is None else max(0, end - window)
+            qi = q[:, :, i].reshape(1, s.n_kv_heads, rep, s.head_dim)
+            o = F.scaled_dot_product_attention(qi, k_cache[:, :, lo:end], v_cache[:, :, lo:end], scale=scale)
+            outs.append(o.reshape(1, s.n_heads, 1, s.head_dim))
+        return torch.cat(outs, dim=2)  # [1, Hq, T, D]; the caller's reshape reads it as heads x T
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, start: int, n_logits: int = 1) -> torch.Tensor:
+        """Run positions [start, start + T) and return float32 logits of the last `n_logits`.
+
+        input_ids: [T] int64 on this model's device. Returns [n_logits, vocab] float32.
+        """
+        T = input_ids.shape[0]
+        end = start + T
+        if end > self.max_len:
+            raise ViasdError(
+                f"context of {end} tokens exceeds the {self.max_len} positions allocated for '{self.name}': "
+                "raise --max-context or shorten the prompt"
+            )
+        if not 0 < n_logits <= T:
+            raise ValueError(f"n_logits must be in [1, {T}], got {n_logits}")
+        self.passes += 1
+        self.positions_run += T
+        width = pass_width(T) if T <= PASS_WIDTHS[-1] else 0
+        n_rows = width if n_logits > 1 else 1  # a compiled pass returns 1 row or all of its rows
+        if self._compiled is not None and (width, n_rows) in self.graph_shapes():
+            out = self._compiled_pass(input_ids, start, T, width, n_logits)
+        else:  # eager: exactly T positions, in fixed-size chunks (bounded memory), over cache[:end]
+            outs = []
+            for c in range(0, T, PREFILL_CHUNK):
+                n_c = min(PREFILL_CHUNK, T - c)
+                want = min(n_c, max(0, n_logits - (T - c - n_c)))  # logits wanted from this chunk
+                pos = torch.arange(start + c, start + c + n_c, device=self.device)
+                rows = torch.arange(n_c - max(want, 1), n_c, device=self.device)
+                end_c = start + c + n_c
+                masked = n_c > 1 or any(w is not None and end_c > w for w in self.windows)
+                by_row = self.row_attention and n_c <= PASS_WIDTHS[-1]  # a prompt's prefill attends at once
+                logits = self._run(input_ids[c : c + n_c], pos, rows, end_c, masked, by_row)
+                if want:
+                    outs.append(logits[-want:])
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
+            if self.dtype == torch.float16 and T > 1 and not bool(torch.isfinite(out[:, : self.vocab_limit]).all()):
+                raise ViasdError(f"'{self.name}' overflowed in float16 (non-finite logits): use --dtype float32, "
+                                 "or bfloat16 on a GPU that has it")
+        self.seen = end
+        return out
+
+    def _compiled_pass(self, input_ids: torch.Tensor, start: int, T: int, W: int, n_logits: int) -> torch.Tensor:
+        """A short pass padded to its fixed width W, attending over the whole cache (static shapes)."""
+        # Padding tokens sit after the real ones: no real row attends to them. Always a new tensor
+        # (made under inference mode), so every call hands the graph the same kind of input.
+        input_ids = torch.cat([input_ids, input_ids.new_zeros(W - T)])
+        pos = torch.arange(start, start + W, device=self.device)
+        rows = torch.arange(T - 1, T, device=self.device) if n_logits == 1 else torch.arange(W, device=self.device)
+        logits = self._compiled(input_ids, pos, rows, self.max_len)
+        return logits if n_logits == 1 else logits[T - n_logits : T]
+
+    @staticmethod
+    def graph_shapes(max_width: int = PASS_WIDTHS[-1]) -> list[tuple[int, int]]:
+        """(width, logit rows) of the decode-shaped passes that run compiled: one token or a
+        catch-up of two with one logit row (plain decoding, drafting), and a verify block of every
+        width with all rows. Any other short pass (a short prompt) runs eagerly: no graph for it."""
+        return [(1, 1), (2, 1)] + [(w, w) for w in PASS_WIDTHS[1:] if w <= max_width]
+
+    def warm_up(self, max_width: int = PASS_WIDTHS[-1]) -> float:
+        """Compile every decode-shaped graph now (so generation never compiles); returns seconds.
+
+        Runs each shape once at positions 0.. (their cache entries are garbage, so the cache is
+        emptied after). A no-op returning 0.0 when the model is not compiled.
+        """
+        if self._compiled is None:
+            return 0.0
+        t0 = time.perf_counter()
+        ids = torch.zeros(max_width, dtype=torch.long, device=self.device)
+        for width, n_rows in self.graph_shapes(max_width):
+            self.forward(ids[:width], 0, n_rows)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.reset()
+        self.passes = self.positions_run = 0
+        return time.perf_counter() - t0
+
+    def extend(self, ids: torch.Tensor, end: int, n_logits: int = 1) -> torch.Tensor:
+        """Feed the positions [seen, end) of the token buffer `ids` and return the last logits."""
+        # Positions whose logits are wanted but already cached are simply recomputed.
+        start = max(0, min(self.seen, end - n_logits, end - self.min_pass))
+        return self.forward(ids[start:end], start, n_logits=n_logits)

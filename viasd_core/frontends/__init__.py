@@ -1,0 +1,1 @@
+"""The ways a person drives a session: chat, doctor, streaming output."""

