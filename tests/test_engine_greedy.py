@@ -163,3 +163,24 @@ def test_hybrid_draft_is_exact_and_uses_both_sources():
         out = eng.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=NEW, gamma=gamma))
         assert out.tokens == reference
         assert 0 < calls["model"] < out.stats.steps  # the model drafted some blocks, lookup the others
+
+
+def test_should_stop_ends_the_generation_and_keeps_the_caches_consistent():
+    target = tiny_model("llama", seed=11)
+    prompt = prompt_for(0)
+    eng = make_engine(target, draft_model=target)
+    asked = []
+
+    def stop_after_two_steps():
+        asked.append(1)
+        return len(asked) >= 2
+
+    out = eng.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=NEW, gamma=3, adaptive=False),
+                       should_stop=stop_after_two_steps)
+    assert out.finish_reason == "cancelled"
+    assert len(asked) == 2 and out.stats.steps == 2
+    assert len(out.tokens) == 8  # two fully accepted blocks of 3 drafted + 1 bonus token
+    # The next request continues from a consistent state: same tokens as a fresh engine.
+    full = eng.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=NEW, gamma=3, adaptive=False))
+    fresh = make_engine(target).generate(prompt, GenerationConfig(mode="ar", max_new_tokens=NEW))
+    assert full.tokens == fresh.tokens and full.tokens[:8] == out.tokens

@@ -84,7 +84,7 @@ class Generation:
     tokens: list[int]  # new tokens (EOS included when generation ended on it)
     tiers: list[str]  # per new token: ar / accept / slim / full / bonus
     text: str
-    finish_reason: str  # eos, length, stop, interrupted
+    finish_reason: str  # eos, length, stop, interrupted, cancelled
     stats: RunStats = field(default_factory=RunStats)
 
 
@@ -212,10 +212,12 @@ class Engine:
             self.drafter.reset()
 
     # ------------------------------------------------------------------ public
-    def generate(self, prompt_ids: list[int], config: GenerationConfig, on_emit=None) -> Generation:
+    def generate(self, prompt_ids: list[int], config: GenerationConfig, on_emit=None, should_stop=None) -> Generation:
         """Generate after `prompt_ids` (the whole context: history included).
 
         on_emit(tokens, tiers) is called after every commit with the newly emitted tokens.
+        should_stop() is asked after every step: True ends the generation there (finish_reason
+        'cancelled'; a server's client went away), with every cache consistent as at any end.
         """
         config.validate()
         if config.mode in ("sd", "exact", "viasd") and self.drafter is None:
@@ -273,6 +275,9 @@ class Engine:
                     else:
                         policy.record_plain(len(out), time.perf_counter() - t_step)
                 if self._emit(gen, out, tiers, max_new, config, on_emit):
+                    break
+                if should_stop is not None and should_stop():
+                    gen.finish_reason = "cancelled"
                     break
         except KeyboardInterrupt:
             gen.finish_reason = "interrupted"
