@@ -12,6 +12,11 @@ import tempfile
 from pathlib import Path
 
 
+def package_data() -> Path:
+    """The data shipped inside the package (prompt sets, the embedded drafts)."""
+    return Path(__file__).resolve().parent / "data"
+
+
 def home() -> Path | None:
     value = os.environ.get("VIASD_HOME")
     return Path(value).expanduser() if value else None

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from viasd_core import paths
 from viasd_core.errors import ViasdError
 from viasd_core.loading.models import EMBEDDED_TARGET
 
@@ -36,7 +37,7 @@ CONFIG = "config.json"
 
 def embedded_draft_dir(target: str = EMBEDDED_TARGET) -> Path:
     """The draft folder shipped inside the package for `target` (default: the embedded SmolLM2-135M)."""
-    return Path(__file__).resolve().parent / "data" / "drafts" / target
+    return paths.package_data() / "drafts" / target
 
 
 def tokenizer_vocab_sha256(tokenizer) -> str:

@@ -33,11 +33,12 @@ import torch.nn.functional as F
 from viasd_core.loading.draft_model import build_draft, draft_llama_config, save_draft
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.loading.models import Loaded, eos_ids, load_model, pad_token_id
+from viasd_core import paths
 from viasd_core.decoding.model import model_shape
 from viasd_core.loading.prompts import encode, load_prompts
 
 IGNORE = -100
-DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "distill_prompts.jsonl"
+DEFAULT_PROMPTS = paths.package_data() / "distill_prompts.jsonl"
 
 
 @dataclass
