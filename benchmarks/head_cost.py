@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from viasd_core.session import ModelOptions, build_session
+from viasd_core.session import build_session
+from viasd_core.loading.options import ModelOptions
 
 
 def main() -> None:

@@ -14,7 +14,8 @@ from viasd_core.bench.formats import split_formats
 from viasd_core.bench.summary import summarize
 from viasd_core.errors import UsageError
 from viasd_core.loading.prompts import load_prompts
-from viasd_core.session import ModelOptions, build_session
+from viasd_core.session import build_session
+from viasd_core.loading.options import ModelOptions
 
 from .app import app
 from .options import AdaptiveOpt, GammaOpt, MinConfidenceOpt, handle_errors, model_options

@@ -14,7 +14,7 @@ from viasd_core.calibration.calibrate import (DEFAULT_BUDGET, DEFAULT_SKIP_RATIO
                                   check_skip_ratio, parse_slim_formats, run_calibration)
 from viasd_core.errors import ViasdError
 from viasd_core.loading.prompts import load_prompts
-from viasd_core.session import ModelOptions
+from viasd_core.loading.options import ModelOptions
 from viasd_core.decoding.stats import format_fidelity
 
 from .app import app

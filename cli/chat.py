@@ -20,7 +20,7 @@ from rich.text import Text
 from viasd_core.frontends.chat import STATS_COLUMNS, TIER_LEGEND, Chat, parse_command, session_summary, stats_rows, turn_summary
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.errors import ViasdError
-from viasd_core.session import ModelOptions
+from viasd_core.loading.options import ModelOptions
 from viasd_core.frontends.streaming import TextStream, TieredText
 
 from .app import app

@@ -12,7 +12,8 @@ from rich.table import Table
 from viasd_core.frontends.doctor import FAIL, PASS, run_doctor
 from viasd_core.errors import UsageError
 from viasd_core.loading.prompts import default_prompts, encode
-from viasd_core.session import ModelOptions, build_session
+from viasd_core.session import build_session
+from viasd_core.loading.options import ModelOptions
 
 from .app import app
 from .options import handle_errors, model_options

@@ -12,7 +12,7 @@ from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.errors import UsageError
 from viasd_core.decoding.fidelity import fidelity
 from viasd_core.loading.prompts import encode
-from viasd_core.session import ModelOptions
+from viasd_core.loading.options import ModelOptions
 from viasd_core.frontends.streaming import TextStream, stats_line
 
 from .app import app

@@ -14,7 +14,8 @@ import typer
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.errors import ViasdError
 from viasd_core.loading.models import EMBEDDED_TARGET
-from viasd_core.session import ModelOptions, Session, build_session, thresholds_of
+from viasd_core.session import Session, build_session, thresholds_of
+from viasd_core.loading.options import ModelOptions
 
 DEFAULT_MODEL = EMBEDDED_TARGET
 

@@ -187,7 +187,8 @@ def test_calibrate_meets_budget_on_heldout_then_viasd_generates(tiny_dirs, viasd
     # target's greedy choices along it, counted here.
     from viasd_core.decoding.engine import GenerationConfig
     from viasd_core.loading.prompts import encode
-    from viasd_core.session import ModelOptions, build_session, thresholds_of
+    from viasd_core.session import build_session, thresholds_of
+    from viasd_core.loading.options import ModelOptions
 
     session = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=str(tiny_dirs["target"])), mode="viasd")
     ids = encode(session.tokenizer, "w1 w2 w3")
@@ -270,7 +271,7 @@ def test_calibration_with_nothing_to_replay_reports_not_measured(tiny_dirs, vias
     from viasd_cli.calibrate import report_table
     from viasd_core.calibration.calibrate import run_calibration
     from viasd_core.loading.prompts import load_prompts
-    from viasd_core.session import ModelOptions
+    from viasd_core.loading.options import ModelOptions
 
     # One new token per prompt: every step is a plain target step, no block is recorded.
     out = tmp_path / "profile.json"

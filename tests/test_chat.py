@@ -11,7 +11,8 @@ from viasd_cli.app import get_app
 from viasd_core.frontends.chat import Chat, parse_command
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.loading.profile import Profile, profile_path, save_profile
-from viasd_core.session import ModelOptions, build_session
+from viasd_core.session import build_session
+from viasd_core.loading.options import ModelOptions
 
 N = 6  # new tokens per answer: several verification passes, still fast on a busy CPU
 

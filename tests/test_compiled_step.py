@@ -162,7 +162,8 @@ def test_caches_are_allocated_once_and_the_context_is_a_clear_limit():
 
 
 def test_max_context_option_is_checked(tiny_dirs, viasd_home):
-    from viasd_core.session import ModelOptions, build_session
+    from viasd_core.session import build_session
+    from viasd_core.loading.options import ModelOptions
 
     session = build_session(ModelOptions(model=str(tiny_dirs["target"]), max_context=100), mode="ar")
     assert session.engine.context_len == 100 and session.engine.target.max_len == 100

@@ -7,7 +7,8 @@ from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
 from viasd_core.frontends.doctor import FAIL, PASS, SKIP, run_doctor
-from viasd_core.session import ModelOptions, build_session
+from viasd_core.session import build_session
+from viasd_core.loading.options import ModelOptions
 
 
 def doctor(*args):

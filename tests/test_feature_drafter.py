@@ -306,7 +306,8 @@ def test_a_head_folder_is_a_draft_for_generate_sd_equal_to_ar(tiny_dirs, head_di
     from typer.testing import CliRunner
 
     from viasd_cli.app import get_app
-    from viasd_core.session import ModelOptions, build_session
+    from viasd_core.session import build_session
+    from viasd_core.loading.options import ModelOptions
 
     session = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=f"{head_dir}+ngram"), mode="sd")
     assert isinstance(session.engine.drafter, HybridDrafter)

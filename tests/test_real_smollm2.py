@@ -62,7 +62,9 @@ def test_sd_and_exact_equal_ar_and_transformers_on_spec_bench_prompts(smollm2):
     from viasd_core.decoding.engine import Engine, GenerationConfig
     from viasd_core.decoding.model import FastModel
     from viasd_core.loading.prompts import encode
-    from viasd_core.session import ModelOptions, eos_ids, load_drafter
+    from viasd_core.loading.models import eos_ids
+    from viasd_core.loading.drafter_factory import load_drafter
+    from viasd_core.loading.options import ModelOptions
 
     target = FastModel(smollm2.model, max_len=2048)
     tok = smollm2.tokenizer
@@ -120,7 +122,9 @@ def test_int_formats_sd_and_exact_equal_ar_at_the_same_format(quant, tmp_path, m
     from viasd_core.loading.models import load_model
     from viasd_core.decoding.model import FastModel
     from viasd_core.loading.prompts import encode
-    from viasd_core.session import ModelOptions, eos_ids, load_drafter
+    from viasd_core.loading.models import eos_ids
+    from viasd_core.loading.drafter_factory import load_drafter
+    from viasd_core.loading.options import ModelOptions
 
     monkeypatch.setenv("VIASD_HOME", str(tmp_path))
     loaded = load_model("smollm2-135m", device="cpu", quant=quant)
@@ -153,7 +157,9 @@ def test_an_int4_slim_view_of_the_fp32_target(smollm2):
     from viasd_core.decoding.model import FastModel
     from viasd_core.loading.prompts import encode
     from viasd_core.decoding.router import OFF, Thresholds
-    from viasd_core.session import ModelOptions, eos_ids, load_drafter
+    from viasd_core.loading.models import eos_ids
+    from viasd_core.loading.drafter_factory import load_drafter
+    from viasd_core.loading.options import ModelOptions
     from viasd_core.decoding.slim_view import SlimView, slim_verifier
 
     target = FastModel(smollm2.model, max_len=1024)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import TinyTokenizer, record_forward, tiny_model
+from viasd_core.calibration.recording import BlockRecorder
 from viasd_core.decoding.drafters import ModelDrafter
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.decoding.fidelity import fidelity, target_argmax_along
@@ -120,8 +121,12 @@ def expected_run(step, max_new: int, gamma: int):
 def engine(draft_model, slim: FastModel) -> Engine:
     e = Engine(FastModel(TARGET, max_len=96), TinyTokenizer(), drafter=ModelDrafter(FastModel(draft_model, max_len=96), 256),
                slim=slim)
-    e.recorder = []  # every viasd block is recorded for replay
+    e.observers.append(BlockRecorder())  # every viasd block is recorded for replay
     return e
+
+
+def recorded(e: Engine) -> list:
+    return e.observers[0].blocks
 
 
 def run_viasd(e: Engine, thresholds: Thresholds, max_new: int, gamma: int = 3):
@@ -134,9 +139,9 @@ def check_run(e: Engine, gen, thresholds: Thresholds, tokens, tiers, blocks):
     blocks walks the same tiers (the last plain target step, if any, is not a block)."""
     assert gen.tokens == tokens
     assert gen.tiers == tiers
-    assert len(e.recorder) == blocks
+    assert len(recorded(e)) == blocks
     plain = gen.stats.steps - blocks  # 0, or 1 plain target step for a last single token
-    assert replay(e.recorder, thresholds).tiers == tiers[: len(tiers) - plain]
+    assert replay(recorded(e), thresholds).tiers == tiers[: len(tiers) - plain]
 
 
 # ---------------------------------------------------------------------- each tier, forced
@@ -219,8 +224,8 @@ def test_slim_verifier_with_all_layers_keeps_fidelity_exactly_one(theta_accept, 
     gen = run_viasd(e, th, 24)
     assert gen.tokens == greedy(TARGET, PROMPT, 24)
     assert fidelity(TARGET, PROMPT, gen.tokens) == 1.0
-    assert len(e.recorder) == gen.stats.slim_passes > 0
-    assert replay(e.recorder, th).wrong == 0
+    assert len(recorded(e)) == gen.stats.slim_passes > 0
+    assert replay(recorded(e), th).wrong == 0
     used = set(gen.tiers)
     assert "full" in used and ("accept" in used or "slim" in used)
 
@@ -232,7 +237,7 @@ def test_replay_of_a_recorded_run_matches_the_run_token_for_token(thresholds):
     e = engine(NEAR, FastModel(TARGET, layer_ids=SLIM_LAYERS, max_len=96))
     gen = run_viasd(e, thresholds, 32)
     assert set(gen.tiers) == {"accept", "slim", "full", "bonus"}, "the case must use every tier"
-    blocks: list[BlockRecord] = e.recorder
+    blocks: list[BlockRecord] = recorded(e)
     replayed = replay(blocks, thresholds)
     plain = gen.stats.steps - len(blocks)  # plain target steps (only the last token, if one was left)
     assert plain in (0, 1) and len(blocks) == replayed.steps
@@ -246,7 +251,7 @@ def test_replay_of_a_recorded_run_matches_the_run_token_for_token(thresholds):
     # the positions the target runs in the blocks' passes (after the prefill, before a last plain
     # step), in the same run without recording (recording runs the target every step for its labels)
     quiet = engine(NEAR, FastModel(TARGET, layer_ids=SLIM_LAYERS, max_len=96))
-    quiet.recorder = None
+    quiet.observers.clear()
     calls = record_forward(quiet.target)
     assert run_viasd(quiet, thresholds, 32).tokens == gen.tokens
     assert sum(length for _, length in calls[1 : len(calls) - plain]) == replayed.target_positions

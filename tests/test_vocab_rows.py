@@ -15,7 +15,9 @@ from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.decoding.model import FastModel
 from viasd_core.loading.profile import Profile, save_profile
 from viasd_core.decoding.sampling import Sampler, SamplingParams
-from viasd_core.session import ModelOptions, build_session, emittable, thresholds_of
+from viasd_core.session import build_session, thresholds_of
+from viasd_core.loading.vocab_rows import emittable
+from viasd_core.loading.options import ModelOptions
 
 # name: (tokenizer size, draft rows, target rows) -> the expected limit of the target's ids
 LAYOUTS = {

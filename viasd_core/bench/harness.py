@@ -189,9 +189,10 @@ def assistant_draft(session: Session):
     embedded target, the embedded draft model (the draft it replaced); else None."""
     if session.draft is not None:
         return session.draft.model
-    fast = getattr(session.engine.drafter, "model", None)
-    if fast is not None:
-        return fast.hf_model
+    drafter = session.engine.drafter
+    fast = drafter.fast_models() if drafter is not None else []
+    if fast:
+        return fast[0].hf_model
     if session.target.model_id == EMBEDDED_TARGET:
         from viasd_core.loading.draft_model import embedded_draft_dir, load_draft
 

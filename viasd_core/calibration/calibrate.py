@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from viasd_core.calibration.recording import BlockRecorder
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.decoding.fidelity import fidelity
@@ -315,13 +316,14 @@ def collect_blocks(engine: Engine, prompts_ids: list[list[int]], config: Generat
     per_prompt = []
     for ids in prompts_ids:
         engine.reset()
-        engine.recorder = []
+        recorder = BlockRecorder()
+        engine.observers.append(recorder)
         try:
             engine.generate(ids, GenerationConfig(mode="sd", max_new_tokens=config.max_new_tokens, gamma=config.gamma,
                                                   adaptive=config.adaptive, gamma_max=config.gamma_max))
-            per_prompt.append(engine.recorder)
+            per_prompt.append(recorder.blocks)
         finally:
-            engine.recorder = None
+            engine.observers.remove(recorder)
         if progress:
             progress()
     return per_prompt
@@ -461,7 +463,7 @@ def run_calibration(opts, prompts, budget: float = DEFAULT_BUDGET, skip_ratio: f
     log(f"layer mask: {len(search.best.layer_ids)}/{n_layers} layers, top-1 agreement "
         f"{search.best.agreement:.3f} (best of 6 random masks: {search.random_best.agreement if search.random_best else float('nan'):.3f})")
     # 3. every candidate view: agreement, pass costs, gate records on the fit half, thresholds
-    draft_fast = getattr(engine.drafter, "model", None)
+    draft_fast = next(iter(engine.drafter.fast_models()), None)
     base_costs = measure_costs(engine.target, draft_fast, block=gamma + 1)
     views = slim_candidates(search.best.layer_ids, n_layers, formats)
     candidates: list[Candidate] = []

@@ -1,5 +1,6 @@
-"""Proposers of draft blocks: a small draft model, prompt lookup (n-gram, model-free), or (in
-feature_drafter.py) an EAGLE-3 head reading the target's features.
+"""Proposers of draft blocks, behind one contract (`Drafter`): a small draft model, prompt lookup
+(n-gram, model-free), both (hybrid), or (in feature_drafter.py) an EAGLE-3 head reading the
+target's features. loading/drafter_factory.py builds the one a session asks for.
 
 A drafter writes its proposed tokens into the engine's token buffer at [n, n + g) and returns
 them with the distribution each was sampled from (None when the proposal is deterministic,
@@ -24,7 +25,45 @@ class Proposal:
     reads: int = 0  # device-to-host reads the drafter made (the confidence stop rule)
 
 
-class ChainDrafter(ABC):
+class Drafter(ABC):
+    """What the engine asks of every drafter (vLLM's proposer interface, for one sequence).
+
+    Positions and token counts refer to the engine's token buffer `ids`: with n tokens committed,
+    a proposal goes to ids[n : n + g]. `rollback(n)` has one meaning everywhere in the engine (a
+    FastModel's too): the first n tokens of the buffer are committed and right; forget whatever
+    depends on a later one. A drafter whose state lags behind catches up in its next proposal.
+    """
+
+    name: str = "drafter"
+
+    @abstractmethod
+    def propose(self, ids: torch.Tensor, n: int, gamma: int, params: SamplingParams, sampler: Sampler,
+                host_tokens: list[int] | None = None, stop_below: float = 0.0) -> Proposal:
+        """Draft up to `gamma` tokens into ids[n:] (fewer, or none, is allowed). `host_tokens` is the
+        host copy of ids[:n]; `stop_below` > 0 asks for the confidence stop rule (ChainDrafter)."""
+
+    @abstractmethod
+    def rollback(self, n: int) -> None:
+        """The first n tokens are committed and right: drop state that depends on any later one."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget everything (a new conversation)."""
+
+    def ensure_capacity(self, max_len: int) -> None:
+        """Hold state for `max_len` positions (the engine's context); allocated once."""
+
+    def fast_models(self) -> list[FastModel]:
+        """The FastModels the drafter runs: the engine sizes, compiles and warms them with its own."""
+        return []
+
+    def link_slim(self, slim: FastModel | None) -> None:
+        """What the drafter needs from the verifiers beyond the target it was built with: the slim
+        verifier, attached or replaced (a feature drafter reads its features where the target has
+        not run). Called by the engine whenever its slim verifier changes."""
+
+
+class ChainDrafter(Drafter):
     """Drafts a block token by token from logits over its own (possibly reduced) vocabulary.
 
     Subclasses give `_first_logits` (catch up on the committed context, logits of the next token;
@@ -112,10 +151,13 @@ class ModelDrafter(ChainDrafter):
         self.model.reset()
 
     def rollback(self, n: int) -> None:
-        self.model.rollback(n)
+        self.model.rollback(n)  # draft position p reads token p: n positions
 
     def ensure_capacity(self, max_len: int) -> None:
         self.model.allocate(max_len)
+
+    def fast_models(self) -> list[FastModel]:
+        return [self.model]
 
     def _first_logits(self, ids: torch.Tensor, n: int) -> torch.Tensor:
         return self.model.extend(ids, n, 1)
@@ -124,7 +166,7 @@ class ModelDrafter(ChainDrafter):
         return self.model.forward(ids[n + i : n + i + 1], n + i, 1)
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup: propose what followed the latest earlier occurrence of the current suffix.
 
     Keeps an incremental index {n-gram -> latest end position} over the committed tokens, so a
@@ -148,9 +190,6 @@ class NgramDrafter:
     def rollback(self, n: int) -> None:
         if n < self.indexed:  # history rewritten (a new conversation): rebuild lazily
             self.reset()
-
-    def ensure_capacity(self, max_len: int) -> None:
-        pass
 
     def _update(self, host_tokens: list[int]) -> None:
         if host_tokens[: self.indexed] != self.tokens[: self.indexed]:
@@ -182,7 +221,7 @@ class NgramDrafter:
         return Proposal(tokens=ids[n : n + len(found)], probs=None)
 
 
-class HybridDrafter:
+class HybridDrafter(Drafter):
     """Prompt lookup when the context repeats itself, the draft model otherwise.
 
     The choice depends only on the committed context, so each proposal still comes from a
@@ -196,7 +235,6 @@ class HybridDrafter:
         self.model_drafter = model_drafter
         self.ngram = ngram or NgramDrafter()
         self.min_match = min_match
-        self.model = getattr(model_drafter, "model", None)  # the draft FastModel (compiled with the rest), if any
 
     def reset(self) -> None:
         self.model_drafter.reset()
@@ -209,10 +247,11 @@ class HybridDrafter:
     def ensure_capacity(self, max_len: int) -> None:
         self.model_drafter.ensure_capacity(max_len)
 
-    def link_slim(self, slim) -> None:
-        link = getattr(self.model_drafter, "link_slim", None)
-        if link is not None:
-            link(slim)
+    def fast_models(self) -> list[FastModel]:
+        return self.model_drafter.fast_models()
+
+    def link_slim(self, slim: FastModel | None) -> None:
+        self.model_drafter.link_slim(slim)
 
     def propose(self, ids, n, gamma, params, sampler, host_tokens=None, stop_below: float = 0.0) -> Proposal:
         found = self.ngram.lookup(host_tokens, gamma)

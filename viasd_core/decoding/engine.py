@@ -1,35 +1,37 @@
-"""The decoding loop: ar (plain), sd (two-tier, exact), exact (multi-tier, exact), viasd (three tiers).
+"""The decoding loop over four modes: ar (plain), sd (two-tier, exact), exact (multi-tier, exact),
+viasd (three tiers). Each mode's step lives in steps.py, chosen once per generation.
 
-One step of a speculative mode, in order:
-  1. draft   - the drafter proposes `gamma` tokens into the token buffer
-  2. route   - (exact, viasd) one slim-verifier pass over the block decides tiers / corrections
-  3. verify  - one target pass over the block (viasd: only when a token is routed to `full`)
-  4. accept  - the pure acceptance rule (greedy match or speculative sampling)
-  5. commit  - write the emitted tokens on the device, read them ONCE on the host, roll every
-               KV cache back to what it saw correctly
-  6. adapt   - grow gamma after a fully accepted block, shrink it after an early rejection, and
-               take plain steps while they measure faster than drafting (draft_policy.py)
+A generation, in order:
+  prefill   every model that will run reads the prompt up to its last token (a slim verifier the
+            mode never runs is not prefilled)
+  steps     the mode's step (draft, route, verify, accept: steps.py), or a plain step when the draft
+            policy measures plain steps faster (draft_policy.py); each returns a StepResult
+  commit    the engine's one commit: the host copy of the tokens, every KV cache rolled back to
+            what it saw correctly (a length reset: the caches are static, see model.FastModel)
+  adapt     the draft policy learns the step's tokens and wall time
+  observe   observers (calibration's recorder, chat's live meter) see the StepResult; none by default
+  emit      EOS, the token budget and stop strings end the generation
 
-The KV caches are static (see model.FastModel): rollback is a length reset. In `ar`, `sd` and
-`exact` a step reads the device once (`_read`): the accepted count, how much of the draft was
-kept and the emitted tokens, in one small tensor; everything before stays on the device.
-`viasd` routes on the host (its tiers decide whether the target runs at all). Phase timings
-need synchronizations: they are taken only when `breakdown` is on.
+A step reads the device once in ar, sd and exact (`read`, counted in `host_reads`); viasd routes on
+the host. Phase timings need synchronizations: they are taken only when `breakdown` is on.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from viasd_core.decoding.draft_policy import DraftPolicy
-from viasd_core.errors import UsageError, ViasdError
+from viasd_core.decoding.drafters import Drafter
 from viasd_core.decoding.model import PASS_WIDTHS, FastModel
-from viasd_core.decoding.router import OFF, BlockRecord, Thresholds, slim_confidence, unsure_to_full, walk_block
-from viasd_core.decoding.sampling import Sampler, SamplingParams, greedy_accept, prefix_length, process_logits, speculative_sample
+from viasd_core.decoding.router import Thresholds
+from viasd_core.decoding.sampling import Sampler, SamplingParams
 from viasd_core.decoding.stats import RunStats
+from viasd_core.decoding.steps import Run, StepResult, common_prefix, plain_step, plan_for
+from viasd_core.errors import UsageError, ViasdError
 
 MODES = ("ar", "sd", "exact", "viasd")
 
@@ -88,15 +90,6 @@ class Generation:
     stats: RunStats = field(default_factory=RunStats)
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Engine:
     """Batch-1 generation over a target, an optional drafter and an optional slim verifier.
 
@@ -105,7 +98,7 @@ class Engine:
     once, for `context_len` positions.
     """
 
-    def __init__(self, target: FastModel, tokenizer, drafter=None, slim: FastModel | None = None,
+    def __init__(self, target: FastModel, tokenizer, drafter: Drafter | None = None, slim: FastModel | None = None,
                  eos_token_ids: set[int] | None = None, context_len: int | None = None):
         self.target = target
         self.tokenizer = tokenizer
@@ -118,17 +111,17 @@ class Engine:
         self.ids = torch.zeros(self.context_len + PASS_WIDTHS[-1] + 1, dtype=torch.long, device=self.device)
         self.tokens: list[int] = []  # committed tokens, host copy of ids[:len(tokens)]
         self.breakdown = False  # phase timings (synchronizes the device around each phase)
-        self.host_reads = 0  # device-to-host reads of the decode loop (one per step, see _read)
+        self.host_reads = 0  # device-to-host reads of the decode loop (one per step, see read)
+        # Called with (engine, StepResult) after every committed step: calibration's recorder,
+        # chat's live meter. The steps do not know about them.
+        self.observers: list[Callable[[Engine, StepResult], None]] = []
         for m in self._models():
             m.allocate(self.context_len)
         if drafter is not None:
             drafter.ensure_capacity(self.context_len)
-        self._link()
-        # Calibration: when a list, every greedy sd and viasd step appends a router.BlockRecord (the
-        # slim verifier's gate values and teacher-forced labels) to it; sd runs the slim pass for it.
-        self.recorder: list | None = None
+            drafter.link_slim(slim)
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ models
     @property
     def slim(self) -> FastModel | None:
         return self._slim
@@ -139,45 +132,36 @@ class Engine:
         self._slim = slim
         if slim is not None:
             slim.allocate(self.context_len)
-            self._link()
+            if self._drafter is not None:
+                self._drafter.link_slim(slim)
             if self.compiled and slim.compile():
                 slim.warm_up()
 
     @property
-    def drafter(self):
+    def drafter(self) -> Drafter | None:
         return self._drafter
 
     @drafter.setter
-    def drafter(self, drafter) -> None:
-        """Attach a drafter (chat does it late): its model is sized and compiled like the rest."""
+    def drafter(self, drafter: Drafter | None) -> None:
+        """Attach a drafter (chat does it when a turn first needs one): its models are sized and compiled like the rest."""
         self._drafter = drafter
         if drafter is not None:
             drafter.ensure_capacity(self.context_len)
-            self._link()
-            if self.compiled and getattr(drafter, "model", None) is not None and drafter.model.compile():
-                drafter.model.warm_up(max_width=1)
+            drafter.link_slim(self._slim)
+            if self.compiled:
+                for m in drafter.fast_models():
+                    if m.compile():
+                        m.warm_up(max_width=1)
 
-    def _link(self) -> None:
-        """A feature drafter reads the slim verifier's features where the target has not run."""
-        link = getattr(self._drafter, "link_slim", None)
-        if link is not None:
-            link(self._slim)
+    def _models(self) -> list[FastModel]:
+        return [self.target] + ([self.slim] if self.slim is not None else [])
 
-    def _slim_runs(self, config: GenerationConfig) -> bool:
-        """Whether a generation with `config` runs the slim verifier (calibration's recording does, in sd)."""
-        active = config.thresholds is not None and config.thresholds.active
-        return config.mode == "exact" or (config.mode == "viasd" and active) or self.recorder is not None
-
-    def _models(self):
-        out = [self.target]
-        if self.slim is not None:
-            out.append(self.slim)
-        return out
+    def _roles(self) -> dict[str, FastModel]:
+        return {"target": self.target, **({"slim": self.slim} if self.slim is not None else {})}
 
     def all_models(self) -> list[FastModel]:
-        """Every FastModel the engine runs: target, slim verifier, draft model."""
-        draft = getattr(self.drafter, "model", None)
-        return self._models() + ([draft] if draft is not None else [])
+        """Every FastModel the engine runs: target, slim verifier, the drafter's models."""
+        return self._models() + (self.drafter.fast_models() if self.drafter is not None else [])
 
     def compile(self) -> bool:
         """torch.compile every model's pass (see FastModel.compile); False when none could be."""
@@ -188,19 +172,18 @@ class Engine:
         """Compile now every graph a generation can meet (none compiles mid-generation); returns
         the seconds it took, 0.0 when nothing is compiled. Empties the caches."""
         seconds = sum(m.warm_up() for m in self._models())
-        draft = getattr(self.drafter, "model", None)
-        if draft is not None:
-            seconds += draft.warm_up(max_width=1)  # a draft runs 1-token steps and 2-token catch-ups
+        if self.drafter is not None:  # a draft runs 1-token steps and 2-token catch-ups
+            seconds += sum(m.warm_up(max_width=1) for m in self.drafter.fast_models())
         self.reset()
         return seconds
 
-    def _clock(self) -> float:
+    def clock(self) -> float:
         if self.breakdown and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _read(self, values: torch.Tensor) -> list[int]:
-        """The step's one device-to-host read."""
+    def read(self, values: torch.Tensor) -> list[int]:
+        """A step's device-to-host read (one per step in ar, sd and exact)."""
         self.host_reads += 1
         return values.tolist()
 
@@ -232,49 +215,45 @@ class Engine:
                 "shorten the prompt or raise --max-context"
             )
         max_new = min(config.max_new_tokens, self.context_len - len(prompt_ids))
+        plan = plan_for(config.mode, config.thresholds)
 
         # Re-use cached positions shared with the previous call (multi-turn chat).
-        keep = common_prefix(self.tokens, prompt_ids)
-        keep = min(keep, len(prompt_ids) - 1)
-        for m in self._models():
-            m.rollback(keep)
-        if self.drafter is not None:
-            self.drafter.rollback(keep)
+        keep = min(common_prefix(self.tokens, prompt_ids), len(prompt_ids) - 1)
+        self._rollback(keep)
         self.tokens = list(prompt_ids)
         self.ids[: len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)
 
         stats = RunStats(mode=config.mode, prompt_tokens=len(prompt_ids))
-        sampler = Sampler(config.seed, device=self.device)
+        run = Run(config.sampling, Sampler(config.seed, device=self.device), stats,
+                  plain_tier="ar" if plan.step is None else "full",
+                  stop_below=config.min_confidence if config.adaptive else 0.0, thresholds=config.thresholds)
         gen = Generation(list(prompt_ids), [], [], "", "length", stats)
-        t0 = self._clock()
-        # Prefill every model that will run up to the last prompt token (whose logits start the
-        # decode). A slim verifier the mode never runs (ar, sd, viasd with its tiers off) is not
-        # prefilled; one that runs later catches up in its first pass anyway.
+        t0 = self.clock()
+        # prefill: every model that will run, up to the last prompt token (whose logits start the
+        # decode); a slim verifier that runs later catches up in its first pass anyway.
         n = len(prompt_ids)
         stats.prefill_cached = self.target.seen  # prompt positions whose K/V the target kept
         for m in self._models():
-            if m.seen < n - 1 and (m is not self.slim or self._slim_runs(config)):
+            if m.seen < n - 1 and (m is not self.slim or plan.slim_runs):
                 m.extend(self.ids, n - 1, 1)
         # What the target's prefill pass wrote, plus the last prompt token (the first step runs it).
         stats.prefill_processed = self.target.seen - stats.prefill_cached + 1
-        stats.time_prefill = self._clock() - t0
+        stats.time_prefill = self.clock() - t0
         policy = DraftPolicy(config.gamma, max(config.gamma, config.gamma_max), adaptive=config.adaptive)
         try:
             while len(gen.tokens) < max_new:
-                left = max_new - len(gen.tokens)
-                g = 0 if config.mode == "ar" else min(policy.block_length(), left - 1)
+                g = 0 if plan.step is None else min(policy.block_length(), max_new - len(gen.tokens) - 1)
                 t_step = time.perf_counter()
-                if g == 0:
-                    out, tiers = self._step_ar(config, sampler, stats)
-                    policy.record_plain(len(out), time.perf_counter() - t_step)
+                result = plan.step(self, run, g) if g > 0 else plain_step(self, run)
+                self._commit(result)
+                # adapt: the step ended with its device read, so its wall time is real
+                if result.drafted:
+                    policy.record_spec(result.drafted, result.kept, len(result.tokens), time.perf_counter() - t_step)
                 else:
-                    out, tiers, n_drafted, n_kept = self._step_spec(config, g, sampler, stats)
-                    # 6. adapt: the step ended with its device read, so its wall time is real
-                    if n_drafted:
-                        policy.record_spec(n_drafted, n_kept, len(out), time.perf_counter() - t_step)
-                    else:
-                        policy.record_plain(len(out), time.perf_counter() - t_step)
-                if self._emit(gen, out, tiers, max_new, config, on_emit):
+                    policy.record_plain(len(result.tokens), time.perf_counter() - t_step)
+                for observe in self.observers:
+                    observe(self, result)
+                if self._emit(gen, result.tokens, result.tiers, max_new, config, on_emit):
                     break
                 if should_stop is not None and should_stop():
                     gen.finish_reason = "cancelled"
@@ -282,11 +261,7 @@ class Engine:
         except KeyboardInterrupt:
             gen.finish_reason = "interrupted"
         # Caches stay consistent with the committed tokens, whatever happened above.
-        n = len(self.tokens)
-        for m in self._models():
-            m.rollback(n - 1)
-        if self.drafter is not None:
-            self.drafter.rollback(n - 1)
+        self._rollback(len(self.tokens) - 1)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the one synchronization of the whole run, for its wall time
         stats.time_total = time.perf_counter() - t0
@@ -296,167 +271,23 @@ class Engine:
             gen.text = gen.text[: min(gen.text.find(s) for s in config.stop if s in gen.text)]
         return gen
 
-    # ------------------------------------------------------------------ steps
-    def _step_ar(self, config: GenerationConfig, sampler: Sampler, stats: RunStats):
-        n = len(self.tokens)
-        t = self._clock()
-        logits = self.target.extend(self.ids, n, 1)
-        if config.sampling.greedy:
-            token_t = logits.argmax(-1)  # [1]
-        else:
-            token_t = sampler.categorical(process_logits(logits, config.sampling))
-        self.ids[n : n + 1] = token_t
-        token = self._read(token_t)[0]
-        stats.time_verify += self._clock() - t
-        stats.target_passes += 1
-        stats.steps += 1
-        stats.accepted_lengths.append(1)
-        stats.tier_counts["full"] += 1
-        self._commit(n, [token], written=True)
-        return [token], ["full" if config.mode != "ar" else "ar"]
-
-    def _step_spec(self, config: GenerationConfig, g: int, sampler: Sampler, stats: RunStats):
-        n = len(self.tokens)
-        params = config.sampling
-        # 1. draft
-        t = self._clock()
-        proposal = self.drafter.propose(self.ids, n, g, params, sampler, host_tokens=self.tokens,
-                                        stop_below=config.min_confidence if config.adaptive else 0.0)
-        self.host_reads += proposal.reads
-        g = proposal.tokens.shape[0]
-        stats.time_draft += self._clock() - t
-        if g == 0:  # nothing to propose (prompt lookup found no match): a plain step
-            out, tiers = self._step_ar(config, sampler, stats)
-            return out, tiers, 0, 0
-        stats.draft_tokens += g
-        stats.steps += 1
-
-        if config.mode == "viasd" and config.thresholds.active:
-            drafted = self._read(proposal.tokens)  # viasd routes on the host
-            out, tiers, fed = self._route_viasd(n, g, drafted, config.thresholds, stats)
-            keep = {m: common_prefix(out, fed[id(m)]) for m in self._models() if id(m) in fed}
-            keep_draft = common_prefix(out, drafted)
-            self._commit(n, out, keep)
-            kept = keep_draft
-        else:
-            out, tiers, kept, keep_draft = self._verify_block(config, n, g, proposal, sampler, stats)
-        stats.accepted_lengths.append(len(out))
-        stats.record_block(g, kept)
-        self.drafter.rollback(n + keep_draft)
-        return out, tiers, g, kept
-
-    def _verify_block(self, config: GenerationConfig, n: int, g: int, proposal, sampler: Sampler, stats: RunStats):
-        """sd and exact: steps 2-5 with the device read once. Returns (out, tiers, kept, kept_draft)."""
-        params = config.sampling
-        drafted_t = self.ids[n : n + g].clone()  # [g] what the draft proposed (and its cache holds)
-        draft_probs = proposal.probs
-        if config.mode == "exact":
-            # 2. route: the slim verifier refines the block (exact: the target still checks it).
-            # Its greedy choice at every position replaces the draft's: equal on the prefix it
-            # agrees with, its own token at the first disagreement, a valid proposal after it.
-            t = self._clock()
-            slim_argmax = self.slim.extend(self.ids, n + g, g + 1).argmax(-1)  # [g + 1]
-            stats.time_slim += self._clock() - t
-            stats.slim_passes += 1
-            self.ids[n : n + g] = slim_argmax[:g]
-            draft_probs = None  # every refined token is the slim's deterministic choice
-        # 3. verify: one target pass over the pending token(s) and the block
-        t = self._clock()
-        target_logits = self.target.extend(self.ids, n + g, g + 1)  # [g + 1, V]
-        if self.recorder is not None and config.mode == "sd" and params.greedy:
-            # Calibration only: the slim runs over the drafted block, as viasd's slim pass would, so
-            # before the accepted tokens overwrite the draft's in the buffer.
-            self._record(n, g, drafted_t.tolist(), target_logits.argmax(-1).tolist(), {})
-        # 4. accept
-        block_t = self.ids[n : n + g]
-        if params.greedy:
-            emitted, n_acc = greedy_accept(block_t, target_logits.argmax(-1))
-        else:
-            target_probs = process_logits(target_logits, params)
-            if draft_probs is None:
-                draft_probs = torch.nn.functional.one_hot(block_t, target_probs.shape[-1]).float()
-            emitted, n_acc = speculative_sample(block_t, draft_probs, target_probs, sampler.uniform(g, self.device), sampler)
-        # 5. commit: tokens on the device first, then the one read of the step
-        self.ids[n : n + g + 1] = emitted
-        kept_draft_t = torch.minimum(prefix_length(emitted[:g] == drafted_t), n_acc + 1)
-        vals = self._read(torch.cat([n_acc.view(1), kept_draft_t.view(1), emitted]))
-        n_acc, kept_draft, out = vals[0], vals[1], vals[2 : vals[0] + 3]
-        stats.time_verify += self._clock() - t
-        stats.target_passes += 1
-        stats.tier_counts["full"] += len(out) - n_acc - (1 if n_acc == g else 0)
-        stats.tier_counts["accept"] += n_acc
-        stats.tier_counts["bonus"] += 1 if n_acc == g else 0
-        tiers = ["accept"] * n_acc + ["bonus" if n_acc == g else "full"]
-        keep = {self.target: n_acc}
-        if config.mode == "exact":
-            keep[self.slim] = kept_draft  # the slim ran over the draft's tokens
-        self._commit(n, out, keep, written=True)
-        return out, tiers, n_acc, kept_draft
-
-    def _record(self, n: int, g: int, block: list[int], target_argmax: list[int], fed: dict, route=None) -> None:
-        """One BlockRecord for calibration: the slim's gate and argmax against the target's choices.
-
-        `route`: the slim pass's RouteResult when the step already ran it (viasd); else it runs
-        here. The gate is route_block's, the one the engine routes with.
-        """
-        if route is None:
-            from viasd_kernels import route_block
-
-            slim_logits = self.slim.extend(self.ids, n + g, g + 1)  # [g + 1, V]
-            fed[id(self.slim)] = block
-            route = route_block(slim_logits, self.ids[n : n + g], 0.0, OFF, OFF)  # the gate only
-        self.recorder.append(BlockRecord.from_choices(route.gate.tolist(), block, route.argmax.tolist(), target_argmax,
-                                                      slim_confidence(route, g).tolist()))
-
-    def _route_viasd(self, n: int, g: int, block: list[int], th: Thresholds, stats: RunStats):
-        """Three tiers (docs/algorithm.md section 2): accept / slim / full, walked by router.walk_block."""
-        from viasd_kernels import route_block
-
-        # 2. route: one slim pass over the block gives the gate and tier of every position
-        t = self._clock()
-        slim_logits = self.slim.extend(self.ids, n + g, g + 1)  # [g + 1, V]
-        route = route_block(slim_logits, self.ids[n : n + g], 0.0, th.accept, th.slim)
-        tiers_code = unsure_to_full(route.tiers, slim_confidence(route, g), th).tolist()
-        slim_argmax = route.argmax.tolist()
-        stats.time_slim += self._clock() - t
-        stats.slim_passes += 1
-        fed = {id(self.slim): block}
-        target_argmax: list[int] = []
-
-        def verify(counted: bool) -> list[int]:
-            if not target_argmax:  # 3. verify: one target pass over the block, at most once a step
-                t = self._clock()
-                target_argmax.extend(self.target.extend(self.ids, n + g, g + 1).argmax(-1).tolist())
-                fed[id(self.target)] = block
-                if counted:
-                    stats.time_verify += self._clock() - t
-                    stats.target_passes += 1
-            return target_argmax
-
-        tiers = walk_block(tiers_code, [slim_argmax[j] == block[j] for j in range(g)], lambda j: verify(True)[j] == block[j])
-        source = {"accept": block, "slim": slim_argmax, "full": target_argmax, "bonus": target_argmax}
-        out = [source[name][j] for j, name in enumerate(tiers)]
-        if self.recorder is not None:  # teacher-forced labels; a pass the walk did not need is not counted
-            self._record(n, g, block, verify(False), fed, route)
-        for name in tiers:
-            stats.tier_counts[name] += 1
-        return out, tiers, fed
-
     # ------------------------------------------------------------------ commit
-    def _commit(self, n: int, out: list[int], keep: dict | None = None, written: bool = False) -> None:
-        """Commit `out` at positions [n, n + len(out)); model m keeps n + keep[m] cached positions.
-
-        A model absent from `keep` keeps n + len(out) - 1: either it did not run this step (it has
-        seen <= n already; rollback only ever shortens) or it ran over exactly the kept tokens.
-        `written`: the tokens are already in the device buffer (no host-to-device copy).
-        """
-        k = len(out)
-        keep = keep or {}
-        if not written:
-            self.ids[n : n + k] = torch.tensor(out, dtype=torch.long, device=self.device)
-        self.tokens.extend(out)
+    def _rollback(self, n: int) -> None:
+        """Every cache keeps what depends on the first n tokens only."""
         for m in self._models():
-            m.rollback(n + keep.get(m, k - 1))
+            m.rollback(n)
+        if self.drafter is not None:
+            self.drafter.rollback(n)
+
+    def _commit(self, result: StepResult) -> None:
+        """The one commit of a step: its tokens (already in the buffer) join the host copy, and each
+        model keeps n + keep[role] cached positions (n + k - 1 when absent from `keep`)."""
+        n, k = result.position, len(result.tokens)
+        self.tokens.extend(result.tokens)
+        for role, m in self._roles().items():
+            m.rollback(n + result.keep.get(role, k - 1))
+        if result.drafted:
+            self.drafter.rollback(n + result.keep["draft"])
 
     def _emit(self, gen: Generation, out: list[int], tiers: list[str], max_new: int, config: GenerationConfig, on_emit) -> bool:
         """Append to the generation; truncate at EOS, the budget or a stop string. True = finished."""

@@ -42,7 +42,6 @@ class FeatureDrafter(ChainDrafter):
         self.head = head
         self.target = target
         self.slim: FastModel | None = None
-        self.model = None  # no draft FastModel: the head runs eagerly (a few small kernels a token)
         self.fed = 0  # head positions computed from a verifier's features (its state for committed text)
         target.capture_features(head.feature_layers)
         # Draft columns whose target id the target may not emit (a masked vocabulary) are never proposed.
@@ -61,7 +60,7 @@ class FeatureDrafter(ChainDrafter):
         self.fed = 0
 
     def rollback(self, n: int) -> None:
-        """n committed tokens are right: head positions < n - 1 read only those (and verified features)."""
+        """The first n tokens are right: head position p reads token p + 1, so positions < n - 1 stay."""
         self.fed = min(self.fed, max(n - 1, 0))
         self.head.rollback(self.fed)
 

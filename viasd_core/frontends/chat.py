@@ -25,7 +25,8 @@ from viasd_core.decoding.engine import MODES, Generation, GenerationConfig, comm
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.decoding.fidelity import fidelity
 from viasd_core.loading.prompts import encode
-from viasd_core.session import Session, load_drafter, thresholds_of
+from viasd_core.session import Session, thresholds_of
+from viasd_core.loading.drafter_factory import load_drafter
 from viasd_core.decoding.slim_view import slim_verifier
 from viasd_core.decoding.stats import TIERS, RunStats
 from viasd_core.frontends.streaming import stats_line

@@ -1,0 +1,246 @@
+"""One step of each decoding mode, each read top to bottom: draft, route, verify, accept, commit.
+
+    plain_step         ar; also any step the draft policy makes plain or the draft leaves empty
+    speculative_step   sd: draft -> verify (one target pass over the block) -> accept
+    refined_step       exact: draft -> route (the slim refines the block) -> verify -> accept
+    tiered_step        viasd: draft -> route (one slim pass gives every position's tier) ->
+                       verify only from the first 'full' position -> walk the tiers
+
+The mode is chosen once per generation (`plan_for`); no step asks which mode it serves.
+A step writes the tokens it emits into the engine's token buffer, ids[n : n + k], and returns a
+`StepResult`; the engine commits it (host copy of the tokens, every cache rolled back to what it
+saw correctly: `StepResult.keep`), lets the draft policy learn from it and hands it to its
+observers (calibration records blocks from it; chat counts acceptance), none of which the step
+knows about.
+
+Plain, speculative and refined steps read the device once (`Engine.read`): the accepted count,
+how much of the draft stays valid and the emitted tokens, in one small tensor. The tiered step
+reads the draft and the slim's tiers on the host, since they decide whether the target runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from viasd_kernels import RouteResult, route_block
+
+from viasd_core.decoding.router import Thresholds, slim_confidence, unsure_to_full, walk_block
+from viasd_core.decoding.sampling import Sampler, SamplingParams, greedy_accept, prefix_length, process_logits, speculative_sample
+from viasd_core.decoding.stats import RunStats
+
+if TYPE_CHECKING:
+    from viasd_core.decoding.engine import Engine
+
+
+@dataclass
+class StepResult:
+    """What one step did. Roles in `keep`: 'target', 'slim', 'draft'."""
+
+    position: int  # n: the position of the first emitted token
+    tokens: list[int]  # [k] emitted tokens, already written to ids[n : n + k]
+    tiers: list[str]  # [k] who decided each: ar / accept / slim / full / bonus
+    drafted: int = 0  # tokens the draft proposed (0: a plain step)
+    kept: int = 0  # drafted tokens that were emitted as drafted (acceptance statistics)
+    # Per role, how many of the positions n, n + 1, ... its cache keeps. A model absent here keeps
+    # k - 1: it either did not run this step or ran over exactly the emitted tokens. The draft is
+    # rolled back only after a step that drafted.
+    keep: dict[str, int] = field(default_factory=dict)
+    draft_tokens: torch.Tensor | None = None  # [g] what the draft proposed (the buffer now holds `tokens`)
+    target_argmax: list[int] | None = None  # [g + 1] the target's choices over the drafted block, if it ran over it
+    route: RouteResult | None = None  # the slim pass over the drafted block, if one ran
+
+
+@dataclass
+class Run:
+    """What every step of one generation shares."""
+
+    params: SamplingParams
+    sampler: Sampler
+    stats: RunStats
+    plain_tier: str  # the tier of a plain step's token: 'ar' in ar mode, else 'full'
+    stop_below: float  # the draft's confidence stop rule (0 = off)
+    thresholds: Thresholds | None  # tiered steps only
+
+
+Step = Callable[["Engine", Run, int], StepResult]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The step a generation runs, chosen once from its mode."""
+
+    step: Step | None  # None: every step is plain
+    slim_runs: bool  # whether the slim verifier runs (it is prefilled only then)
+
+
+def plan_for(mode: str, thresholds: Thresholds | None) -> Plan:
+    if mode == "ar":
+        return Plan(None, slim_runs=False)
+    if mode == "exact":
+        return Plan(refined_step, slim_runs=True)
+    if mode == "viasd" and thresholds is not None and thresholds.active:
+        return Plan(tiered_step, slim_runs=True)
+    return Plan(speculative_step, slim_runs=False)  # sd, and viasd with both tiers off
+
+
+# ---------------------------------------------------------------------- plain
+def plain_step(eng: Engine, run: Run, g: int = 0) -> StepResult:
+    """One target pass over the pending token; its next token (greedy or sampled)."""
+    n = len(eng.tokens)
+    t = eng.clock()
+    target_logits = eng.target.extend(eng.ids, n, 1)  # [1, V]
+    if run.params.greedy:
+        token_t = target_logits.argmax(-1)  # [1]
+    else:
+        token_t = run.sampler.categorical(process_logits(target_logits, run.params))
+    eng.ids[n : n + 1] = token_t
+    token = eng.read(token_t)[0]
+    stats = run.stats
+    stats.time_verify += eng.clock() - t
+    stats.target_passes += 1
+    stats.steps += 1
+    stats.accepted_lengths.append(1)
+    stats.tier_counts["full"] += 1
+    return StepResult(n, [token], [run.plain_tier])
+
+
+# ---------------------------------------------------------------------- sd and exact
+def _draft(eng: Engine, run: Run, g: int):
+    """1. draft: up to g tokens into ids[n : n + g]; None when the draft proposes nothing."""
+    n = len(eng.tokens)
+    t = eng.clock()
+    proposal = eng.drafter.propose(eng.ids, n, g, run.params, run.sampler, host_tokens=eng.tokens,
+                                   stop_below=run.stop_below)
+    eng.host_reads += proposal.reads
+    run.stats.time_draft += eng.clock() - t
+    if proposal.tokens.shape[0] == 0:
+        return None
+    run.stats.draft_tokens += proposal.tokens.shape[0]
+    run.stats.steps += 1
+    return proposal
+
+
+def speculative_step(eng: Engine, run: Run, g: int) -> StepResult:
+    """sd: the target verifies the draft's block in one pass; exact in greedy and sampling."""
+    proposal = _draft(eng, run, g)
+    if proposal is None:
+        return plain_step(eng, run)
+    return _verify_and_accept(eng, run, proposal.tokens.clone(), proposal.probs, refined=False)
+
+
+def refined_step(eng: Engine, run: Run, g: int) -> StepResult:
+    """exact: the slim verifier refines the draft's block before the target verifies it.
+
+    Its greedy choice at every position replaces the draft's: equal on the prefix it agrees with,
+    its own token at the first disagreement, a valid proposal after it. Still exact: the target
+    checks every refined token (one-hot proposals under sampling).
+    """
+    proposal = _draft(eng, run, g)
+    if proposal is None:
+        return plain_step(eng, run)
+    n, g = len(eng.tokens), proposal.tokens.shape[0]
+    draft_tokens = proposal.tokens.clone()  # [g] what the draft proposed (and its cache holds)
+    # 2. route: one slim pass over the drafted block
+    t = eng.clock()
+    slim_argmax = eng.slim.extend(eng.ids, n + g, g + 1).argmax(-1)  # [g + 1]
+    run.stats.time_slim += eng.clock() - t
+    run.stats.slim_passes += 1
+    eng.ids[n : n + g] = slim_argmax[:g]
+    return _verify_and_accept(eng, run, draft_tokens, None, refined=True)
+
+
+def _verify_and_accept(eng: Engine, run: Run, draft_tokens: torch.Tensor, draft_probs, refined: bool) -> StepResult:
+    """Steps 3-5 of sd and exact over the block in ids[n : n + g], with the device read once."""
+    n, g = len(eng.tokens), draft_tokens.shape[0]
+    stats, params = run.stats, run.params
+    # 3. verify: one target pass over the pending token and the block
+    t = eng.clock()
+    target_logits = eng.target.extend(eng.ids, n + g, g + 1)  # [g + 1, V]
+    target_argmax = target_logits.argmax(-1)  # [g + 1]
+    # 4. accept
+    block = eng.ids[n : n + g]  # [g] the proposals (refined ones in exact)
+    if params.greedy:
+        emitted, n_acc = greedy_accept(block, target_argmax)
+    else:
+        target_probs = process_logits(target_logits, params)
+        if draft_probs is None:  # deterministic proposals: one-hot distributions
+            draft_probs = torch.nn.functional.one_hot(block, target_probs.shape[-1]).float()
+        emitted, n_acc = speculative_sample(block, draft_probs, target_probs, run.sampler.uniform(g, eng.device), run.sampler)
+    # 5. commit: the tokens on the device first, then the step's one read (which also carries the
+    # target's choices over the block, for observers)
+    eng.ids[n : n + g + 1] = emitted
+    draft_valid_t = torch.minimum(prefix_length(emitted[:g] == draft_tokens), n_acc + 1)
+    vals = eng.read(torch.cat([n_acc.view(1), draft_valid_t.view(1), emitted, target_argmax]))
+    n_acc, draft_valid = vals[0], vals[1]
+    tokens, target_choices = vals[2 : n_acc + 3], vals[g + 3 :]
+    stats.time_verify += eng.clock() - t
+    stats.target_passes += 1
+    bonus = n_acc == g
+    stats.tier_counts["accept"] += n_acc
+    stats.tier_counts["bonus" if bonus else "full"] += 1
+    stats.accepted_lengths.append(len(tokens))
+    stats.record_block(g, n_acc)
+    keep = {"target": n_acc, "draft": draft_valid}
+    if refined:
+        keep["slim"] = draft_valid  # the slim ran over the draft's tokens
+    return StepResult(n, tokens, ["accept"] * n_acc + ["bonus" if bonus else "full"], drafted=g, kept=n_acc, keep=keep,
+                      draft_tokens=draft_tokens, target_argmax=target_choices)
+
+
+# ---------------------------------------------------------------------- viasd
+def tiered_step(eng: Engine, run: Run, g: int) -> StepResult:
+    """viasd: accept / slim / full tiers from one slim pass (docs/algorithm.md section 2), walked
+    by router.walk_block; the target runs (once, over the whole block) only from the first 'full'."""
+    proposal = _draft(eng, run, g)
+    if proposal is None:
+        return plain_step(eng, run)
+    n, g, stats, th = len(eng.tokens), proposal.tokens.shape[0], run.stats, run.thresholds
+    draft_tokens = proposal.tokens.clone()  # [g]
+    block = eng.read(draft_tokens)  # the tiers are walked on the host
+    # 2. route: one slim pass over the block gives the gate and tier of every position
+    t = eng.clock()
+    slim_logits = eng.slim.extend(eng.ids, n + g, g + 1)  # [g + 1, V]
+    route = route_block(slim_logits, eng.ids[n : n + g], 0.0, th.accept, th.slim)
+    tier_codes = unsure_to_full(route.tiers, slim_confidence(route, g), th).tolist()
+    slim_argmax = route.argmax.tolist()  # [g + 1]
+    stats.time_slim += eng.clock() - t
+    stats.slim_passes += 1
+    # 3. verify, lazily: one target pass over the block, at most once, from the first 'full'
+    target_argmax: list[int] = []
+
+    def target_agrees(j: int) -> bool:
+        if not target_argmax:
+            t = eng.clock()
+            target_argmax.extend(eng.target.extend(eng.ids, n + g, g + 1).argmax(-1).tolist())
+            stats.time_verify += eng.clock() - t
+            stats.target_passes += 1
+        return target_argmax[j] == block[j]
+
+    # 4. accept: walk the tiers
+    tiers = walk_block(tier_codes, [slim_argmax[j] == block[j] for j in range(g)], target_agrees)
+    source = {"accept": block, "slim": slim_argmax, "full": target_argmax, "bonus": target_argmax}
+    tokens = [source[name][j] for j, name in enumerate(tiers)]
+    for name in tiers:
+        stats.tier_counts[name] += 1
+    # 5. commit: the emitted tokens into the buffer; each model keeps what it ran correctly
+    eng.ids[n : n + len(tokens)] = torch.tensor(tokens, dtype=torch.long, device=eng.device)
+    draft_valid = common_prefix(tokens, block)
+    keep = {"slim": draft_valid, "draft": draft_valid}
+    if target_argmax:
+        keep["target"] = draft_valid  # the target ran over the drafted block too
+    stats.accepted_lengths.append(len(tokens))
+    stats.record_block(g, draft_valid)
+    return StepResult(n, tokens, tiers, drafted=g, kept=draft_valid, keep=keep, draft_tokens=draft_tokens,
+                      target_argmax=list(target_argmax) or None, route=route)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,112 @@
+"""Builds the drafter a session asks for (`load_drafter`): prompt lookup, a draft model, an EAGLE-3
+head, or a model with prompt lookup beside it (REF+ngram), each behind decoding.drafters.Drafter.
+`--draft auto` picks the best measured draft for the target (draft_ref)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from viasd_core.decoding.drafters import ChainDrafter, HybridDrafter, ModelDrafter, NgramDrafter
+from viasd_core.decoding.feature_drafter import FeatureDrafter
+from viasd_core.decoding.model import FastModel
+from viasd_core.errors import UsageError
+from viasd_core.loading.models import EMBEDDED_TARGET, Loaded, check_same_vocab, load_model
+from viasd_core.loading.options import ModelOptions
+from viasd_core.loading.vocab_rows import cap_vocab, emittable, token_rows
+
+EMBEDDED_DRAFT = "embedded:smollm2-135m-draft"  # the distilled 2-layer draft model
+EMBEDDED_HEAD = "embedded:smollm2-135m-eagle3"  # the EAGLE-3 head trained by viasd (the default)
+HYBRID_SUFFIX = "+ngram"  # REF+ngram: prompt lookup where the context repeats, the model draft elsewhere
+_EMBEDDED_DRAFT_ALIASES = {EMBEDDED_DRAFT, "smollm2-135m-draft"}
+_EMBEDDED_HEAD_ALIASES = {EMBEDDED_HEAD, "smollm2-135m-eagle3"}
+
+
+def draft_ref(opts: ModelOptions, target: Loaded) -> str:
+    ref = (opts.draft or "auto").strip()
+    if ref != "auto":
+        return ref
+    if target.model_id == EMBEDDED_TARGET:
+        from viasd_core.loading.draft_model import embedded_draft_dir
+
+        # The best measured draft first (docs/benchmarks.md); prompt lookup covers copied text.
+        for ref, name in ((EMBEDDED_HEAD, "smollm2-135m-eagle3"), (EMBEDDED_DRAFT, "smollm2-135m")):
+            if (embedded_draft_dir(name) / "model.safetensors").exists():
+                return ref + HYBRID_SUFFIX
+        return "ngram"
+    from viasd_core.loading.catalog import draft_for
+    from viasd_core.loading.hub import is_cached
+
+    candidate = draft_for(target.model_id)
+    if candidate and is_cached(candidate):
+        return candidate
+    return "ngram"
+
+
+def load_drafter(opts: ModelOptions, target: Loaded, target_fast: FastModel, progress=None):
+    """The drafter for the options: (drafter or None, draft id, Loaded or None)."""
+    ref = draft_ref(opts, target)
+    if ref.endswith(HYBRID_SUFFIX) and ref != HYBRID_SUFFIX:
+        drafter, draft_id, draft = load_drafter(ModelOptions(**{**opts.__dict__, "draft": ref[: -len(HYBRID_SUFFIX)]}),
+                                                target, target_fast, progress)
+        if not isinstance(drafter, ChainDrafter):
+            raise UsageError(f"'{ref}': the {HYBRID_SUFFIX} suffix goes after a draft model")
+        return HybridDrafter(drafter), draft_id + HYBRID_SUFFIX, draft
+    vocab = target_fast.shape.vocab_size
+    if ref == "none":
+        return None, "none", None
+    if ref == "ngram":
+        return NgramDrafter(), "ngram", None
+    if ref in _EMBEDDED_DRAFT_ALIASES:
+        from viasd_core.loading.draft_model import embedded_draft_dir, load_draft
+
+        if target.model_id != EMBEDDED_TARGET:
+            raise UsageError(f"the embedded draft was distilled for '{EMBEDDED_TARGET}', not '{target.model_id}': choose another --draft")
+        draft_model = load_draft(embedded_draft_dir(), target.model, tokenizer=target.tokenizer)
+        fast = FastModel(draft_model, max_len=target_fast.max_len, name="draft")
+        return ModelDrafter(fast, vocab, vocab_map=draft_model.viasd_vocab_map), EMBEDDED_DRAFT, None
+    head_folder = _feature_head_folder(ref, opts)
+    if head_folder is not None:
+        return feature_drafter(head_folder, target, target_fast), ref, None
+    draft = load_model(ref, dtype=opts.dtype, device=opts.device, trust_remote_code=opts.trust_remote_code,
+                       allow_pickle=opts.allow_pickle, quant=opts.draft_quant, progress=progress)
+    check_same_vocab(target, draft)
+    fast = FastModel(draft.model, max_len=target_fast.max_len, name="draft")
+    # The target must never emit an id the draft cannot read, nor the draft propose one the target cannot.
+    cap_vocab(target_fast, token_rows(draft.model))
+    cap_vocab(fast, emittable(target_fast))
+    return ModelDrafter(fast, vocab), draft.model_id, draft
+
+
+def _feature_head_folder(ref: str, opts: ModelOptions):
+    """The folder of an EAGLE-3 head named by `ref` (embedded, a local folder, or a cached hub repo), else None."""
+    from viasd_core.loading import catalog
+    from viasd_core.loading import hub
+    from viasd_core.decoding.eagle import is_feature_head_folder
+
+    if ref in _EMBEDDED_HEAD_ALIASES:
+        return _embedded_head_dir()
+    local = Path(ref).expanduser()
+    if local.is_dir():
+        return local if is_feature_head_folder(local) else None
+    if hub.is_repo_id(ref) and (catalog.is_feature_head(ref) or (hub.is_cached(ref, opts.revision) and
+                                                                  is_feature_head_folder(hub.resolve_local(ref)))):
+        return hub.resolve_local(ref)
+    return None
+
+
+def feature_drafter(folder, target: Loaded, target_fast: FastModel) -> FeatureDrafter:
+    """An EAGLE-3 head for the target (its embedding shared, its dtype and device) as a drafter."""
+    from viasd_core.decoding.eagle import load_feature_head
+
+    if target.model_id != EMBEDDED_TARGET and Path(folder) == _embedded_head_dir():
+        raise UsageError(f"the embedded EAGLE-3 head was trained for '{EMBEDDED_TARGET}', not '{target.model_id}': "
+                         "choose another --draft")
+    head = load_feature_head(folder, target.model.config, embed=target_fast.embed, dtype=target_fast.dtype,
+                             device=target_fast.device, max_len=target_fast.max_len + 1)
+    return FeatureDrafter(head, target_fast, target_fast.shape.vocab_size)
+
+
+def _embedded_head_dir() -> Path:
+    from viasd_core.loading.draft_model import embedded_draft_dir
+
+    return embedded_draft_dir("smollm2-135m-eagle3")

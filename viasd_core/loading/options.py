@@ -1,0 +1,27 @@
+"""What the user asks of a model pair: the options every model command shares, as one value."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from viasd_core.loading.models import EMBEDDED_TARGET
+
+
+@dataclass
+class ModelOptions:
+    model: str = EMBEDDED_TARGET
+    draft: str | None = None  # None/'auto', 'ngram', 'none', a model reference
+    revision: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    quant: str = "auto"  # auto: int4 for the embedded target on CPU (weight_formats.default_quant), else none
+    draft_quant: str = "none"
+    trust_remote_code: bool = False
+    allow_pickle: bool = False
+    profile: str | None = None
+    max_context: int | None = None  # positions every KV cache holds (None: sized from model and memory)
+    compile: str = "auto"  # auto (on for CUDA), on, off
+
+
+COMPILE_CHOICES = ("auto", "on", "off")
+DEFAULT_CONTEXT_CAP = 4096  # the default --max-context never exceeds this (raise it explicitly)
