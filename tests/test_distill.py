@@ -57,6 +57,13 @@ def test_choose_vocab_and_coverage():
     assert teacher_answers.vocab_coverage(recs, vocab_map) == pytest.approx(0.75)
 
 
+def test_default_prompts_ship_with_the_package():
+    from viasd_core.loading.prompts import load_prompts
+
+    prompts = load_prompts(teacher_answers.DEFAULT_PROMPTS)
+    assert len(prompts) >= 100 and all(p.text.strip() for p in prompts)
+
+
 def test_train_save_load_roundtrip(target, tmp_path):
     recs = _records()
     vocab_map = teacher_answers.choose_vocab(recs, 32, always=[2])

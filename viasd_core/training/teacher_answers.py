@@ -18,7 +18,7 @@ import torch
 from viasd_core.loading.models import Loaded, eos_ids, pad_token_id
 from viasd_core.loading.prompts import encode
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "distill_prompts.jsonl"
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "distill_prompts.jsonl"  # viasd_core/data/
 
 
 @dataclass
