@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from viasd_core.training import distill
+from viasd_core.training import distill, draft_eval, draft_init, draft_train, teacher_answers
 from viasd_core.loading.draft_model import load_draft, save_draft
 from viasd_core.loading.models import load_model
 from viasd_core.loading.prompts import load_prompts
@@ -79,7 +79,7 @@ def main() -> None:
         prompts, cats = prompts[args.offset :: args.every], cats[args.offset :: args.every]
         temp = 0.8 if args.split == "sampled" else 0.0
         t0 = time.perf_counter()
-        recs = distill.build_dataset(
+        recs = teacher_answers.build_dataset(
             loaded, prompts, args.max_new_tokens, batch_size=args.gen_batch_size, temperature=temp, seed=args.seed,
             categories=cats, progress=lambda i, n: log(f"{args.split}: {i}/{n} prompts"),
         )
@@ -88,7 +88,7 @@ def main() -> None:
         return
 
     def records(split: str):
-        return [distill.Record(**d) for d in torch.load(work / f"{split}.pt")]
+        return [teacher_answers.Record(**d) for d in torch.load(work / f"{split}.pt")]
 
     if args.stage == "train":
         # Hold out the prompts the recipe holds out (all their sequences) for early stopping.
@@ -102,16 +102,16 @@ def main() -> None:
             for j, r in enumerate(records(split)):
                 (held if recipe.is_held_out(offset + every * j) else train).append(r)
         held = [r for r in held if r.labels.numel() > 0]
-        vocab_map = distill.choose_vocab(train, args.draft_vocab, always=[tok.eos_token_id])
-        log(f"{len(train)} records, {sum(r.labels.numel() for r in train)} labels; vocab coverage {distill.vocab_coverage(train, vocab_map):.4f}")
-        draft = distill.init_draft(target, args.layers, vocab_map, intermediate_size=args.intermediate)
+        vocab_map = teacher_answers.choose_vocab(train, args.draft_vocab, always=[tok.eos_token_id])
+        log(f"{len(train)} records, {sum(r.labels.numel() for r in train)} labels; vocab coverage {teacher_answers.vocab_coverage(train, vocab_map):.4f}")
+        draft = draft_init.init_draft(target, args.layers, vocab_map, intermediate_size=args.intermediate)
         dev = records("dev")[:80] if (work / "dev.pt").exists() else None
         if dev:
-            log(f"dev coverage {distill.vocab_coverage(dev, vocab_map):.4f}; agreement before training {distill.evaluate_agreement(draft, records=dev[:20])['agreement']:.4f} (20 prompts)")
+            log(f"dev coverage {teacher_answers.vocab_coverage(dev, vocab_map):.4f}; agreement before training {draft_eval.evaluate_agreement(draft, records=dev[:20])['agreement']:.4f} (20 prompts)")
         t0 = time.perf_counter()
-        eval_fn = lambda d: distill.evaluate_agreement(d, records=held, vocab_map=vocab_map)["agreement"]
+        eval_fn = lambda d: draft_eval.evaluate_agreement(d, records=held, vocab_map=vocab_map)["agreement"]
         log(f"{len(held)} held-out sequences")
-        losses = distill.train_draft(
+        losses = draft_train.train_draft(
             draft, train, vocab_map, steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
             pad_id=tok.pad_token_id or 0, log_every=25, log=log, time_limit_s=args.time_limit,
             warmup=args.warmup, bf16_autocast=True, eval_fn=eval_fn, eval_every=args.eval_every,
@@ -124,7 +124,7 @@ def main() -> None:
             "max_new_tokens": args.max_new_tokens, "sampled_temperature": 0.8, "sampled_every": 2,
             "bf16_autocast": True, "intermediate_size": draft.config.intermediate_size,
             "vocab": "most frequent target argmax ids, then the lowest unused ids (BPE merge order)", "warmup": args.warmup, "time_limit_s": args.time_limit,
-            "layers_from_target": distill.default_layer_ids(target.config.num_hidden_layers, args.layers),
+            "layers_from_target": draft_init.default_layer_ids(target.config.num_hidden_layers, args.layers),
             "steps": len(losses), "best_step": draft.viasd_train_log["best_step"],
             "held_out": {"sequences": len(held), "rule": f"prompt index % {recipe.held_out_every} == 0", "evals": draft.viasd_train_log["evals"]},
             "weight_decay": args.weight_decay, "batch_size": args.batch_size, "lr": args.lr, "seed": args.seed,
@@ -138,9 +138,9 @@ def main() -> None:
     if args.stage == "eval":
         draft = load_draft(args.draft, target, tokenizer=tok)
         dev = records("dev")[: args.limit] if args.limit else records("dev")
-        res = distill.evaluate_agreement(draft, records=dev)
+        res = draft_eval.evaluate_agreement(draft, records=dev)
         size = sum(p.stat().st_size for p in Path(args.draft).iterdir())
-        cost = distill.measure_cost(draft, target, steps=100, repeats=3)
+        cost = draft_eval.measure_cost(draft, target, steps=100, repeats=3)
         print(json.dumps({"agreement": res, "cost": cost, "size_bytes": size}, indent=1))
 
 

@@ -1,6 +1,7 @@
 """`viasd chat`: a multi-turn terminal chat that keeps the KV caches between turns.
 
-The conversation logic lives in viasd_core.frontends.chat; this module only reads lines and draws:
+The conversation logic lives in viasd_core.frontends.chat (slash commands in chat_commands, status line
+and summaries in chat_status); this module only reads lines and draws:
   - a terminal (stdout is a TTY, no --plain): tokens colored by tier, a live status line
   - otherwise (piped): plain answers on stdout, everything else on stderr, no escape codes
 """
@@ -17,7 +18,9 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from viasd_core.frontends.chat import STATS_COLUMNS, TIER_LEGEND, Chat, parse_command, session_summary, stats_rows, turn_summary
+from viasd_core.frontends.chat import Chat
+from viasd_core.frontends.chat_commands import parse_command, run_command
+from viasd_core.frontends.chat_status import STATS_COLUMNS, TIER_LEGEND, session_summary, stats_rows, turn_summary
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.errors import ViasdError
 from viasd_core.loading.options import ModelOptions
@@ -218,7 +221,7 @@ def chat(
         if not line.strip():
             continue
         if parse_command(line) is not None:
-            reply = chat.command(line)
+            reply = run_command(chat, line)
             if reply.kind == "exit":
                 break
             if reply.kind == "stats":

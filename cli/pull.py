@@ -10,7 +10,8 @@ import typer
 from viasd_cli.app import app
 from viasd_cli.options import RevisionOpt, handle_errors
 from viasd_core.loading import catalog
-from viasd_core.loading import hub
+from viasd_core.loading import hub, hub_pull
+from viasd_core.loading.vocab_check import check_same_tokenizer
 from viasd_core.errors import UsageError, ViasdError
 
 EXAMPLES = """
@@ -64,17 +65,17 @@ def pull(
         target_id = target
         draft_id = _draft_id(target, draft)
 
-    target_path = hub.pull(target_id, revision=revision, progress=not quiet)
+    target_path = hub_pull.pull(target_id, revision=revision, progress=not quiet)
     paths = [target_path]
     if draft_id is not None:
         if catalog.is_feature_head(draft_id):  # an EAGLE-3 head: no tokenizer; its shapes must fit the target
-            draft_path = hub.pull(draft_id, progress=not quiet, head=True)
+            draft_path = hub_pull.pull(draft_id, progress=not quiet, head=True)
             err(f"checking that {draft_id} fits {target_id}...", err=True)
             check_head_fits(draft_path, target_path)
         else:
-            draft_path = hub.pull(draft_id, progress=not quiet)
+            draft_path = hub_pull.pull(draft_id, progress=not quiet)
             err(f"checking that {target_id} and {draft_id} share a tokenizer...", err=True)
-            hub.check_same_tokenizer(target_path, draft_path, target_name=target_id, draft_name=draft_id)
+            check_same_tokenizer(target_path, draft_path, target_name=target_id, draft_name=draft_id)
         paths.append(draft_path)
     for path in paths:
         typer.echo(str(path))

@@ -124,10 +124,10 @@ class FakeHub:
         return commit
 
     def install(self, monkeypatch):
-        from viasd_core.loading import hub
+        from viasd_core.loading import hub_plan, hub_pull
 
-        monkeypatch.setattr(hub, "HfApi", lambda *a, **k: self)
-        monkeypatch.setattr(hub, "hf_hub_download", self.hf_hub_download)
+        monkeypatch.setattr(hub_plan, "HfApi", lambda *a, **k: self)
+        monkeypatch.setattr(hub_pull, "hf_hub_download", self.hf_hub_download)
         return self
 
     # -- the two entry points viasd uses
@@ -199,7 +199,7 @@ def hub_env(tmp_path, monkeypatch):
 
 @pytest.fixture
 def fake_hub(hub_env, monkeypatch) -> FakeHub:
-    """A fake Hub, online (HF_HUB_OFFLINE=0), installed into viasd_core.loading.hub."""
+    """A fake Hub, online (HF_HUB_OFFLINE=0), installed into viasd_core.loading.hub_plan and hub_pull."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     return FakeHub(hub_env.cache).install(monkeypatch)
 

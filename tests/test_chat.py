@@ -8,7 +8,8 @@ from typer.testing import CliRunner
 
 from conftest import positions_run, record_forward
 from viasd_cli.app import get_app
-from viasd_core.frontends.chat import Chat, parse_command
+from viasd_core.frontends.chat import Chat
+from viasd_core.frontends.chat_commands import parse_command, run_command
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.loading.profile import Profile, profile_path, save_profile
 from viasd_core.session import build_session
@@ -162,16 +163,16 @@ def test_interrupt_keeps_the_partial_answer_and_a_consistent_cache(tiny_dirs, vi
 
 def test_commands_and_viasd_mode_with_a_profile(tiny_dirs, viasd_home, tmp_path):
     chat = make_chat(tiny_dirs)
-    reply = chat.command("/mode viasd")
+    reply = run_command(chat, "/mode viasd")
     assert reply.kind == "error" and "viasd calibrate" in reply.text and chat.config.mode == "sd"
     s = chat.session
     save_profile(Profile(target_id=s.target.model_id, draft_id=s.draft_id, quant="none", device="cpu", dtype="float32",
                          layer_ids=[0, 1], n_layers=4, theta_accept=0.9, theta_slim=0.6, budget=0.05,
                          heldout_fidelity=0.97), profile_path(s.target.model_id, s.draft_id, "none", "cpu"))
-    assert chat.command("/temp 0.7").kind == "info"
-    assert chat.command("/mode viasd").kind == "error" and chat.config.mode == "sd"  # greedy-only
-    assert chat.command("/temp 0").kind == "info"
-    reply = chat.command("/mode viasd")
+    assert run_command(chat, "/temp 0.7").kind == "info"
+    assert run_command(chat, "/mode viasd").kind == "error" and chat.config.mode == "sd"  # greedy-only
+    assert run_command(chat, "/temp 0").kind == "info"
+    reply = run_command(chat, "/mode viasd")
     assert reply.kind == "info" and "fidelity budget >= 0.950" in reply.text and chat.config.mode == "viasd"
     meter = chat.meter()
     turn = chat.ask("w1 w2 w3", meter=meter)
@@ -180,10 +181,10 @@ def test_commands_and_viasd_mode_with_a_profile(tiny_dirs, viasd_home, tmp_path)
     assert meter.passes == turn.stats.target_passes
     fields = dict((label, value) for value, label in meter.fields())
     assert fields["fidelity budget"] == ">= 0.950" and fields["tok"] == str(turn.new_tokens)
-    assert chat.command("/temp 0.5").kind == "error" and chat.config.temperature == 0  # viasd: greedy-only
-    assert chat.command("/gamma x").kind == "error" and chat.command("/save").kind == "error"
-    assert chat.command("/reset").kind == "info" and chat.messages == [] and chat.engine.tokens == []
-    assert chat.command("/help").kind == "help" and chat.command("/exit").kind == "exit"
+    assert run_command(chat, "/temp 0.5").kind == "error" and chat.config.temperature == 0  # viasd: greedy-only
+    assert run_command(chat, "/gamma x").kind == "error" and run_command(chat, "/save").kind == "error"
+    assert run_command(chat, "/reset").kind == "info" and chat.messages == [] and chat.engine.tokens == []
+    assert run_command(chat, "/help").kind == "help" and run_command(chat, "/exit").kind == "exit"
     again = chat.ask("w1 w2 w3")
     assert again.conversation == 2 and again.reused_tokens == 0 and again.tokens == turn.tokens
 

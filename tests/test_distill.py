@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from viasd_core.training import distill
+from viasd_core.training import draft_eval, draft_init, draft_train, teacher_answers
 from viasd_core.loading.draft_model import embedded_draft_dir, load_draft, read_draft_config, save_draft
 from viasd_core.errors import ViasdError
 
@@ -38,7 +38,7 @@ def target():
     return LlamaForCausalLM(cfg).eval()
 
 
-def _records(n: int = 6, length: int = 20) -> list[distill.Record]:
+def _records(n: int = 6, length: int = 20) -> list[teacher_answers.Record]:
     """Sequences whose label is a fixed function of the current token (learnable by a tiny model)."""
     gen = torch.Generator().manual_seed(1)
     out = []
@@ -46,26 +46,33 @@ def _records(n: int = 6, length: int = 20) -> list[distill.Record]:
         ids = torch.randint(3, 40, (length,), generator=gen)
         prompt_len = 5
         labels = (ids[prompt_len - 1 : -1] * 7 + 3) % 40 + 3
-        out.append(distill.Record(input_ids=ids, prompt_len=prompt_len, labels=labels))
+        out.append(teacher_answers.Record(input_ids=ids, prompt_len=prompt_len, labels=labels))
     return out
 
 
 def test_choose_vocab_and_coverage():
-    recs = [distill.Record(torch.tensor([5, 6, 7, 7, 7, 9]), 2, torch.tensor([7, 7, 7, 9]))]
-    vocab_map = distill.choose_vocab(recs, 2, always=[2])
+    recs = [teacher_answers.Record(torch.tensor([5, 6, 7, 7, 7, 9]), 2, torch.tensor([7, 7, 7, 9]))]
+    vocab_map = teacher_answers.choose_vocab(recs, 2, always=[2])
     assert vocab_map.tolist() == [2, 7]  # eos kept, then the most frequent label; sorted by id
-    assert distill.vocab_coverage(recs, vocab_map) == pytest.approx(0.75)
+    assert teacher_answers.vocab_coverage(recs, vocab_map) == pytest.approx(0.75)
+
+
+def test_default_prompts_ship_with_the_package():
+    from viasd_core.loading.prompts import load_prompts
+
+    prompts = load_prompts(teacher_answers.DEFAULT_PROMPTS)
+    assert len(prompts) >= 100 and all(p.text.strip() for p in prompts)
 
 
 def test_train_save_load_roundtrip(target, tmp_path):
     recs = _records()
-    vocab_map = distill.choose_vocab(recs, 32, always=[2])
-    draft = distill.init_draft(target, 2, vocab_map)
+    vocab_map = teacher_answers.choose_vocab(recs, 32, always=[2])
+    draft = draft_init.init_draft(target, 2, vocab_map)
     assert draft.get_input_embeddings() is target.get_input_embeddings()
     # the head starts as the target's output rows for vocab_map
     assert torch.equal(draft.lm_head.weight, target.lm_head.weight[vocab_map])
     emb_before = target.get_input_embeddings().weight.clone()
-    losses = distill.train_draft(draft, recs, vocab_map, steps=30, batch_size=3, lr=3e-3, warmup=3)
+    losses = draft_train.train_draft(draft, recs, vocab_map, steps=30, batch_size=3, lr=3e-3, warmup=3)
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
     assert torch.equal(target.get_input_embeddings().weight, emb_before)  # the shared embedding stays frozen
     assert target.get_input_embeddings().weight.requires_grad  # and its flag is restored
@@ -107,7 +114,7 @@ def test_train_save_load_roundtrip(target, tmp_path):
     # The trained draft has learnt the rule: its argmax, mapped to target ids, often equals the
     # label that the rule (ids * 7 + 3) % 40 + 3 gives, computed here from the ids.
     rec = recs[1]
-    res = distill.evaluate_agreement(loaded, records=[rec])
+    res = draft_eval.evaluate_agreement(loaded, records=[rec])
     rule = (rec.input_ids[rec.prompt_len - 1 : -1] * 7 + 3) % 40 + 3
     with torch.no_grad():
         draft_idx = loaded(input_ids=rec.input_ids[None]).logits[0, rec.prompt_len - 1 : -1].argmax(-1)
@@ -118,8 +125,8 @@ def test_train_save_load_roundtrip(target, tmp_path):
 
 def test_tokenizer_mismatch_refused(target, tmp_path):
     recs = _records(2)
-    vocab_map = distill.choose_vocab(recs, 16)
-    draft = distill.init_draft(target, 1, vocab_map)
+    vocab_map = teacher_answers.choose_vocab(recs, 16)
+    draft = draft_init.init_draft(target, 1, vocab_map)
     folder = save_draft(tmp_path / "d", draft, vocab_map, FakeTokenizer(), target="tiny")
     with pytest.raises(ViasdError, match="different tokenizer"):
         load_draft(folder, target, tokenizer=FakeTokenizer(salt="other"))
@@ -132,8 +139,8 @@ def test_tokenizer_mismatch_refused(target, tmp_path):
 
 def test_save_replaces_atomically(target, tmp_path):
     recs = _records(2)
-    vocab_map = distill.choose_vocab(recs, 16)
-    draft = distill.init_draft(target, 1, vocab_map)
+    vocab_map = teacher_answers.choose_vocab(recs, 16)
+    draft = draft_init.init_draft(target, 1, vocab_map)
     folder = tmp_path / "d"
     save_draft(folder, draft, vocab_map, FakeTokenizer(), target="a")
     save_draft(folder, draft, vocab_map, FakeTokenizer(), target="b")
@@ -143,9 +150,9 @@ def test_save_replaces_atomically(target, tmp_path):
 
 def test_generate_batch_left_padding_matches_single(target):
     prompts = [[1, 5, 6, 7, 8, 9, 10], [1, 11, 12]]
-    batched = distill.generate_batch(target, prompts, 6, eos_ids={2}, pad_id=2)
+    batched = teacher_answers.generate_batch(target, prompts, 6, eos_ids={2}, pad_id=2)
     for p, (toks, labels) in zip(prompts, batched):
-        single = distill.generate_batch(target, [p], 6, eos_ids={2}, pad_id=2)[0]
+        single = teacher_answers.generate_batch(target, [p], 6, eos_ids={2}, pad_id=2)[0]
         assert toks == single[0] and labels == toks
 
 
@@ -173,12 +180,12 @@ class FakeDraft(torch.nn.Module):
 def test_evaluate_agreement_maps_draft_indices_through_vocab_map():
     vocab_map = torch.tensor([2, 7, 9, 11])  # draft index -> target id
     # prompt of 3, labels for 4 new tokens; 5 is outside the draft vocabulary
-    rec = distill.Record(torch.tensor([20, 21, 22, 9, 7, 11, 5]), 3, torch.tensor([9, 7, 11, 5]), category="qa")
+    rec = teacher_answers.Record(torch.tensor([20, 21, 22, 9, 7, 11, 5]), 3, torch.tensor([9, 7, 11, 5]), category="qa")
     # draft indices 2, 1, 0, 3 -> target ids 9, 7, 2, 11: the first two equal the labels
-    res = distill.evaluate_agreement(FakeDraft([2, 1, 0, 3], 4), records=[rec], vocab_map=vocab_map)
+    res = draft_eval.evaluate_agreement(FakeDraft([2, 1, 0, 3], 4), records=[rec], vocab_map=vocab_map)
     assert res == {"agreement": 0.5, "tokens": 4, "prompts": 1, "by_category": {"qa": 0.5}}
     # without the mapping (index == id) only position 1 would match: the map is really applied
-    res = distill.evaluate_agreement(FakeDraft([2, 1, 0, 3], 12), records=[rec], vocab_map=torch.arange(12))
+    res = draft_eval.evaluate_agreement(FakeDraft([2, 1, 0, 3], 12), records=[rec], vocab_map=torch.arange(12))
     assert res["agreement"] == 0.0
 
 
@@ -188,7 +195,7 @@ def test_measure_cost_reports_median_ms_and_ratio(target, monkeypatch):
     from types import SimpleNamespace
 
     vocab_map = torch.arange(16)
-    draft = distill.init_draft(target, 1, vocab_map)
+    draft = draft_init.init_draft(target, 1, vocab_map)
     clock = {"now": 0.0}
 
     def costing(ms):
@@ -201,9 +208,9 @@ def test_measure_cost_reports_median_ms_and_ratio(target, monkeypatch):
 
     handles = [target.register_forward_hook(costing(8), with_kwargs=True),
                draft.register_forward_hook(costing(2), with_kwargs=True)]
-    monkeypatch.setattr(distill, "time", SimpleNamespace(perf_counter=lambda: clock["now"]))
+    monkeypatch.setattr(draft_eval, "time", SimpleNamespace(perf_counter=lambda: clock["now"]))
     try:
-        res = distill.measure_cost(draft, target, prompt_len=8, steps=5, warmup=1, repeats=2)
+        res = draft_eval.measure_cost(draft, target, prompt_len=8, steps=5, warmup=1, repeats=2)
     finally:
         for h in handles:
             h.remove()
@@ -234,15 +241,15 @@ def test_shipped_draft():
 
 def test_early_stopping_restores_best(target):
     recs = _records(4)
-    vocab_map = distill.choose_vocab(recs, 32)
-    draft = distill.init_draft(target, 1, vocab_map)
+    vocab_map = teacher_answers.choose_vocab(recs, 32)
+    draft = draft_init.init_draft(target, 1, vocab_map)
     snapshots = []
 
     def eval_fn(d):  # the first evaluation scores best
         snapshots.append(d.lm_head.weight.detach().clone())
         return -len(snapshots)
 
-    distill.train_draft(draft, recs, vocab_map, steps=6, batch_size=2, lr=1e-2, warmup=1, eval_fn=eval_fn, eval_every=2)
+    draft_train.train_draft(draft, recs, vocab_map, steps=6, batch_size=2, lr=1e-2, warmup=1, eval_fn=eval_fn, eval_every=2)
     assert len(snapshots) == 3 and not torch.equal(snapshots[0], snapshots[-1])
     assert torch.equal(draft.lm_head.weight, snapshots[0])
     assert draft.viasd_train_log["best_step"] == 2

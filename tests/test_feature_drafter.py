@@ -229,7 +229,7 @@ def teacher_records(target, n=24, length=40, seed=0):
 
 def trained_head(target, steps, checkpoint=None, config=None):
     records = teacher_records(target)
-    from viasd_core.training.distill import choose_vocab
+    from viasd_core.training.teacher_answers import choose_vocab
 
     vocab_map = choose_vocab(records, 96)
     head = eagle_train.init_head(target, LAYERS, vocab_map, seed=0)
@@ -261,7 +261,7 @@ def test_training_resumes_from_its_checkpoint_exactly(tmp_path):
     """A run killed mid-way and resumed from its last checkpoint ends with the same weights."""
     target = tiny_model("llama", n_layers=5, seed=10)
     records = teacher_records(target, n=8)
-    from viasd_core.training.distill import choose_vocab
+    from viasd_core.training.teacher_answers import choose_vocab
 
     vocab_map = choose_vocab(records, 96)
     cfg = eagle_train.HeadTrainConfig(steps=20, batch_size=4, lr=3e-3, warmup=5, bf16=False, checkpoint_every=5,

@@ -1,4 +1,4 @@
-"""viasd_core.loading.hub and viasd_core.loading.catalog against a temporary HF cache and a fake Hub (no network)."""
+"""viasd_core.loading.hub, hub_plan, hub_pull, vocab_check and catalog against a temporary HF cache and a fake Hub (no network)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from conftest_hub import (  # noqa: F401  (fixtures)
 )
 
 from viasd_core.loading import catalog
-from viasd_core.loading import hub
+from viasd_core.loading import hub, hub_plan, hub_pull, vocab_check
 from viasd_core.errors import UsageError, ViasdError
 
 NEEDED = {
@@ -128,7 +128,7 @@ def test_select_files_keeps_what_generation_needs_config_last():
         "merges.txt",
         "chat_template.jinja",
     ]
-    assert hub.select_files(listing) == [
+    assert hub_plan.select_files(listing) == [
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",
@@ -141,7 +141,7 @@ def test_select_files_keeps_what_generation_needs_config_last():
         "generation_config.json",
         "config.json",
     ]
-    assert hub.select_files(["model.safetensors", "consolidated.safetensors", "config.json"]) == [
+    assert hub_plan.select_files(["model.safetensors", "consolidated.safetensors", "config.json"]) == [
         "model.safetensors",
         "config.json",
     ]
@@ -154,7 +154,7 @@ def test_pull_fetches_only_needed_files_and_is_idempotent(fake_hub, hub_env, mod
     files = dict(model_files) | {"README.md": b"# tiny", "pytorch_model.bin": b"pickle", "original/tokenizer.model": b"x"}
     commit = fake_hub.add("org/tiny", files)
 
-    path = hub.pull("org/tiny", progress=False)
+    path = hub_pull.pull("org/tiny", progress=False)
     assert path == repo_folder(hub_env.cache, "org/tiny") / "snapshots" / commit
     fetched = [name for _, name, revision in fake_hub.downloads if revision == commit]
     assert set(fetched) == NEEDED
@@ -164,7 +164,7 @@ def test_pull_fetches_only_needed_files_and_is_idempotent(fake_hub, hub_env, mod
     assert hub.resolve_local("org/tiny") == path  # the ref was written
     n_downloads = len(fake_hub.downloads)
 
-    assert hub.pull("org/tiny", progress=False) == path
+    assert hub_pull.pull("org/tiny", progress=False) == path
     assert len(fake_hub.downloads) == n_downloads  # the second pull downloads nothing
     assert fake_hub.info_calls == [("org/tiny", None), ("org/tiny", None)]
     assert not list((repo_folder(hub_env.cache, "org/tiny") / "blobs").glob("*.incomplete"))
@@ -173,7 +173,7 @@ def test_pull_fetches_only_needed_files_and_is_idempotent(fake_hub, hub_env, mod
 def test_pull_pinned_revision_leaves_main_alone(fake_hub, hub_env, model_files, other_model_files):
     old = fake_hub.add("org/tiny", model_files, commit=commit_of("old"), refs=("v1",))
     fake_hub.add("org/tiny", other_model_files, commit=commit_of("new"), refs=("main",))
-    path = hub.pull("org/tiny", revision="v1", progress=False)
+    path = hub_pull.pull("org/tiny", revision="v1", progress=False)
     assert path.name == old
     assert hub.resolve_local("org/tiny", "v1") == path
     with pytest.raises(ViasdError, match="not in the local cache"):
@@ -182,11 +182,11 @@ def test_pull_pinned_revision_leaves_main_alone(fake_hub, hub_env, model_files, 
 
 def test_pull_shows_rich_progress_on_stderr(fake_hub, model_files, capsys):
     fake_hub.add("org/tiny", model_files)
-    hub.pull("org/tiny", progress=True)
+    hub_pull.pull("org/tiny", progress=True)
     out, err = capsys.readouterr()
     assert out == ""
     assert "org/tiny: downloading 5 of 5 files" in err
-    hub.pull("org/tiny", progress=True)
+    hub_pull.pull("org/tiny", progress=True)
     assert "org/tiny: already in the cache" in capsys.readouterr().err
 
 
@@ -198,7 +198,7 @@ def test_plan_counts_partial_blobs_as_already_fetched(fake_hub, hub_env, model_f
     from conftest_hub import blob_name
 
     (blobs / f"{blob_name(weights)}.incomplete").write_bytes(weights[:100])  # an interrupted download
-    plan = hub.plan_pull("org/tiny")
+    plan = hub_plan.plan_pull("org/tiny")
     assert {f.name for f in plan.missing} == NEEDED
     assert plan.bytes_to_fetch == sum(len(model_files[n]) for n in NEEDED) - 100
     assert not plan.up_to_date
@@ -206,37 +206,37 @@ def test_plan_counts_partial_blobs_as_already_fetched(fake_hub, hub_env, model_f
 
 def test_pull_refuses_when_disk_is_short(fake_hub, hub_env, model_files, monkeypatch):
     fake_hub.add("org/tiny", model_files)
-    monkeypatch.setattr(hub.shutil, "disk_usage", disk_usage_with_free(100 * 2**20))  # < the 512 MiB margin
+    monkeypatch.setattr(hub_pull.shutil, "disk_usage", disk_usage_with_free(100 * 2**20))  # < the 512 MiB margin
     with pytest.raises(ViasdError) as info:
-        hub.pull("org/tiny", progress=False)
+        hub_pull.pull("org/tiny", progress=False)
     message = one_line(info.value)
     assert message.startswith("not enough disk space for org/tiny")
     assert "104.9 MB is free" in message and "HF_HUB_CACHE" in message
     assert fake_hub.downloads == []
 
-    monkeypatch.setattr(hub.shutil, "disk_usage", disk_usage_with_free(10 * 2**30))
-    assert hub.pull("org/tiny", progress=False).is_dir()
+    monkeypatch.setattr(hub_pull.shutil, "disk_usage", disk_usage_with_free(10 * 2**30))
+    assert hub_pull.pull("org/tiny", progress=False).is_dir()
 
 
 def test_check_disk_space_margin(monkeypatch, tmp_path):
-    monkeypatch.setattr(hub.shutil, "disk_usage", disk_usage_with_free(hub.DISK_MARGIN_BYTES + 2_000_000))
-    hub.check_disk_space(1_000_000, tmp_path / "not" / "yet" / "created")  # 1 MB + 5 % + margin fits
+    monkeypatch.setattr(hub_pull.shutil, "disk_usage", disk_usage_with_free(hub_pull.DISK_MARGIN_BYTES + 2_000_000))
+    hub_pull.check_disk_space(1_000_000, tmp_path / "not" / "yet" / "created")  # 1 MB + 5 % + margin fits
     with pytest.raises(ViasdError, match=r"it needs 3\.0 MB \(\+537\.0 MB margin\)"):
-        hub.check_disk_space(3_000_000, tmp_path)
-    hub.check_disk_space(0, tmp_path)  # nothing to fetch: never refuses
+        hub_pull.check_disk_space(3_000_000, tmp_path)
+    hub_pull.check_disk_space(0, tmp_path)  # nothing to fetch: never refuses
 
 
 def test_pull_offline_and_not_cached_says_how_to_get_it(hub_env, monkeypatch, model_files):
     hub_calls = FakeHub(hub_env.cache).install(monkeypatch)  # HF_HUB_OFFLINE=1 from hub_env
     with pytest.raises(ViasdError) as info:
-        hub.pull("org/tiny", progress=False)
+        hub_pull.pull("org/tiny", progress=False)
     message = one_line(info.value)
     assert "cannot pull org/tiny: offline mode is on (HF_HUB_OFFLINE=1" in message
     assert "machine with network access" in message and "models--org--tiny" in message
     assert hub_calls.info_calls == [] and hub_calls.downloads == []
 
     snapshot = put_in_cache(hub_env.cache, "org/tiny", model_files, commit_of("c"))
-    assert hub.pull("org/tiny", progress=False) == snapshot  # offline but complete: fine
+    assert hub_pull.pull("org/tiny", progress=False) == snapshot  # offline but complete: fine
     assert hub_calls.info_calls == []
 
 
@@ -244,13 +244,13 @@ def test_pull_without_network_says_so(fake_hub):
     fake_hub.add("org/tiny", {"model.safetensors": b"x", "config.json": b"{}"})
     fake_hub.connection_down = True
     with pytest.raises(ViasdError, match=r"^cannot pull org/tiny: the Hub cannot be reached; pull it on a machine"):
-        hub.pull("org/tiny", progress=False)
+        hub_pull.pull("org/tiny", progress=False)
 
 
 def test_pull_gated_repo(fake_hub, model_files):
     fake_hub.add("meta-llama/Llama-3.2-1B-Instruct", model_files, gated=True)
     with pytest.raises(ViasdError) as info:
-        hub.pull("meta-llama/Llama-3.2-1B-Instruct", progress=False)
+        hub_pull.pull("meta-llama/Llama-3.2-1B-Instruct", progress=False)
     assert one_line(info.value) == (
         "model meta-llama/Llama-3.2-1B-Instruct is gated: accept the licence on "
         "https://huggingface.co/meta-llama/Llama-3.2-1B-Instruct and log in with `hf auth login` (or set HF_TOKEN)"
@@ -259,10 +259,10 @@ def test_pull_gated_repo(fake_hub, model_files):
 
 def test_pull_unknown_repo_and_unknown_revision(fake_hub, model_files):
     with pytest.raises(ViasdError, match=r"^model org/nothing was not found on the Hugging Face Hub; check the id"):
-        hub.pull("org/nothing", progress=False)
+        hub_pull.pull("org/nothing", progress=False)
     fake_hub.add("org/tiny", model_files)
     with pytest.raises(ViasdError) as info:
-        hub.pull("org/tiny", revision="v9", progress=False)
+        hub_pull.pull("org/tiny", revision="v9", progress=False)
     assert one_line(info.value).startswith("revision v9 of model org/tiny does not exist on the Hub")
     assert fake_hub.downloads == []
 
@@ -270,14 +270,14 @@ def test_pull_unknown_repo_and_unknown_revision(fake_hub, model_files):
 def test_pull_repo_without_safetensors(fake_hub):
     fake_hub.add("org/old", {"pytorch_model.bin": b"pickle", "config.json": b"{}", "tokenizer.json": b"{}"})
     with pytest.raises(ViasdError) as info:
-        hub.pull("org/old", progress=False)
+        hub_pull.pull("org/old", progress=False)
     assert one_line(info.value).startswith("model org/old has no safetensors weights (it has pytorch_model.bin)")
     assert fake_hub.downloads == []
 
 
 def test_pull_bad_id_is_a_usage_error(fake_hub):
     with pytest.raises(UsageError):
-        hub.pull("just-a-name", progress=False)
+        hub_pull.pull("just-a-name", progress=False)
     assert fake_hub.info_calls == []
 
 
@@ -292,7 +292,7 @@ def test_same_tokenizer_passes_with_padded_embeddings(tmp_path):
         folder.mkdir()
         for file, content in tiny_model_files(vocab_size=vocab_size).items():
             (folder / file).write_bytes(content)
-    hub.check_same_tokenizer(tmp_path / "target", tmp_path / "draft")  # no error
+    vocab_check.check_same_tokenizer(tmp_path / "target", tmp_path / "draft")  # no error
 
 
 def test_different_tokenizers_name_both_models(tmp_path, model_files, other_model_files):
@@ -301,7 +301,7 @@ def test_different_tokenizers_name_both_models(tmp_path, model_files, other_mode
         for file, content in files.items():
             (tmp_path / name / file).write_bytes(content)
     with pytest.raises(ViasdError) as info:
-        hub.check_same_tokenizer(tmp_path / "t", tmp_path / "d", target_name="org/target", draft_name="org/draft")
+        vocab_check.check_same_tokenizer(tmp_path / "t", tmp_path / "d", target_name="org/target", draft_name="org/draft")
     message = one_line(info.value)
     assert message.startswith("target org/target and draft org/draft use different tokenizers (8 vs 8 tokens, 4 differ")
     assert "e.g. 'hello': id 2 vs 3" in message
@@ -310,7 +310,7 @@ def test_different_tokenizers_name_both_models(tmp_path, model_files, other_mode
 def test_unloadable_tokenizer_is_a_clear_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ViasdError, match=r"^cannot load the tokenizer of org/x from "):
-        hub.check_same_tokenizer(tmp_path / "empty", tmp_path / "empty", target_name="org/x")
+        vocab_check.check_same_tokenizer(tmp_path / "empty", tmp_path / "empty", target_name="org/x")
 
 
 # --- catalog ------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Multi-turn chat over one Engine: history, slash commands, per-turn statistics, save.
+"""Multi-turn chat over one Engine: the conversation, its turns and their statistics.
 
 The engine keeps its committed tokens and KV caches between calls, so each turn passes the
 whole conversation (chat template applied) and the engine re-uses every cached position of
@@ -10,48 +10,27 @@ it in its prefill, `RunStats.prefill_cached` / `prefill_processed`):
   processed  prompt positions the target had to run
   mismatch   tokens of the cached context that the new prompt no longer matches
 
-Nothing here writes to a terminal: `cli/chat.py` renders what these functions return.
+The slash commands are in chat_commands.py, the live status line and the text shown after a
+turn in chat_status.py. Nothing here writes to a terminal: `cli/chat.py` renders what these
+functions return.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
-from viasd_core import paths
-from viasd_core.decoding.engine import MODES, Generation, GenerationConfig, common_prefix
-from viasd_core.errors import UsageError, ViasdError
+from viasd_core.decoding.engine import Generation, GenerationConfig, common_prefix
 from viasd_core.decoding.fidelity import fidelity
-from viasd_core.loading.prompts import encode
-from viasd_core.session import Session, thresholds_of
-from viasd_core.loading.drafter_factory import load_drafter
 from viasd_core.decoding.slim_view import slim_verifier
-from viasd_core.decoding.stats import TIERS, RunStats
-from viasd_core.frontends.streaming import stats_line
+from viasd_core.decoding.stats import RunStats
+from viasd_core.errors import UsageError, ViasdError
+from viasd_core.frontends.chat_status import LiveMeter
+from viasd_core.loading.prompts import encode
+from viasd_core.loading.drafter_factory import load_drafter
+from viasd_core.session import Session
 
 SAVE_VERSION = 1
-
-HELP = """Commands:
-  /help            this list
-  /stats           per-turn and session statistics
-  /mode MODE       ar, sd, exact or viasd (exact/viasd need a calibration profile)
-  /gamma N         draft tokens per step (N >= 1)
-  /temp X          temperature (0 = greedy; viasd is greedy-only)
-  /max N           largest number of new tokens per answer
-  /system TEXT     set the system message (no text: remove it); the history is kept
-  /reset           start a new conversation (clears history and caches)
-  /save FILE       write the transcript and statistics as JSON
-  /exit            leave (Ctrl-D too); Ctrl-C stops the answer being generated
-  //text           send a message that starts with '/'"""
-
-TIER_LEGEND = {  # who decided a token
-    "accept": "draft kept",
-    "slim": "slim verifier",
-    "full": "target",
-    "bonus": "target's extra token",
-}
 
 
 # ---------------------------------------------------------------------- records
@@ -81,24 +60,7 @@ class Turn:
         return d
 
 
-@dataclass
-class Reply:
-    """What a slash command answers: kind is info, error, help, stats or exit."""
-
-    kind: str
-    text: str = ""
-
-
-def parse_command(line: str) -> tuple[str, str] | None:
-    """('gamma', '4') for '/gamma 4'; None when the line is a message ('//x' is the message '/x')."""
-    line = line.strip()
-    if not line.startswith("/") or line.startswith("//"):
-        return None
-    name, _, arg = line[1:].partition(" ")
-    return name.lower(), arg.strip()
-
-
-# ---------------------------------------------------------------------- live meter
+# ---------------------------------------------------------------------- the live meter's tap
 class DraftTap:
     """A drafter that delegates everything and remembers its last proposal (live acceptance)."""
 
@@ -115,56 +77,9 @@ class DraftTap:
         return getattr(self.inner, name)
 
 
-class LiveMeter:
-    """Running statistics of the answer being generated, from the engine's on_emit calls.
-
-    One on_emit call is one engine step; a step cost a target pass when it holds an
-    ar / full / bonus token (viasd skips the target when the slim verifier decides all).
-    The exact numbers come from RunStats when the answer ends.
-    """
-
-    def __init__(self, mode: str, tap: DraftTap | None = None, budget: float | None = None):
-        self.mode = mode
-        self.tap = tap
-        self.budget = budget
-        self.start = time.perf_counter()
-        self.tokens = 0
-        self.passes = 0
-        self.drafted = 0
-        self.kept = 0
-        self.tier_counts = {t: 0 for t in TIERS}
-
-    def on_emit(self, tokens: list[int], tiers: list[str]) -> None:
-        self.tokens += len(tokens)
-        for t in tiers:
-            if t in self.tier_counts:
-                self.tier_counts[t] += 1
-        if any(t in ("ar", "full", "bonus") for t in tiers):
-            self.passes += 1
-        drafted = self.tap.last if self.tap is not None else None
-        if drafted:
-            self.drafted += len(drafted)
-            self.kept += common_prefix(tokens, drafted)
-            self.tap.last = None
-
-    def fields(self) -> list[tuple[str, str]]:
-        """(value, label) pairs for a status line."""
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
-        out = [(self.mode, ""), (str(self.tokens), "tok"), (f"{self.tokens / elapsed:.1f}", "tok/s")]
-        if self.mode != "ar":
-            total = sum(self.tier_counts.values()) or 1
-            out.append((f"{self.tokens / self.passes:.2f}" if self.passes else "-", "tok/pass"))
-            out.append((f"{self.kept / self.drafted:.2f}" if self.drafted else "-", "accepted"))
-            out.append((" ".join(f"{t[0].upper()}{100 * self.tier_counts[t] / total:.0f}" for t in TIERS), "% tiers"))
-        out.append((f"{self.passes / self.tokens:.2f}" if self.tokens else "-", "passes/tok"))
-        if self.mode == "viasd" and self.budget is not None:
-            out.append((f">= {1 - self.budget:.3f}", "fidelity budget"))
-        return out
-
-
 # ---------------------------------------------------------------------- the chat
 class Chat:
-    """A conversation over a Session's engine; `ask` runs one turn, `command` one slash command."""
+    """A conversation over a Session's engine; `ask` runs one turn (chat_commands.run_command a slash command)."""
 
     def __init__(self, session: Session, config: GenerationConfig, system: str | None = None,
                  measure_fidelity: bool | None = None, progress=None):
@@ -250,56 +165,7 @@ class Chat:
         self.turns.append(turn)
         return turn
 
-    # ------------------------------------------------------------------ commands
-    def command(self, line: str) -> Reply:
-        """Run a slash command; a bad value gives an 'error' reply and changes nothing."""
-        parsed = parse_command(line)
-        if parsed is None:
-            return Reply("error", f"not a command: {line!r}")
-        name, arg = parsed
-        handler = {
-            "help": self._help, "?": self._help, "stats": self._stats, "mode": self._mode, "gamma": self._gamma,
-            "temp": self._temp, "temperature": self._temp, "max": self._max, "system": self._system,
-            "reset": self._reset, "save": self._save, "exit": self._exit, "quit": self._exit,
-        }.get(name)
-        if handler is None:
-            return Reply("error", f"unknown command '/{name}': /help lists the commands")
-        try:
-            return handler(arg)
-        except ViasdError as e:
-            return Reply("error", e.message)
-
-    def _help(self, arg: str) -> Reply:
-        return Reply("help", HELP)
-
-    def _stats(self, arg: str) -> Reply:
-        return Reply("stats", "")
-
-    def _exit(self, arg: str) -> Reply:
-        return Reply("exit", "")
-
-    def _try_config(self, **changes) -> None:
-        old = {k: getattr(self.config, k) for k in changes}
-        for k, v in changes.items():
-            setattr(self.config, k, v)
-        try:
-            self.config.validate()
-        except ViasdError:
-            for k, v in old.items():
-                setattr(self.config, k, v)
-            raise
-
-    def _mode(self, arg: str) -> Reply:
-        mode = arg.lower()
-        if mode not in MODES:
-            raise UsageError(f"unknown mode '{arg}': use one of {', '.join(MODES)}")
-        if mode == "viasd" and self.config.temperature > 0:
-            raise UsageError("viasd mode is greedy-only: set /temp 0 first")
-        self.ensure_mode(mode)
-        self._try_config(mode=mode, thresholds=thresholds_of(self.session.profile))
-        extra = f" (fidelity budget >= {1 - self.session.profile.budget:.3f})" if mode == "viasd" else ""
-        return Reply("info", f"mode {mode}{extra}")
-
+    # ------------------------------------------------------------------ modes
     def ensure_mode(self, mode: str) -> None:
         """Load what `mode` needs and the session lacks: a drafter; a profile and slim verifier."""
         from viasd_core.loading.profile import find_profile
@@ -315,54 +181,6 @@ class Chat:
             s.profile = find_profile(s.target.model_id, s.draft_id, s.options.quant, engine.target.device.type,
                                      shape.n_layers, explicit=s.options.profile)
             engine.slim = slim_verifier(engine.target, s.profile.view)
-
-    def _gamma(self, arg: str) -> Reply:
-        try:
-            n = int(arg)
-        except ValueError:
-            raise UsageError(f"/gamma needs a whole number, got '{arg}'")
-        self._try_config(gamma=n, gamma_max=max(self.config.gamma_max, n))
-        return Reply("info", f"gamma {n}" + (" (adaptive: the largest)" if self.config.adaptive else ""))
-
-    def _temp(self, arg: str) -> Reply:
-        try:
-            x = float(arg)
-        except ValueError:
-            raise UsageError(f"/temp needs a number, got '{arg}'")
-        if x != x or x in (float("inf"),):
-            raise UsageError(f"/temp needs a finite number, got '{arg}'")
-        self._try_config(temperature=x)
-        return Reply("info", f"temperature {x:g}" + (" (greedy)" if x == 0 else ""))
-
-    def _max(self, arg: str) -> Reply:
-        try:
-            n = int(arg)
-        except ValueError:
-            raise UsageError(f"/max needs a whole number, got '{arg}'")
-        if n < 1:
-            raise UsageError(f"/max must be at least 1 (got {n})")
-        self._try_config(max_new_tokens=n)
-        return Reply("info", f"at most {n} new tokens per answer")
-
-    def _system(self, arg: str) -> Reply:
-        self.system = arg or None
-        return Reply("info", f"system message set ({len(arg)} characters)" if arg else "system message removed")
-
-    def _reset(self, arg: str) -> Reply:
-        self.messages = []
-        self.engine.reset()
-        self.conversation += 1
-        return Reply("info", "new conversation (history and caches cleared)")
-
-    def _save(self, arg: str) -> Reply:
-        if not arg:
-            raise UsageError("/save needs a file name: /save chat.json")
-        path = Path(arg).expanduser()
-        try:
-            paths.atomic_write_json(path, self.to_json())
-        except OSError as e:
-            raise ViasdError(f"cannot write '{path}': {e.strerror or e}")
-        return Reply("info", f"saved {len(self.turns)} turns to {path}")
 
     # ------------------------------------------------------------------ statistics
     def totals(self) -> RunStats:
@@ -394,49 +212,3 @@ class Chat:
             "totals": {"turns": len(self.turns), "reused_tokens": reused, "processed_tokens": processed,
                        "stats": self.totals().to_dict()},
         }
-
-
-# ---------------------------------------------------------------------- text
-def turn_summary(turn: Turn) -> str:
-    """One line after each answer."""
-    parts = [stats_line(turn.stats, turn.mode)]
-    parts.append(f"prefill {turn.processed_tokens} processed, {turn.reused_tokens} from cache")
-    if turn.mismatch_tokens and turn.reused_tokens:
-        parts.append(f"{turn.mismatch_tokens} cached tokens re-encoded differently")
-    if turn.finish_reason == "interrupted":
-        parts.append("interrupted")
-    return ", ".join(parts)
-
-
-def session_summary(chat: Chat) -> str:
-    if not chat.turns:
-        return "Session: no turns."
-    s = chat.totals()
-    reused, processed = chat.prefill_totals()
-    saved = reused / (reused + processed) if reused + processed else 0.0
-    line = (f"Session: {len(chat.turns)} turns, {s.new_tokens} tokens in {s.time_total:.2f} s ({s.tokens_per_s:.1f} tok/s), "
-            f"{s.target_passes / s.new_tokens if s.new_tokens else 0:.2f} target passes/token; "
-            f"prefill {reused} tokens re-used from cache, {processed} processed ({100 * saved:.0f}% saved)")
-    return line
-
-
-STATS_COLUMNS = ("turn", "mode", "prompt", "cached", "prefill", "new", "tok/s", "tok/pass", "accept", "pass/tok", "finish")
-
-
-def stats_rows(chat: Chat) -> list[list[str]]:
-    """Rows of the /stats table: one per turn, then the session total."""
-
-    def row(label, mode, prompt, reused, processed, s: RunStats, finish):
-        spec = mode != "ar"
-        return [label, mode, str(prompt), str(reused), str(processed), str(s.new_tokens), f"{s.tokens_per_s:.1f}",
-                f"{s.mean_accepted_length:.2f}" if spec else "-", f"{s.acceptance_rate:.2f}" if spec else "-",
-                f"{s.target_passes / s.new_tokens:.2f}" if s.new_tokens else "-", finish]
-
-    rows = [row(str(t.index), t.mode, t.prompt_tokens, t.reused_tokens, t.processed_tokens, t.stats, t.finish_reason)
-            for t in chat.turns]
-    if chat.turns:
-        reused, processed = chat.prefill_totals()
-        modes = sorted({t.mode for t in chat.turns})
-        rows.append(row("all", "/".join(modes), sum(t.prompt_tokens for t in chat.turns), reused, processed,
-                        chat.totals(), ""))
-    return rows

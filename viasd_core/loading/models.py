@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from viasd_core import paths
-from viasd_core.devices import free_memory_bytes, resolve_device, resolve_dtype
+from viasd_core.devices import resolve_device, resolve_dtype
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.decoding.rope import check_rope
 from viasd_core.decoding.weight_formats import activation_dtype, apply_weight_format, is_weight_format
@@ -242,7 +242,7 @@ def check_same_vocab(target: Loaded, draft: Loaded) -> None:
     """Draft and target must share a tokenizer (padded embedding rows are fine)."""
     if draft.tokenizer is None or target.tokenizer is None:
         return
-    from viasd_core.loading.hub import SAME_FAMILY_FIX, check_vocabularies
+    from viasd_core.loading.vocab_check import SAME_FAMILY_FIX, check_vocabularies
 
     check_vocabularies(target.tokenizer.get_vocab(), draft.tokenizer.get_vocab(), target.ref, draft.ref,
                        fix=f"{SAME_FAMILY_FIX} or use --draft ngram")

@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from viasd_core.training.distill import cosine_lr
+from viasd_core.training.shared import cosine_lr
 from viasd_core.decoding.eagle import LAYER_IDS_KEY, FeatureHead
 from viasd_core.errors import UsageError
 from viasd_core.decoding.model import model_shape

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from viasd_core.training import eagle_train
-from viasd_core.training.distill import Record, build_dataset, choose_vocab
+from viasd_core.training.teacher_answers import DEFAULT_PROMPTS, Record, build_dataset, choose_vocab
 from viasd_core.decoding.eagle import save_feature_head
 from viasd_core.errors import UsageError
 from viasd_core.loading.models import load_model
@@ -78,8 +78,6 @@ def run_feature_distill(target_ref: str, out: str | Path, config: FeatureDistill
                         device: Optional[str] = None, trust_remote_code: bool = False,
                         log: Callable[[str], None] = lambda msg: None) -> Path:
     """Train and save an EAGLE-3 head for `target_ref` (stages cached under `work`). Returns the head folder."""
-    from viasd_core.training.distill import DEFAULT_PROMPTS
-
     config.validate()
     prompts_path = Path(config.prompts) if config.prompts is not None else DEFAULT_PROMPTS
     prompts = load_prompts(prompts_path)

@@ -1,0 +1,161 @@
+"""The target's own answers to prompts: what both distillation kinds train on.
+
+`build_dataset` runs batched generation with the target (left padding, KV cache); every `Record`
+keeps the target's argmax at each generated position (the label), also when the continuation
+itself was sampled. `choose_vocab` picks a draft's output vocabulary from those labels, and
+`vocab_coverage` says how much of them it can express. The draft model (distill.py) and the
+EAGLE-3 head (feature_distill.py) are both made from these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Sequence
+
+import torch
+
+from viasd_core import paths
+from viasd_core.loading.models import Loaded, eos_ids, pad_token_id
+from viasd_core.loading.prompts import encode
+
+DEFAULT_PROMPTS = paths.package_data() / "distill_prompts.jsonl"
+
+
+@dataclass
+class Record:
+    """One generated sequence: `input_ids` = prompt + continuation; `labels[i]` is the target's argmax
+    after `input_ids[: prompt_len + i]` (so for greedy records labels == continuation)."""
+
+    input_ids: torch.Tensor  # [prompt_len + n_new] int64
+    prompt_len: int
+    labels: torch.Tensor  # [n_new] int64
+    category: str = ""
+
+    def to_dict(self) -> dict:
+        return {"input_ids": self.input_ids, "prompt_len": self.prompt_len, "labels": self.labels, "category": self.category}
+
+
+@torch.no_grad()
+def generate_batch(
+    target,
+    prompt_ids: Sequence[list[int]],
+    max_new_tokens: int,
+    eos_ids: set[int],
+    pad_id: int,
+    temperature: float = 0.0,
+    generator: Optional[torch.Generator] = None,
+) -> list[tuple[list[int], list[int]]]:
+    """Left-padded batched decoding with a KV cache. Returns per prompt (continuation, target argmax labels)."""
+    device = target.get_input_embeddings().weight.device
+    bsz, width = len(prompt_ids), max(len(p) for p in prompt_ids)
+    input_ids = torch.full((bsz, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((bsz, width), dtype=torch.long)
+    for i, p in enumerate(prompt_ids):
+        input_ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    input_ids, mask = input_ids.to(device), mask.to(device)
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = target(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=True)
+    past, logits = out.past_key_values, out.logits[:, -1, :]
+    next_pos = position_ids[:, -1:] + 1
+    tokens: list[list[int]] = [[] for _ in range(bsz)]
+    labels: list[list[int]] = [[] for _ in range(bsz)]
+    done = torch.zeros(bsz, dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        logits = logits.float()
+        argmax = logits.argmax(-1)
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, -1).cpu()
+            chosen = torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(device)
+        else:
+            chosen = argmax
+        for i in range(bsz):
+            if not done[i]:
+                tokens[i].append(int(chosen[i]))
+                labels[i].append(int(argmax[i]))
+                if int(chosen[i]) in eos_ids:
+                    done[i] = True
+        if bool(done.all()):
+            break
+        mask = torch.cat([mask, torch.ones((bsz, 1), dtype=mask.dtype, device=device)], dim=-1)
+        out = target(input_ids=chosen[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=past, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1, :]
+        next_pos = next_pos + 1
+    return list(zip(tokens, labels))
+
+
+def build_dataset(
+    target: Loaded,
+    prompts: Sequence[str],
+    max_new_tokens: int = 128,
+    batch_size: int = 16,
+    temperature: float = 0.0,
+    seed: int = 0,
+    categories: Optional[Sequence[str]] = None,
+    max_prompt_tokens: int = 384,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> list[Record]:
+    """Generate with the target on chat-templated `prompts` (greedy, or sampled at `temperature`);
+    a prompt longer than `max_prompt_tokens` keeps its end.
+
+    Prompts are processed in length-sorted batches (less padding); the result keeps prompt order.
+    """
+    eos = eos_ids(target)
+    ids = [encode(target.tokenizer, p)[-max_prompt_tokens:] for p in prompts]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    gen = torch.Generator().manual_seed(seed)
+    records: list[Optional[Record]] = [None] * len(ids)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        outs = generate_batch(target.model, [ids[i] for i in chunk], max_new_tokens, eos, pad_token_id(target), temperature, gen)
+        for i, (toks, labs) in zip(chunk, outs):
+            records[i] = Record(
+                input_ids=torch.tensor(ids[i] + toks, dtype=torch.long),
+                prompt_len=len(ids[i]),
+                labels=torch.tensor(labs, dtype=torch.long),
+                category=categories[i] if categories else "",
+            )
+        if progress:
+            progress(min(start + batch_size, len(order)), len(order))
+    return records  # type: ignore[return-value]
+
+
+def choose_vocab(records: Iterable[Record], size: int, always: Iterable[int] = (), fill_low_ids: bool = True) -> torch.Tensor:
+    """The `size` target ids most frequent among the labels (ties by id), plus `always`; sorted by id.
+
+    When the labels hold fewer than `size` distinct ids and `fill_low_ids` is set, the rest are the
+    lowest ids not yet chosen: in a BPE vocabulary ids follow merge order, a frequency prior from
+    the tokenizer's own corpus (on SmolLM2 this lifts Spec-Bench coverage from 0.84 to 0.89 at 8k).
+    """
+    counts: dict[int, int] = {}
+    for r in records:
+        for t in r.labels.tolist():
+            counts[t] = counts.get(t, 0) + 1
+    keep = list(dict.fromkeys(int(t) for t in always))
+    chosen = set(keep)
+    for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        if len(keep) >= size:
+            break
+        if t not in chosen:
+            keep.append(t)
+            chosen.add(t)
+    t = 0
+    while fill_low_ids and len(keep) < size:
+        if t not in chosen:
+            keep.append(t)
+            chosen.add(t)
+        t += 1
+    return torch.tensor(sorted(keep[:size]), dtype=torch.long)
+
+
+def vocab_coverage(records: Iterable[Record], vocab_map: torch.Tensor) -> float:
+    """Fraction of label tokens that the draft vocabulary can express (an upper bound on agreement)."""
+    inside = torch.zeros(int(vocab_map.max()) + 1, dtype=torch.bool)
+    inside[vocab_map] = True
+    hit = total = 0
+    for r in records:
+        lab = r.labels
+        ok = (lab < inside.numel()) & inside[lab.clamp(max=inside.numel() - 1)]
+        hit, total = hit + int(ok.sum()), total + lab.numel()
+    return hit / max(total, 1)
