@@ -227,3 +227,33 @@ def test_prefill_counts_when_the_conversation_outgrows_the_context(tiny_dirs, vi
     assert sorted(ran) == list(range(second.reused_tokens, second.prompt_tokens))
     assert second.reused_tokens + second.processed_tokens == second.prompt_tokens
     assert (second.stats.prefill_cached, second.stats.prefill_processed) == (second.reused_tokens, second.processed_tokens)
+
+
+def test_three_turns_compile_once_and_the_draft_reads_only_new_tokens(tiny_dirs, viasd_home, monkeypatch):
+    """The live meter watches steps as an engine observer: no drafter is swapped in per turn, so a
+    compiled chat compiles once and every cache (the draft's too) is kept across turns."""
+    from viasd_core.decoding.model import FastModel
+
+    compiles = []
+    monkeypatch.setattr(FastModel, "compile", lambda self, mode=None: compiles.append(self.name) or False)
+    chat = make_chat(tiny_dirs, mode="sd", gamma=3, adaptive=False)
+    chat.engine.compile()
+    compiled_at_start = len(compiles)
+    assert compiled_at_start == 2  # target and draft
+    draft = chat.engine.drafter.fast_models()[0]
+    calls = record_forward(draft)
+    for i, text in enumerate(("w1 w2 w3", "w4 w5", "w6")):
+        calls.clear()
+        meter = chat.meter()
+        turn = chat.ask(text, meter=meter)
+        # The draft's first pass of the turn starts where the re-used conversation ends (at most
+        # two positions behind: its cache may lag the target's by the last step's tokens); the
+        # history before it is not read again.
+        first_start = calls[0][0]
+        if i:
+            assert turn.reused_tokens > 0 and turn.reused_tokens - 2 <= first_start <= turn.reused_tokens
+        assert positions_run(calls, turn.prompt_tokens) == list(range(first_start, turn.prompt_tokens))
+        # The meter, fed by the engine's step results, counts what the run's statistics count.
+        assert meter.drafted == turn.stats.draft_tokens > 0
+        assert meter.kept == sum(turn.stats.position_accepts)
+    assert len(compiles) == compiled_at_start  # no recompilation in any turn

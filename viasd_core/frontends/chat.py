@@ -60,23 +60,6 @@ class Turn:
         return d
 
 
-# ---------------------------------------------------------------------- the live meter's tap
-class DraftTap:
-    """A drafter that delegates everything and remembers its last proposal (live acceptance)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.last: list[int] | None = None
-
-    def propose(self, *args, **kwargs):
-        proposal = self.inner.propose(*args, **kwargs)
-        self.last = proposal.tokens.tolist()  # read now: the buffer is overwritten at commit
-        return proposal
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
 # ---------------------------------------------------------------------- the chat
 class Chat:
     """A conversation over a Session's engine; `ask` runs one turn (chat_commands.run_command a slash command)."""
@@ -132,9 +115,6 @@ class Chat:
         engine = self.engine
         cached = engine.tokens
         common = common_prefix(cached, ids)
-        tap = DraftTap(engine.drafter) if engine.drafter is not None else None
-        if meter is not None:
-            meter.tap = tap
 
         def emit(tokens, tiers):
             if meter is not None:
@@ -142,13 +122,13 @@ class Chat:
             if on_emit is not None:
                 on_emit(tokens, tiers)
 
-        if tap is not None:
-            engine.drafter = tap
+        if meter is not None:  # the meter counts drafted and kept tokens from each step's result
+            engine.observers.append(meter.on_step)
         try:
             gen: Generation = engine.generate(ids, self.config, on_emit=emit)
         finally:
-            if tap is not None:
-                engine.drafter = tap.inner
+            if meter is not None:
+                engine.observers.remove(meter.on_step)
         fid = None
         if self.measure_fidelity or (self.measure_fidelity is None and self.config.mode == "viasd"):
             fid = fidelity(self.session.target.model, ids, gen.tokens)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from viasd_core.decoding.engine import common_prefix
+from viasd_core.decoding.steps import StepResult
 from viasd_core.decoding.stats import TIERS, RunStats
 from viasd_core.frontends.streaming import stats_line
 
 if TYPE_CHECKING:
-    from viasd_core.frontends.chat import Chat, DraftTap, Turn
+    from viasd_core.frontends.chat import Chat, Turn
 
 TIER_LEGEND = {  # who decided a token
     "accept": "draft kept",
@@ -26,16 +26,16 @@ TIER_LEGEND = {  # who decided a token
 
 # ---------------------------------------------------------------------- live meter
 class LiveMeter:
-    """Running statistics of the answer being generated, from the engine's on_emit calls.
+    """Running statistics of the answer being generated, from the engine's on_emit calls and,
+    installed as an engine observer, its step results.
 
     One on_emit call is one engine step; a step cost a target pass when it holds an
     ar / full / bonus token (viasd skips the target when the slim verifier decides all).
     The exact numbers come from RunStats when the answer ends.
     """
 
-    def __init__(self, mode: str, tap: DraftTap | None = None, budget: float | None = None):
+    def __init__(self, mode: str, budget: float | None = None):
         self.mode = mode
-        self.tap = tap
         self.budget = budget
         self.start = time.perf_counter()
         self.tokens = 0
@@ -51,11 +51,11 @@ class LiveMeter:
                 self.tier_counts[t] += 1
         if any(t in ("ar", "full", "bonus") for t in tiers):
             self.passes += 1
-        drafted = self.tap.last if self.tap is not None else None
-        if drafted:
-            self.drafted += len(drafted)
-            self.kept += common_prefix(tokens, drafted)
-            self.tap.last = None
+
+    def on_step(self, engine, step: StepResult) -> None:
+        """An engine observer: the step's drafted and accepted counts (already on the host)."""
+        self.drafted += step.drafted
+        self.kept += step.kept
 
     def fields(self) -> list[tuple[str, str]]:
         """(value, label) pairs for a status line."""

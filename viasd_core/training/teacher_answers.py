@@ -10,7 +10,6 @@ EAGLE-3 head (feature_distill.py) are both made from these.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
 import torch
