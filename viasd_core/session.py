@@ -13,12 +13,11 @@ from viasd_core.decoding.engine import Engine
 from viasd_core.decoding.feature_drafter import FeatureDrafter
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.loading.models import EMBEDDED_TARGET, Loaded, check_same_vocab, eos_ids, load_model
-from viasd_core.devices import free_memory_bytes, resolve_device
+from viasd_core.devices import free_memory_bytes
 from viasd_core.decoding.model import FastModel
 from viasd_core.loading.profile import Profile, find_profile
 from viasd_core.decoding.router import Thresholds
 from viasd_core.decoding.slim_view import TARGET_WEIGHTS, slim_verifier, twin_bytes
-from viasd_core.decoding.weight_formats import default_quant
 
 EMBEDDED_DRAFT = "embedded:smollm2-135m-draft"  # the distilled 2-layer draft model
 EMBEDDED_HEAD = "embedded:smollm2-135m-eagle3"  # the EAGLE-3 head trained by viasd (the default)
@@ -34,7 +33,7 @@ class ModelOptions:
     revision: str | None = None
     dtype: str | None = None
     device: str | None = None
-    quant: str = "auto"  # auto: int4 for the embedded target on CPU (weight_formats.default_quant), else none
+    quant: str = "auto"  # auto: int4 for the embedded target on CPU (loading.models.resolve_format), else none
     draft_quant: str = "none"
     trust_remote_code: bool = False
     allow_pickle: bool = False
@@ -154,10 +153,12 @@ def _embedded_head_dir() -> Path:
 
 
 def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_profile: bool | None = None) -> Session:
-    opts = dataclasses.replace(opts, quant=default_quant(opts.quant, opts.model, resolve_device(opts.device), opts.dtype))
     target = load_model(opts.model, dtype=opts.dtype, device=opts.device, revision=opts.revision,
                         trust_remote_code=opts.trust_remote_code, allow_pickle=opts.allow_pickle,
                         quant=opts.quant, progress=progress)
+    # --quant parsed once by load_model (`auto` resolved): the value and its reason are target.format,
+    # target.format_reason; the options keep its spelling, the key of profiles
+    opts = dataclasses.replace(opts, quant=target.quant)
     max_context = context_size(target.model, opts.max_context)
     target_fast = FastModel(target.model, max_len=max_context, name="target")
     cap_vocab(target_fast, token_rows(target.model))
