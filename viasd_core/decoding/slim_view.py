@@ -38,13 +38,15 @@ class SlimView:
         return f"{len(self.layer_ids)}/{n_layers} layers on {where}"
 
 
-def lower_formats(target: WeightFormat = NONE) -> tuple[str, ...]:
+def lower_formats(target: WeightFormat = NONE, device: torch.device | None = None) -> tuple[str, ...]:
     """The weight formats (names) a slim view may use below the target's own precision: int8 and
     int4 under a floating-point target, int4 under int8; none under int4 (the lowest) or bitsandbytes
-    (its weights are not re-packed), nor without torchao."""
+    (its weights are not re-packed), nor without torchao; on `device`, only those its kernels run
+    (int4 needs a GPU of compute capability 8.0)."""
     if importlib.util.find_spec("torchao") is None or (target.quantized and not target.packed):
         return ()
-    return tuple(f.name for f in PACKED if target.bits is None or f.bits < target.bits)
+    return tuple(f.name for f in PACKED
+                 if (target.bits is None or f.bits < target.bits) and (device is None or f.runs_on(device)))
 
 
 # A target's packed twins, one per format, alive as long as the target (a session's views share them).

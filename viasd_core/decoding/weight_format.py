@@ -54,12 +54,16 @@ class WeightFormat:
         bnb = ", ".join(f.name for f in ALL if f.backend == BITSANDBYTES)
         raise UsageError(f"unknown quantization '{text}': use {''.join(a + ', ' for a in also)}{torchao} (torchao) or {bnb} (bitsandbytes)")
 
+    def runs_on(self, device: torch.device) -> bool:
+        """Whether the kernels of this format run on `device`."""
+        if self.cuda_capability is None or device.type != "cuda":
+            return True
+        return tuple(torch.cuda.get_device_capability(device)) >= self.cuda_capability
+
     def check_device(self, device: torch.device) -> None:
         """Refuse a format this GPU's kernels cannot run, before any weight is read."""
-        if self.cuda_capability is None or device.type != "cuda":
-            return
-        have = tuple(torch.cuda.get_device_capability(device))
-        if have < self.cuda_capability:
+        if not self.runs_on(device):
+            have = torch.cuda.get_device_capability(device)
             need = ".".join(map(str, self.cuda_capability))
             raise UsageError(f"{self.name} needs a GPU of compute capability {need} or newer (its kernel runs bfloat16 on "
                              f"tensor cores), this one is {have[0]}.{have[1]}: use --quant int8 or --quant 4bit")
