@@ -52,7 +52,8 @@ class WeightFormat:
                 return fmt
         torchao = ", ".join(f.name for f in ALL if f.backend in (FLOAT, TORCHAO))
         bnb = ", ".join(f.name for f in ALL if f.backend == BITSANDBYTES)
-        raise UsageError(f"unknown quantization '{text}': use {''.join(a + ', ' for a in also)}{torchao} (torchao) or {bnb} (bitsandbytes)")
+        others = "".join(f"{a}, " for a in also)
+        raise UsageError(f"unknown quantization '{text}': use {others}{torchao} (torchao) or {bnb} (bitsandbytes)")
 
     def runs_on(self, device: torch.device) -> bool:
         """Whether the kernels of this format run on `device`."""

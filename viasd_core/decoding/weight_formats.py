@@ -117,8 +117,9 @@ class PackedLinear(torch.nn.Module):
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
+        group = f", group={self.group}" if self.kind == "int4" else ""
         padded = f", packed_in={self.packed_in}" if self.packed_in != self.in_features else ""
-        return f"{self.kind}, in={self.in_features}, out={self.out_features}" + (f", group={self.group}" if self.kind == "int4" else "") + padded
+        return f"{self.kind}, in={self.in_features}, out={self.out_features}{group}{padded}"
 
 
 def _pack(linear: torch.nn.Linear, kind: str, dtype: torch.dtype | None = None) -> PackedLinear:
