@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from viasd_core.errors import UsageError, ViasdError
+from viasd_core.decoding.weight_format import WeightFormat
 from viasd_core.loading.models import load_model, quantization_config
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
@@ -87,11 +88,11 @@ def test_sd_and_exact_on_a_quantized_target_equal_ar_on_it(quant_dir, quant):
 
 def test_unknown_quantization_is_a_usage_error():
     with pytest.raises(UsageError, match=r"unknown quantization .3bit.: use none, int8, int4 \(torchao\) or 8bit, 4bit \(bitsandbytes\)"):
-        quantization_config("3bit", torch.float32)
+        quantization_config(WeightFormat.parse("3bit"), torch.float32)
 
 
 def test_missing_bitsandbytes_names_the_missing_piece(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(ViasdError, match="needs bitsandbytes: pip install"):
-        quantization_config("4bit", torch.float32)
+        quantization_config(WeightFormat.parse("4bit"), torch.float32)

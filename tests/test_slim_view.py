@@ -18,6 +18,7 @@ from viasd_core.loading.models import load_model
 from viasd_core.decoding.model import FastModel
 from viasd_core.loading.profile import read_profile, save_profile
 from viasd_core.decoding.router import OFF, BlockRecord, ReplayOutcome, Thresholds, replay, route_tiers
+from viasd_core.decoding.weight_format import WeightFormat
 from viasd_core.decoding.slim_view import TARGET_WEIGHTS, SlimView, lower_formats, release_twins, slim_verifier, slim_weights
 from viasd_core.decoding.weight_formats import PackedLinear, has_weight_format, packed_bytes, packed_copy, weight_bytes
 from viasd_kernels import TIER_ACCEPT as A
@@ -40,7 +41,7 @@ def test_packed_copy_equals_loading_at_that_format_and_leaves_the_target_alone(t
     target = tiny_model(family, seed=3, tie_word_embeddings=tied)
     target.save_pretrained(tmp_path)
     before = {n: p.detach().clone() for n, p in target.named_parameters()}
-    twin = packed_copy(target, quant)
+    twin = packed_copy(target, WeightFormat.parse(quant))
     # the target is untouched: float weights, same values, no packed layer
     assert not has_weight_format(target) and has_weight_format(twin)
     assert all(torch.equal(before[n], p) for n, p in target.named_parameters())
@@ -52,7 +53,7 @@ def test_packed_copy_equals_loading_at_that_format_and_leaves_the_target_alone(t
     with torch.no_grad():
         assert torch.equal(twin(ids).logits, loaded(ids).logits)
     # the memory estimate made before packing (RoPE buffers aside)
-    assert abs(packed_bytes(target, quant) - weight_bytes(twin)) <= 256
+    assert abs(packed_bytes(target, WeightFormat.parse(quant)) - weight_bytes(twin)) <= 256
 
 
 def test_twins_are_made_once_shared_and_released():
@@ -78,20 +79,20 @@ def test_a_twin_that_does_not_fit_is_refused_in_one_line(monkeypatch):
 
 
 def test_lower_formats_and_the_slim_formats_option(monkeypatch):
-    assert lower_formats("none") == ("int8", "int4")
-    assert lower_formats("int8") == ("int4",)
-    assert lower_formats("int4") == () and lower_formats("4bit") == ()
-    assert parse_slim_formats("auto", "none") == ("int8", "int4")
-    assert parse_slim_formats("target", "none") == ()
-    assert parse_slim_formats("int4, int8,int4", "none") == ("int4", "int8")
+    assert lower_formats(WeightFormat.parse("none")) == ("int8", "int4")
+    assert lower_formats(WeightFormat.parse("int8")) == ("int4",)
+    assert lower_formats(WeightFormat.parse("int4")) == () and lower_formats(WeightFormat.parse("4bit")) == ()
+    assert parse_slim_formats("auto", WeightFormat.parse("none")) == ("int8", "int4")
+    assert parse_slim_formats("target", WeightFormat.parse("none")) == ()
+    assert parse_slim_formats("int4, int8,int4", WeightFormat.parse("none")) == ("int4", "int8")
     with pytest.raises(UsageError, match="unknown --slim-formats"):
         parse_slim_formats("int3")
     with pytest.raises(UsageError, match="not below the target's precision"):
-        parse_slim_formats("int8", "int4")
+        parse_slim_formats("int8", WeightFormat.parse("int4"))
     monkeypatch.setattr(slim_view.importlib.util, "find_spec", lambda name: None)
-    assert lower_formats("none") == ()
+    assert lower_formats(WeightFormat.parse("none")) == ()
     with pytest.raises(UsageError, match="torchao is not installed"):
-        parse_slim_formats("int4", "none")
+        parse_slim_formats("int4", WeightFormat.parse("none"))
 
 
 # ---------------------------------------------------------------------- candidates and the choice
@@ -265,7 +266,7 @@ def test_calibrate_compares_views_and_the_modes_run_the_chosen_one(tiny_dirs, vi
     measured = [c for c in prof["candidates"] if c["modeled_speedup"] is not None]
     assert len(measured) == 3 and all(0 <= c["agreement"] <= 1 and c["costs"]["slim"] > 0 for c in measured)
     target_model = load_model(str(tiny_dirs["target"]), with_tokenizer=False).model
-    assert [c["extra_bytes"] for c in prof["candidates"]] == [0] + [weight_bytes(packed_copy(target_model, "int4"))] * 2
+    assert [c["extra_bytes"] for c in prof["candidates"]] == [0] + [weight_bytes(packed_copy(target_model, WeightFormat.parse("int4")))] * 2
     chosen = next(c for c in prof["candidates"] if (c["weights"], c["layer_ids"]) == (prof["slim_weights"], prof["layer_ids"]))
     active = [c for c in measured if c["theta_accept"] <= 1 or c["theta_slim"] <= 1]
     assert chosen["modeled_speedup"] == max(c["modeled_speedup"] for c in measured) if active else chosen is measured[0]
@@ -304,7 +305,7 @@ def test_bench_ar_slim_runs_the_view_alone_with_fidelity_against_the_target(tiny
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     rows = [row for row in rows if row["method"] == "ar-slim" and row["status"] == "ok"]
     assert len(rows) == 2
-    twin = packed_copy(loaded.model, "int4")
+    twin = packed_copy(loaded.model, WeightFormat.parse("int4"))
     texts = {p.id: p.text for p in load_prompts(str(prompt_file))}
     for row in rows:
         ids = encode(loaded.tokenizer, texts[row["prompt_id"]])

@@ -16,6 +16,7 @@ from viasd_core.decoding.drafters import ModelDrafter
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.decoding.model import FastModel
+from viasd_core.decoding.weight_format import WeightFormat
 from viasd_core.decoding.weight_formats import INT4_GROUP, PackedLinear, apply_weight_format, weight_bytes
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
@@ -37,7 +38,7 @@ def reference_weight(w: torch.Tensor, fmt: str) -> torch.Tensor:
 
 def quantized(family="llama", fmt="int4", seed=5, n_layers=4):
     model = tiny_model(family, n_layers=n_layers, seed=seed).to(torch.bfloat16)
-    apply_weight_format(model, fmt)
+    apply_weight_format(model, WeightFormat.parse(fmt))
     return model
 
 
@@ -46,7 +47,7 @@ def pack_one(fmt, n_in=128, n_out=96, seed=0):
     linear = torch.nn.Linear(n_in, n_out, bias=False).to(torch.bfloat16)
     holder = torch.nn.Sequential(linear)
     w = linear.weight.detach().float()
-    apply_weight_format(holder, fmt)
+    apply_weight_format(holder, WeightFormat.parse(fmt))
     assert isinstance(holder[0], PackedLinear) and holder[0].kind == fmt
     return holder[0], w
 
@@ -73,7 +74,7 @@ def test_int4_kernel_computes_the_formats_weight():
         layer.weight.mul_(torch.tensor([1.0, 20.0, 0.05, 3.0]).repeat_interleave(32))
     holder = torch.nn.Sequential(layer.to(torch.bfloat16))
     w = layer.weight.detach().float()
-    apply_weight_format(holder, "int4")
+    apply_weight_format(holder, WeightFormat.parse("int4"))
     packed = holder[0]
     assert isinstance(packed, PackedLinear) and packed.kind == "int4"
     probe = packed(torch.eye(128, dtype=torch.bfloat16)).T.double()  # the weight the kernel applies
@@ -107,7 +108,7 @@ def test_layers_take_the_expected_fraction_of_fp32_memory(fmt, low, high):
 def test_int4_keeps_the_output_head_in_int8_and_unties_it():
     model = tiny_model("llama", seed=5, tie_word_embeddings=True).to(torch.bfloat16)
     embed = model.get_input_embeddings().weight.detach().clone()
-    apply_weight_format(model, "int4")
+    apply_weight_format(model, WeightFormat.parse("int4"))
     head = model.get_output_embeddings()
     assert isinstance(head, PackedLinear) and head.kind == "int8"
     assert model.model.layers[0].self_attn.q_proj.kind == "int4"
@@ -195,7 +196,7 @@ def test_missing_torchao_is_a_one_line_error(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(wf.importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
     with pytest.raises(ViasdError, match=r"need torchao: pip install 'viasd\[quant\]'"):
-        apply_weight_format(torch.nn.Sequential(torch.nn.Linear(32, 8)), "int8")
+        apply_weight_format(torch.nn.Sequential(torch.nn.Linear(32, 8)), WeightFormat.parse("int8"))
 
 
 def test_cli_generate_with_int4_is_exact_and_says_so(tiny_dirs, viasd_home):
@@ -215,7 +216,10 @@ def test_cli_generate_with_int4_is_exact_and_says_so(tiny_dirs, viasd_home):
 
 
 def test_auto_picks_int4_only_for_the_embedded_target_on_cpu(monkeypatch):
-    from viasd_core.decoding.weight_formats import default_quant
+    from viasd_core.loading.models import resolve_format
+
+    def default_quant(*args):
+        return resolve_format(*args)[0].name
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert default_quant("auto", "smollm2-135m", cpu, None) == "int4"  # measured fastest, agreement >= 0.97
@@ -224,7 +228,7 @@ def test_auto_picks_int4_only_for_the_embedded_target_on_cpu(monkeypatch):
     assert default_quant("auto", "org/other-model", cpu, None) == "none"
     assert default_quant("none", "smollm2-135m", cpu, None) == "none"  # an explicit choice is kept
     assert default_quant("8bit", "smollm2-135m", cpu, None) == "8bit"
-    import viasd_core.decoding.weight_formats as wf
+    import viasd_core.loading.models as wf
 
     real = importlib.util.find_spec
     monkeypatch.setattr(wf.importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))

@@ -10,7 +10,7 @@ from viasd_core import paths
 from viasd_core.decoding.engine import Engine
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.loading.models import Loaded, eos_ids, load_model
-from viasd_core.devices import free_memory_bytes, resolve_device
+from viasd_core.devices import free_memory_bytes
 from viasd_core.decoding.model import FastModel
 from viasd_core.loading.drafter_factory import load_drafter
 from viasd_core.loading.options import COMPILE_CHOICES, DEFAULT_CONTEXT_CAP, ModelOptions
@@ -18,7 +18,6 @@ from viasd_core.loading.profile import Profile, find_profile
 from viasd_core.loading.vocab_rows import cap_vocab, token_rows, tokenizer_size
 from viasd_core.decoding.router import Thresholds
 from viasd_core.decoding.slim_view import TARGET_WEIGHTS, slim_verifier, twin_bytes
-from viasd_core.decoding.weight_formats import default_quant
 
 @dataclass
 class Session:
@@ -36,10 +35,12 @@ class Session:
 
 
 def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_profile: bool | None = None) -> Session:
-    opts = dataclasses.replace(opts, quant=default_quant(opts.quant, opts.model, resolve_device(opts.device), opts.dtype))
     target = load_model(opts.model, dtype=opts.dtype, device=opts.device, revision=opts.revision,
                         trust_remote_code=opts.trust_remote_code, allow_pickle=opts.allow_pickle,
                         quant=opts.quant, progress=progress)
+    # --quant parsed once by load_model (`auto` resolved): the value and its reason are target.format,
+    # target.format_reason; the options keep its spelling, the key of profiles
+    opts = dataclasses.replace(opts, quant=target.quant)
     max_context = context_size(target.model, opts.max_context)
     target_fast = FastModel(target.model, max_len=max_context, name="target")
     cap_vocab(target_fast, token_rows(target.model))

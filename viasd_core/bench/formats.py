@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from viasd_core.errors import UsageError, ViasdError
-from viasd_core.loading.models import QUANT_CHOICES
+from viasd_core.decoding.weight_format import NAMES as QUANT_CHOICES
 from viasd_core.paths import atomic_write_json
 
 

@@ -350,7 +350,7 @@ def parse_slim_formats(text: str, target_quant: str | None = None) -> tuple[str,
         allowed = lower_formats(target_quant)
         for n in names:
             if n not in allowed:
-                why = ("torchao is not installed (pip install 'viasd[quant]')" if not lower_formats("none")
+                why = ("torchao is not installed (pip install 'viasd[quant]')" if not lower_formats()
                        else f"it is not below the target's precision (--quant {target_quant})")
                 raise UsageError(f"--slim-formats {n}: {why}; use {', '.join(allowed) or 'target'}")
     return names
@@ -439,7 +439,7 @@ def run_calibration(opts, prompts, budget: float = DEFAULT_BUDGET, skip_ratio: f
     if len(prompts) < 2:
         raise UsageError("calibration needs at least 2 prompts (half to fit, half to validate)")
     session = build_session(opts, mode="sd", progress=log, need_profile=False)
-    formats = parse_slim_formats(slim_formats, session.options.quant)
+    formats = parse_slim_formats(slim_formats, session.target.format)
     engine = session.engine
     if engine.drafter is None:
         raise UsageError("calibration needs a draft: pass --draft (a model or 'ngram')")

@@ -22,7 +22,8 @@ import torch
 from viasd_core.errors import ViasdError
 from viasd_core.devices import free_memory_bytes
 from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.weight_formats import FORMATS, packed_bytes, packed_copy, weight_bytes
+from viasd_core.decoding.weight_format import NONE, PACKED, WeightFormat
+from viasd_core.decoding.weight_formats import packed_bytes, packed_copy, weight_bytes
 
 TARGET_WEIGHTS = "target"  # the view runs the target's own weights
 
@@ -30,22 +31,22 @@ TARGET_WEIGHTS = "target"  # the view runs the target's own weights
 @dataclass(frozen=True)
 class SlimView:
     layer_ids: tuple[int, ...]  # the target's layers the view runs
-    weights: str = TARGET_WEIGHTS  # TARGET_WEIGHTS or a weight format of a packed twin (weight_formats.FORMATS)
+    weights: str = TARGET_WEIGHTS  # TARGET_WEIGHTS or the name of a packed twin's format (weight_formats.FORMATS)
 
     def describe(self, n_layers: int) -> str:
         where = "the target's weights" if self.weights == TARGET_WEIGHTS else f"an {self.weights} copy"
         return f"{len(self.layer_ids)}/{n_layers} layers on {where}"
 
 
-def lower_formats(target_quant: str) -> tuple[str, ...]:
-    """The weight formats a slim view may use below the target's own precision: int8 and int4 under a
-    floating-point target, int4 under int8; none under int4 (the lowest) or bitsandbytes (its weights
-    are not re-packed), nor without torchao."""
-    if importlib.util.find_spec("torchao") is None:
+def lower_formats(target: WeightFormat = NONE, device: torch.device | None = None) -> tuple[str, ...]:
+    """The weight formats (names) a slim view may use below the target's own precision: int8 and
+    int4 under a floating-point target, int4 under int8; none under int4 (the lowest) or bitsandbytes
+    (its weights are not re-packed), nor without torchao; on `device`, only those its kernels run
+    (int4 needs a GPU of compute capability 8.0)."""
+    if importlib.util.find_spec("torchao") is None or (target.quantized and not target.packed):
         return ()
-    if target_quant == "none":
-        return FORMATS
-    return FORMATS[FORMATS.index(target_quant) + 1 :] if target_quant in FORMATS else ()
+    return tuple(f.name for f in PACKED
+                 if (target.bits is None or f.bits < target.bits) and (device is None or f.runs_on(device)))
 
 
 # A target's packed twins, one per format, alive as long as the target (a session's views share them).
@@ -60,7 +61,7 @@ def slim_weights(target_hf: torch.nn.Module, weights: str) -> torch.nn.Module:
     twins = _TWINS.setdefault(target_hf, {})
     if weights not in twins:
         check_twin_fits(target_hf, weights)
-        twins[weights] = packed_copy(target_hf, weights)
+        twins[weights] = packed_copy(target_hf, WeightFormat.parse(weights))
     return twins[weights]
 
 
@@ -79,7 +80,7 @@ def release_twins(target_hf: torch.nn.Module, keep=()) -> None:
 
 def check_twin_fits(target_hf: torch.nn.Module, weights: str) -> None:
     device = next(target_hf.parameters()).device
-    need = packed_bytes(target_hf, weights)
+    need = packed_bytes(target_hf, WeightFormat.parse(weights))
     free = free_memory_bytes(device)
     if need > 0.9 * free:
         raise ViasdError(

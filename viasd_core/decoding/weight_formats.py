@@ -16,6 +16,14 @@ Both run with bfloat16 activations (on CPU tinygemm's int4 kernel is ~10x slower
 inputs); embeddings and norms stay in bfloat16. torchao chooses the quantization parameters and
 packs the weights; the pass then calls PyTorch's kernels on plain tensors (`PackedLinear`), so
 it is fast eagerly and compiles like a float model.
+
+int4 on CUDA: torchao's tile-packed layout pads the weight's input width to a multiple of 1024
+(and its output width to a multiple of 8), and the kernel wants the activation just as wide, in
+bfloat16, on a GPU of compute capability 8.0 or newer. `PackedLinear` reads the packed width from
+the packed scales and pads the activation to it, as torchao's own linear does; an older GPU is
+refused when the format is chosen (weight_format.WeightFormat.check_device).
+
+Which format is a value (weight_format.WeightFormat); this module packs the torchao ones.
 """
 
 from __future__ import annotations
@@ -24,41 +32,49 @@ import importlib.util
 
 import torch
 
+from viasd_core.decoding.weight_format import PACKED, WeightFormat
 from viasd_core.errors import UsageError, ViasdError
 
-FORMATS = ("int8", "int4")  # torchao weight-only; bitsandbytes keeps "8bit" / "4bit"
+FORMATS = tuple(f.name for f in PACKED)  # the names of the formats packed here (slim views' twins)
 INT4_GROUP = 32
+INT4_CUDA_TILE_IN, INT4_CUDA_TILE_OUT = 1024, 8  # torchao's tile-packed layout pads the weight to these
 
 
-def is_weight_format(quant: str) -> bool:
-    return quant in FORMATS
-
-
-def default_quant(quant: str, model_ref: str | None, device: torch.device, dtype: str | None) -> str:
-    """`auto` -> the format to run: `int4` for the embedded target on CPU where torchao is installed
-    and no --dtype was given (on this project's CPU the fastest format whose measured agreement with
-    fp32 meets 0.97: docs/benchmarks.md section 10), `none` elsewhere (not measured there)."""
-    if quant != "auto":
-        return quant
-    from viasd_core.loading.models import EMBEDDED_ALIASES
-
-    embedded = (model_ref or "").lower() in EMBEDDED_ALIASES
-    if embedded and device.type == "cpu" and dtype is None and importlib.util.find_spec("torchao") is not None:
-        return "int4"
-    return "none"
-
-
-def activation_dtype(quant: str, dtype: str | None, device: torch.device) -> torch.dtype:
-    """The activations' dtype for a torchao format: bfloat16 (float16 on a GPU without bf16)."""
+def activation_dtype(fmt: WeightFormat, dtype: str | None, device: torch.device) -> torch.dtype:
+    """The activations' dtype for a torchao format: bfloat16 (float16 on a GPU without bf16, for
+    int8; int4 refuses such a GPU here, before any weight is read)."""
+    fmt.check_device(device)
     want = torch.bfloat16 if device.type != "cuda" or torch.cuda.is_bf16_supported() else torch.float16
     if dtype is not None and dtype != str(want).removeprefix("torch."):
-        raise UsageError(f"--quant {quant} runs with {str(want).removeprefix('torch.')} activations: drop --dtype {dtype}")
+        raise UsageError(f"--quant {fmt} runs with {str(want).removeprefix('torch.')} activations: drop --dtype {dtype}")
     return want
+
+
+def int4_packed_shape(out_features: int, in_features: int, device: torch.device) -> tuple[int, int]:
+    """(out, in) of an int4 weight as packed on `device`: on CUDA padded to torchao's tile-packed
+    layout (`Int4TilePackedTo4dTensor.from_hp`: the input width to a multiple of 1024, the output
+    to a multiple of 8); on CPU as it is. Memory estimates use it; the pass reads the packed width
+    from the packed data itself (PackedLinear.packed_in)."""
+    if device.type != "cuda":
+        return out_features, in_features
+
+    def round_up(n: int, m: int) -> int:
+        return -(-n // m) * m
+
+    return round_up(out_features, INT4_CUDA_TILE_OUT), round_up(in_features, INT4_CUDA_TILE_IN)
 
 
 def _check_torchao() -> None:
     if importlib.util.find_spec("torchao") is None:
         raise ViasdError("--quant int8/int4 need torchao: pip install 'viasd[quant]' (or pip install torchao)")
+
+
+def _int4_mm(x: torch.Tensor, qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor) -> torch.Tensor:
+    """tinygemm's int4 matmul on x's device: x [M, K] with K the packed input width -> [M, N] with N
+    the packed output width."""
+    if x.device.type == "cpu":
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qdata, group, scale_and_zero)
+    return torch.ops.aten._weight_int4pack_mm(x, qdata, group, scale_and_zero)
 
 
 class PackedLinear(torch.nn.Module):
@@ -74,6 +90,11 @@ class PackedLinear(torch.nn.Module):
                  group: int, bias: torch.Tensor | None):
         super().__init__()
         self.kind, self.out_features, self.in_features, self.group = kind, out_features, in_features, group
+        # The input width the kernel reads: int4's scale_and_zero is [packed in / group, packed out, 2]
+        # in both tinygemm layouts, so the padding of the layout the weight was packed in is read here.
+        self.packed_in = scale.shape[0] * group if kind == "int4" else in_features
+        if self.packed_in < in_features:
+            raise ValueError(f"packed int4 weight of width {self.packed_in} for a layer of width {in_features}")
         self.register_buffer("qdata", qdata)
         self.register_buffer("scale", scale)  # int8: [out]; int4: tinygemm's scale_and_zero
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
@@ -86,17 +107,19 @@ class PackedLinear(torch.nn.Module):
                 y = torch._weight_int8pack_mm(x2.contiguous(), self.qdata, self.scale)
             else:  # the gpt-fast form, which inductor fuses into one kernel
                 y = torch.mm(x2, self.qdata.t().to(x2.dtype)) * self.scale
-        elif x2.device.type == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.contiguous(), self.qdata, self.group, self.scale)
         else:
-            y = torch.ops.aten._weight_int4pack_mm(x2.contiguous(), self.qdata, self.group, self.scale)
+            if self.packed_in != self.in_features:  # CUDA's tile layout: zero columns up to the packed width
+                x2 = torch.nn.functional.pad(x2, (0, self.packed_in - self.in_features))
+            y = _int4_mm(x2.contiguous(), self.qdata, self.group, self.scale)
         y = y[:, : self.out_features]  # tinygemm pads the output width
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{self.kind}, in={self.in_features}, out={self.out_features}" + (f", group={self.group}" if self.kind == "int4" else "")
+        group = f", group={self.group}" if self.kind == "int4" else ""
+        padded = f", packed_in={self.packed_in}" if self.packed_in != self.in_features else ""
+        return f"{self.kind}, in={self.in_features}, out={self.out_features}{group}{padded}"
 
 
 def _pack(linear: torch.nn.Linear, kind: str, dtype: torch.dtype | None = None) -> PackedLinear:
@@ -109,16 +132,21 @@ def _pack(linear: torch.nn.Linear, kind: str, dtype: torch.dtype | None = None) 
         q = tq.Int8Tensor.from_hp(w, granularity=tq.PerRow())
         return PackedLinear("int8", q.qdata.contiguous(), q.scale.reshape(-1).to(w.dtype).contiguous(), w.shape[0],
                             w.shape[1], w.shape[1], bias)
-    if w.device.type == "cuda":
-        from torchao.quantization.quantize_.workflows import Int4TilePackedTo4dTensor as Int4
-    else:
-        from torchao.prototype.quantization.int4 import Int4OpaqueTensor as Int4
-    q = Int4.from_hp(w, [1, INT4_GROUP])
+    q = _int4_layout(w.device).from_hp(w, [1, INT4_GROUP])
     return PackedLinear("int4", q.qdata, q.scale_and_zero, w.shape[0], w.shape[1], INT4_GROUP, bias)
 
 
-def _kind(model: torch.nn.Module, name: str, module: torch.nn.Module, quant: str) -> str | None:
-    """How `quant` packs `module` (named `name` in `model`): int8, int4, or None (left as it is).
+def _int4_layout(device: torch.device):
+    """torchao's int4 tensor for tinygemm's kernel on `device`: tile-packed on CUDA, opaque on CPU."""
+    if device.type == "cuda":
+        from torchao.quantization.quantize_.workflows import Int4TilePackedTo4dTensor as Int4
+    else:
+        from torchao.prototype.quantization.int4 import Int4OpaqueTensor as Int4
+    return Int4
+
+
+def _kind(model: torch.nn.Module, name: str, module: torch.nn.Module, fmt: WeightFormat) -> str | None:
+    """How `fmt` packs `module` (named `name` in `model`): int8, int4, or None (left as it is).
 
     The rule of the module doc: int4 layers with an int8 output head; a layer whose input width is
     not a multiple of the int4 group stays in floating point."""
@@ -126,48 +154,48 @@ def _kind(model: torch.nn.Module, name: str, module: torch.nn.Module, quant: str
         return None
     head_module = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head = module is head_module if head_module is not None else name.split(".")[-1] == "lm_head"
-    kind = "int8" if quant == "int8" or head else "int4"
+    kind = "int8" if fmt.bits == 8 or head else "int4"
     return None if kind == "int4" and module.in_features % INT4_GROUP else kind
 
 
-def _check_format(quant: str) -> None:
-    if quant not in FORMATS:
-        raise UsageError(f"unknown weight format '{quant}': use {', '.join(FORMATS)}")
+def _check_format(fmt: WeightFormat) -> None:
+    if not fmt.packed:
+        raise UsageError(f"weight format '{fmt}' is not packed by viasd: use {', '.join(FORMATS)}")
     _check_torchao()
 
 
-def apply_weight_format(model: torch.nn.Module, quant: str) -> None:
-    """Replace `model`'s linear layers in place by `quant` (int8 or int4; see the module doc).
+def apply_weight_format(model: torch.nn.Module, fmt: WeightFormat) -> None:
+    """Replace `model`'s linear layers in place by `fmt` (int8 or int4; see the module doc).
 
     A tied output head gets its own int8 copy (the input embedding keeps its table: a lookup
     reads one row). Layers whose input width is not a multiple of the int4 group stay as they are.
     """
-    _check_format(quant)
+    _check_format(fmt)
     if hasattr(model, "_tied_weights_keys"):
         model._tied_weights_keys = None  # the head's weight is replaced; it is no longer the embedding
     with torch.no_grad():
         for parent_name, parent in list(model.named_modules()):
             for name, child in list(parent.named_children()):
-                kind = _kind(model, f"{parent_name}.{name}".lstrip("."), child, quant)
+                kind = _kind(model, f"{parent_name}.{name}".lstrip("."), child, fmt)
                 if kind is not None:
                     setattr(parent, name, _pack(child, kind))
 
 
-def packed_copy(model: torch.nn.Module, quant: str) -> torch.nn.Module:
-    """A copy of `model` in `quant`, as `--quant quant` would load it; `model` is left untouched.
+def packed_copy(model: torch.nn.Module, fmt: WeightFormat) -> torch.nn.Module:
+    """A copy of `model` in `fmt`, as `--quant fmt` would load it; `model` is left untouched.
 
     The linear layers are packed from the original weights rounded to the activation dtype; the
     other parameters (embedding, norms) are copied in that dtype; buffers (RoPE's frequencies) as
     they are. This is the lower-precision twin a slim view can run (slim_view.py)."""
     import copy
 
-    _check_format(quant)
+    _check_format(fmt)
     device = next(model.parameters()).device
-    dtype = activation_dtype(quant, None, device)
+    dtype = activation_dtype(fmt, None, device)
     memo: dict[int, object] = {}
     with torch.no_grad():
         for name, module in model.named_modules():
-            kind = _kind(model, name, module, quant)
+            kind = _kind(model, name, module, fmt)
             if kind is not None:
                 memo[id(module)] = _pack(module, kind, dtype)
                 continue
@@ -181,18 +209,20 @@ def packed_copy(model: torch.nn.Module, quant: str) -> torch.nn.Module:
     return twin
 
 
-def packed_bytes(model: torch.nn.Module, quant: str) -> int:
-    """Bytes `packed_copy(model, quant)` will hold, estimated from the shapes before making it:
+def packed_bytes(model: torch.nn.Module, fmt: WeightFormat) -> int:
+    """Bytes `packed_copy(model, fmt)` will hold, estimated from the shapes before making it:
     int8 1 byte a weight plus a 2-byte scale a row; int4 half a byte a weight plus a 2-byte scale
-    and zero per group of 32; the other parameters 2 bytes each (bfloat16)."""
+    and zero per group of 32, over the packed (on CUDA padded) shape; the other parameters 2 bytes
+    each (bfloat16)."""
     total = 0
     kept: dict[int, int] = {}  # parameters left in floating point (a tied embedding among them)
     for name, module in model.named_modules():
-        kind = _kind(model, name, module, quant)
+        kind = _kind(model, name, module, fmt)
         if kind == "int8":
             total += module.out_features * (module.in_features + 2)
         elif kind == "int4":
-            total += module.out_features * (module.in_features // 2 + 4 * (module.in_features // INT4_GROUP))
+            n, k = int4_packed_shape(module.out_features, module.in_features, module.weight.device)
+            total += n * (k // 2 + 4 * (k // INT4_GROUP))
         else:
             kept.update((id(p), p.numel() * 2) for p in module.parameters(recurse=False))
     total += sum(kept.values())

