@@ -21,17 +21,32 @@ reads the draft and the slim's tiers on the host, since they decide whether the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol
 
 import torch
 from viasd_kernels import RouteResult, route_block
 
+from viasd_core.decoding.drafters import Drafter
+from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.router import Thresholds, slim_confidence, unsure_to_full, walk_block
 from viasd_core.decoding.sampling import Sampler, SamplingParams, greedy_accept, prefix_length, process_logits, speculative_sample
 from viasd_core.decoding.stats import RunStats
 
-if TYPE_CHECKING:
-    from viasd_core.decoding.engine import Engine
+
+class Decoder(Protocol):
+    """What a step reads and writes of the engine (decoding.engine.Engine is the one implementation)."""
+
+    target: FastModel
+    slim: FastModel | None
+    drafter: Drafter | None
+    ids: torch.Tensor  # [context + widest pass] int64, the token buffer
+    tokens: list[int]  # the committed tokens, host copy of ids[:len(tokens)]
+    device: torch.device
+    host_reads: int
+
+    def clock(self) -> float: ...
+
+    def read(self, values: torch.Tensor) -> list[int]: ...
 
 
 @dataclass
@@ -64,7 +79,7 @@ class Run:
     thresholds: Thresholds | None  # tiered steps only
 
 
-Step = Callable[["Engine", Run, int], StepResult]
+Step = Callable[[Decoder, Run, int], StepResult]
 
 
 @dataclass(frozen=True)
@@ -86,7 +101,7 @@ def plan_for(mode: str, thresholds: Thresholds | None) -> Plan:
 
 
 # ---------------------------------------------------------------------- plain
-def plain_step(eng: Engine, run: Run, g: int = 0) -> StepResult:
+def plain_step(eng: Decoder, run: Run, g: int = 0) -> StepResult:
     """One target pass over the pending token; its next token (greedy or sampled)."""
     n = len(eng.tokens)
     t = eng.clock()
@@ -107,7 +122,7 @@ def plain_step(eng: Engine, run: Run, g: int = 0) -> StepResult:
 
 
 # ---------------------------------------------------------------------- sd and exact
-def _draft(eng: Engine, run: Run, g: int):
+def _draft(eng: Decoder, run: Run, g: int):
     """1. draft: up to g tokens into ids[n : n + g]; None when the draft proposes nothing."""
     n = len(eng.tokens)
     t = eng.clock()
@@ -122,7 +137,7 @@ def _draft(eng: Engine, run: Run, g: int):
     return proposal
 
 
-def speculative_step(eng: Engine, run: Run, g: int) -> StepResult:
+def speculative_step(eng: Decoder, run: Run, g: int) -> StepResult:
     """sd: the target verifies the draft's block in one pass; exact in greedy and sampling."""
     proposal = _draft(eng, run, g)
     if proposal is None:
@@ -130,7 +145,7 @@ def speculative_step(eng: Engine, run: Run, g: int) -> StepResult:
     return _verify_and_accept(eng, run, proposal.tokens.clone(), proposal.probs, refined=False)
 
 
-def refined_step(eng: Engine, run: Run, g: int) -> StepResult:
+def refined_step(eng: Decoder, run: Run, g: int) -> StepResult:
     """exact: the slim verifier refines the draft's block before the target verifies it.
 
     Its greedy choice at every position replaces the draft's: equal on the prefix it agrees with,
@@ -151,7 +166,7 @@ def refined_step(eng: Engine, run: Run, g: int) -> StepResult:
     return _verify_and_accept(eng, run, draft_tokens, None, refined=True)
 
 
-def _verify_and_accept(eng: Engine, run: Run, draft_tokens: torch.Tensor, draft_probs, refined: bool) -> StepResult:
+def _verify_and_accept(eng: Decoder, run: Run, draft_tokens: torch.Tensor, draft_probs, refined: bool) -> StepResult:
     """Steps 3-5 of sd and exact over the block in ids[n : n + g], with the device read once."""
     n, g = len(eng.tokens), draft_tokens.shape[0]
     stats, params = run.stats, run.params
@@ -190,7 +205,7 @@ def _verify_and_accept(eng: Engine, run: Run, draft_tokens: torch.Tensor, draft_
 
 
 # ---------------------------------------------------------------------- viasd
-def tiered_step(eng: Engine, run: Run, g: int) -> StepResult:
+def tiered_step(eng: Decoder, run: Run, g: int) -> StepResult:
     """viasd: accept / slim / full tiers from one slim pass (docs/algorithm.md section 2), walked
     by router.walk_block; the target runs (once, over the whole block) only from the first 'full'."""
     proposal = _draft(eng, run, g)

@@ -25,7 +25,7 @@ from viasd_core.decoding.fidelity import fidelity
 from viasd_core.decoding.slim_view import slim_verifier
 from viasd_core.decoding.stats import RunStats
 from viasd_core.errors import UsageError, ViasdError
-from viasd_core.frontends.chat_status import LiveMeter
+from viasd_core.frontends.chat_meter import LiveMeter
 from viasd_core.loading.prompts import encode
 from viasd_core.loading.drafter_factory import load_drafter
 from viasd_core.session import Session
