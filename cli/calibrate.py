@@ -10,8 +10,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from viasd_core.calibration.calibrate import (DEFAULT_BUDGET, DEFAULT_SKIP_RATIO, SLIM_FORMAT_CHOICES, CalibrationMissed, check_budget,
-                                  check_skip_ratio, parse_slim_formats, run_calibration)
+from viasd_core.calibration.calibrate import (DEFAULT_BUDGET, DEFAULT_SKIP_RATIO, CalibrationMissed, check_budget,
+                                              check_skip_ratio, run_calibration)
+from viasd_core.calibration.candidates import SLIM_FORMAT_CHOICES, parse_slim_formats
 from viasd_core.errors import ViasdError
 from viasd_core.loading.prompts import load_prompts
 from viasd_core.session import ModelOptions
