@@ -3,18 +3,18 @@ models, prompts and seeds in one process; a table on stdout, files and plots wit
 
 from __future__ import annotations
 
+import functools
 import sys
+from contextlib import ExitStack
 from typing import Annotated, Optional
 
 import typer
 
 from viasd_core.bench import harness as core
-from viasd_core.bench.files import make_meta, session_meta, summary_json, write_outputs, write_summary
-from viasd_core.bench.formats import split_formats
-from viasd_core.bench.summary import summarize
+from viasd_core.bench.files import summary_json
+from viasd_core.bench.formats import run_formats, split_formats
+from viasd_core.bench.measure import PromptSource, measure, project
 from viasd_core.errors import UsageError
-from viasd_core.loading.prompts import load_prompts
-from viasd_core.session import build_session
 from viasd_core.loading.options import ModelOptions
 
 from .app import app
@@ -108,7 +108,6 @@ def print_projection(summary: dict) -> None:
 @handle_errors
 @model_options
 def bench(
-    ctx: typer.Context,
     *,
     opts: ModelOptions,
     methods: Annotated[str, typer.Option("--methods", help=f"Comma-separated subset of {','.join(core.METHODS)}, or 'all'.")] = "all",
@@ -135,60 +134,51 @@ def bench(
     """Benchmark every method on the same models, prompts and seeds; the summary on stdout."""
     log = (lambda msg: None) if quiet else (lambda msg: typer.echo(msg, err=True))
     formats = split_formats(opts.quant)
-    if formats is not None:
-        return _formats(ctx, formats, out, as_json, log)
     if synthetic is not None:
-        return _synthetic(synthetic, opts.device, opts.dtype, gamma, acceptance_from, force, out, as_json, log)
-    if acceptance_from is not None or force:
+        if formats is not None:
+            raise UsageError("--synthetic projects one shape on random weights: it takes a single --quant")
+        summary = project(synthetic, opts, gamma, acceptance_from, force, out, log)
+        show = print_projection
+    elif acceptance_from is not None or force:
         raise UsageError("--acceptance-from and --force only apply with --synthetic")
-    config = core.BenchConfig(methods=core.parse_methods(methods), max_new_tokens=max_new_tokens, gamma=gamma,
-                              adaptive=adaptive, min_confidence=min_confidence, warmup=warmup, repeats=repeats, seed=seed, raw=raw,
-                              viasd_profiles=[p.strip() for p in (viasd_profiles or "").split(",") if p.strip()])
-    config.validate()
-    cats = [c.strip() for c in categories.split(",") if c.strip()] if categories else None
-    if limit is not None and limit < 1:
-        raise UsageError(f"--limit must be at least 1 (got {limit})")
-    prompt_list = load_prompts(prompts, limit=limit, categories=cats)
-    needs_draft = any(m in core.NEEDS_DRAFT for m in config.methods) or bool(config.viasd_profiles)
-    session = build_session(opts, mode="sd" if needs_draft else "ar", progress=log, need_profile=False)
-    runners = core.make_runners(session, config)
-    result = _run_with_progress(session, prompt_list, config, runners, quiet)
-    summary = {
-        "meta": session_meta(session, config, prompts, len(prompt_list)),
-        "methods": summarize(result.rows, result.statuses, result.peak_memory, config.methods),
-    }
-    if out:
-        paths = write_outputs(out, result.rows, summary)
-        log("wrote " + ", ".join(str(p) for p in paths))
+    else:
+        config = core.BenchConfig(methods=core.parse_methods(methods), max_new_tokens=max_new_tokens, gamma=gamma,
+                                  adaptive=adaptive, min_confidence=min_confidence, warmup=warmup, repeats=repeats,
+                                  seed=seed, raw=raw,
+                                  viasd_profiles=[p.strip() for p in (viasd_profiles or "").split(",") if p.strip()])
+        source = PromptSource(prompts, limit, categories)
+        if formats is not None:
+            summary = run_formats(opts, config, source, formats, out, log)
+            show = print_formats
+        else:
+            with ExitStack() as stack:
+                summary = measure(opts, config, source, out, log, progress=None if quiet else _progress(stack))
+            show = functools.partial(print_summary, breakdown=breakdown)
     if as_json:
         sys.stdout.write(summary_json(summary))
     else:
-        print_summary(summary, breakdown)
+        show(summary)
 
 
-def _formats(ctx: typer.Context, formats: list[str], out: str | None, as_json: bool, log) -> None:
-    """--quant A,B,...: one bench process per format with this invocation's other options."""
-    from viasd_core.bench.formats import run_formats
+def _progress(stack: ExitStack):
+    """measure's `progress`: a bar on stderr, opened (in `stack`) once the number of runs is known."""
 
-    if not out:
-        raise UsageError("--quant with several formats needs --out DIR (each format writes DIR/<format>/)")
-    args: list[str] = []
-    for param in ctx.command.params:  # the options given, except those run_formats sets per format
-        value = ctx.params.get(param.name)
-        if param.name in ("quant", "out", "as_json", "quiet") or value is None or value == param.default:
-            continue
-        if getattr(param, "is_flag", False):
-            args.append(param.opts[0] if value else param.secondary_opts[0])
-        else:
-            args += [param.opts[0], str(value)]
-    combined = run_formats(args, formats, out, log)
-    log(f"wrote {out}/formats.json")
-    if as_json:
-        sys.stdout.write(summary_json(combined))
-        return
+    def start(total: int):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        bars = stack.enter_context(Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                            TimeElapsedColumn(), console=Console(file=sys.stderr), transient=False))
+        task = bars.add_task("bench", total=total)
+        return lambda method, what, n: bars.update(task, advance=n, description=f"{method} {what}")
+
+    return start
+
+
+def print_formats(combined: dict) -> None:
     from rich.table import Table
 
-    table = Table(title=f"viasd bench, one process per format ({', '.join(formats)})", title_justify="left")
+    table = Table(title=f"viasd bench, one process per format ({', '.join(combined['formats'])})", title_justify="left")
     for col in ("format", "method", "tok/s", "x fp32 ar", "x fp32 hf", "tok/pass", "fidelity", "peak MiB", "status"):
         table.add_column(col, justify="left" if col in ("format", "method", "status") else "right")
     for r in combined["rows"]:
@@ -198,39 +188,3 @@ def _formats(ctx: typer.Context, formats: list[str], out: str | None, as_json: b
         table.add_row(r["format"], r["method"], f"{r['tokens_per_s']:.1f}", _fmt(r["x_fp32_ar"]), _fmt(r["x_fp32_hf"]),
                       _fmt(r["tokens_per_pass"]), _fmt(r["fidelity_mean"], ".3f"), _fmt(r["peak_mib"], ".0f"), "ok")
     _table_console().print(table)
-
-
-def _run_with_progress(session, prompt_list, config, runners, quiet):
-    if quiet:
-        return core.run_bench(session, prompt_list, config, runners=runners)
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    total = len(config.methods) * len(prompt_list) * config.repeats
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(file=sys.stderr), transient=False) as progress:
-        task = progress.add_task("bench", total=total)
-
-        def on_run(method, what, n):
-            progress.update(task, advance=n, description=f"{method} {what}")
-
-        return core.run_bench(session, prompt_list, config, on_run=on_run, runners=runners)
-
-
-def _synthetic(name, device, dtype, gamma, acceptance_from, force, out, as_json, log):
-    from viasd_core.loading import synthetic as syn
-    from viasd_core.devices import resolve_device
-
-    dev = resolve_device(device)
-    plan = syn.SyntheticPlan(name=name, device=str(dev), dtype=dtype, gamma=gamma, force=force,
-                             acceptance_from=acceptance_from)
-    syn.check_plan(plan)
-    projection = syn.run_synthetic(plan, progress=log)
-    summary = {"meta": make_meta(dev, label=syn.LABEL, synthetic=name, gamma=gamma, acceptance_from=acceptance_from),
-               "projection": projection}
-    if out:
-        log(f"wrote {write_summary(out, summary)} (a PROJECTION)")
-    if as_json:
-        sys.stdout.write(summary_json(summary))
-    else:
-        print_projection(summary)

@@ -10,16 +10,21 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from viasd_core.calibration.calibrate import (DEFAULT_BUDGET, DEFAULT_SKIP_RATIO, SLIM_FORMAT_CHOICES, CalibrationMissed, check_budget,
-                                  check_skip_ratio, parse_slim_formats, run_calibration)
+from viasd_core.calibration.calibrate import DEFAULT_BUDGET, DEFAULT_SKIP_RATIO, CalibrationMissed, run_calibration
+from viasd_core.calibration.candidates import SLIM_FORMAT_CHOICES
+from viasd_core.decoding.stats import format_fidelity
 from viasd_core.errors import ViasdError
 from viasd_core.loading.prompts import load_prompts
 from viasd_core.loading.options import ModelOptions
-from viasd_core.decoding.stats import format_fidelity
 
 from .app import app
-from .options import (DEFAULT_MODEL, AllowPickleOpt, DeviceOpt, DraftOpt, DraftQuantOpt, DtypeOpt, GammaOpt, ModelOpt,
-                      QuantOpt, RevisionOpt, TrustOpt, handle_errors)
+from .options import GammaOpt, handle_errors, model_options
+
+WrittenProfileOpt = Annotated[Optional[str], typer.Option(
+    "--profile", "--out",
+    help="Write the calibration profile to this file (atomically; --out is the same option). Default: the config "
+         "directory, where generate, chat and bench find the profile of this pair on their own; give them "
+         "--profile with this path otherwise.")]
 
 EXAMPLES = """
 EXAMPLES
@@ -31,6 +36,8 @@ EXAMPLES
   viasd calibrate --quant none --slim-formats int4  (fp32 target; try slim views on an int4 copy of it)
 
   viasd calibrate -m ./target -d ./draft --prompts spec_bench.jsonl --limit 40
+
+  viasd calibrate --profile runs/profile.json        (then: viasd bench --profile runs/profile.json)
 """
 
 
@@ -82,34 +89,22 @@ def candidates_table(report) -> Table:
 
 @app.command(epilog=EXAMPLES)
 @handle_errors
+@model_options(profile=WrittenProfileOpt)
 def calibrate(
-    model: ModelOpt = DEFAULT_MODEL,
-    draft: DraftOpt = None,
-    revision: RevisionOpt = None,
+    *,
+    opts: ModelOptions,
     prompts: Annotated[Optional[str], typer.Option("--prompts", help="JSONL (turns/prompt field) or plain text; default: the shipped set.")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="Use at most this many prompts.")] = None,
     budget: Annotated[float, typer.Option("--budget", help="Largest fidelity loss allowed, in (0, 1).")] = DEFAULT_BUDGET,
     skip_ratio: Annotated[float, typer.Option("--skip-ratio", help="Fraction of layers the slim verifier skips, in [0, 0.9].")] = DEFAULT_SKIP_RATIO,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="New tokens per calibration prompt.")] = 96,
     gamma: GammaOpt = 5,
-    dtype: DtypeOpt = None,
-    device: DeviceOpt = None,
-    quant: QuantOpt = "auto",
-    draft_quant: DraftQuantOpt = "none",
-    trust_remote_code: TrustOpt = False,
-    allow_pickle: AllowPickleOpt = False,
-    out: Annotated[Optional[str], typer.Option("--out", help="Write the profile here instead of the config directory.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Save the profile even if it misses the budget on held-out prompts.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON on stdout.")] = False,
     slim_formats: Annotated[str, typer.Option("--slim-formats", help=f"Weight formats of the target's copies to try as slim views besides its own weights: {SLIM_FORMAT_CHOICES}. auto: every format below the target's precision.")] = "auto",
 ):
     """Find the slim verifier and calibrate the tier thresholds to a fidelity budget."""
-    check_budget(budget)
-    check_skip_ratio(skip_ratio)
-    parse_slim_formats(slim_formats)
     prompt_list = load_prompts(prompts, limit=limit)
-    opts = ModelOptions(model=model, draft=draft, revision=revision, dtype=dtype, device=device, quant=quant,
-                        draft_quant=draft_quant, trust_remote_code=trust_remote_code, allow_pickle=allow_pickle)
     err = Console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err, transient=True) as bars:
@@ -119,8 +114,7 @@ def calibrate(
 
         try:
             report = run_calibration(opts, prompt_list, budget=budget, skip_ratio=skip_ratio, max_new_tokens=max_new_tokens,
-                                     gamma=gamma, force=force, profile_path=out, slim_formats=slim_formats, log=err.print,
-                                     progress=progress)
+                                     gamma=gamma, force=force, slim_formats=slim_formats, log=err.print, progress=progress)
         except CalibrationMissed as e:
             err.print(candidates_table(e.report))
             err.print(report_table(e.report))
@@ -130,5 +124,4 @@ def calibrate(
     else:
         Console().print(candidates_table(report))
         Console().print(report_table(report))
-    where = report.saved_to
-    err.print(f"profile saved to {where}" + ("" if report.met_budget else " (forced: it MISSES the budget)"))
+    err.print(f"profile saved to {report.saved_to}" + ("" if report.met_budget else " (forced: it MISSES the budget)"))

@@ -86,9 +86,11 @@ MODEL_OPTIONS = {
 }
 
 
-def model_options(command):
-    """Give `command` the model options (--model ... --profile), passed to it as `opts: ModelOptions`."""
-    return _option_group(MODEL_OPTIONS, "opts", ModelOptions)(command)
+def model_options(command=None, *, profile=ProfileOpt):
+    """Give `command` the model options (--model ... --compile), passed to it as `opts: ModelOptions`.
+    `@model_options(profile=...)`: a command that writes the profile declares its own --profile."""
+    decorate = _option_group({**MODEL_OPTIONS, "profile": (profile, None)}, "opts", ModelOptions)
+    return decorate if command is None else decorate(command)
 
 
 def _generation_config(stop, **values) -> GenerationConfig:

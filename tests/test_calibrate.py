@@ -9,7 +9,9 @@ from typer.testing import CliRunner
 
 from conftest import FAMILIES, tiny_model
 from viasd_cli.app import get_app
-from viasd_core.calibration.calibrate import MaskEvaluator, fit_thresholds, search_layer_mask, sd_outcome
+from viasd_core.calibration.costs import sd_outcome
+from viasd_core.calibration.fit import fit_thresholds
+from viasd_core.calibration.mask_search import MaskEvaluator, search_layer_mask
 from viasd_core.errors import ViasdError
 from viasd_core.decoding.model import FastModel
 from viasd_core.loading.profile import Profile, find_profile, read_profile, save_profile
@@ -232,7 +234,7 @@ def test_calibrate_malformed_and_empty_prompt_files(tiny_dirs, viasd_home, tmp_p
 
 
 def test_calibrate_refuses_to_save_when_heldout_misses_the_budget(tiny_dirs, viasd_home, prompt_file, monkeypatch):
-    import viasd_core.calibration.calibrate as cal
+    import viasd_core.calibration.candidates as cal
 
     real_fit = cal.fit_thresholds
 
@@ -250,7 +252,7 @@ def test_calibrate_refuses_to_save_when_heldout_misses_the_budget(tiny_dirs, via
 
 def test_run_prompts_reports_fidelity_only_where_measured():
     from conftest import TinyTokenizer
-    from viasd_core.calibration.calibrate import run_prompts
+    from viasd_core.calibration.runs import run_prompts
     from viasd_core.decoding.engine import Engine, GenerationConfig
 
     target = tiny_model("llama", n_layers=2, seed=46)

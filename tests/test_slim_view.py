@@ -9,8 +9,10 @@ import torch
 from conftest import TinyTokenizer, tiny_model
 from test_calibrate import invoke, prompt_file  # noqa: F401 (prompt_file: a fixture)
 from viasd_core.decoding import slim_view
-from viasd_core.calibration.calibrate import (Candidate, Fit, collect_blocks, choose_candidate, fidelity_lower_bound, fit_thresholds,
-                                  modeled_tokens_per_s, parse_slim_formats, pass_seconds, slim_candidates)
+from viasd_core.calibration.candidates import Candidate, choose_candidate, parse_slim_formats, slim_candidates
+from viasd_core.calibration.costs import modeled_tokens_per_s, pass_seconds
+from viasd_core.calibration.fit import Fit, fidelity_lower_bound, fit_thresholds
+from viasd_core.calibration.runs import collect_blocks
 from viasd_core.decoding.drafters import ModelDrafter
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.errors import UsageError, ViasdError

@@ -45,11 +45,12 @@ def versions() -> dict[str, str]:
             "python": platform.python_version()}
 
 
-def make_meta(device: torch.device, label: str = "measurement", **extra) -> dict:
+def make_meta(device: torch.device, label: str = "measurement", command: list[str] | None = None, **extra) -> dict:
+    """The meta block; `command`: the command line measured (default: this process's)."""
     return {
         "label": label,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": list(sys.argv),
+        "command": list(sys.argv if command is None else command),
         "device": str(device),
         "device_name": device_name(device),
         "torch_threads": torch.get_num_threads(),
@@ -58,11 +59,12 @@ def make_meta(device: torch.device, label: str = "measurement", **extra) -> dict
     }
 
 
-def session_meta(session: Session, config: BenchConfig, prompts_source: str | None, n_prompts: int) -> dict:
+def session_meta(session: Session, config: BenchConfig, prompts_source: str | None, n_prompts: int,
+                 command: list[str] | None = None) -> dict:
     t = session.target
     profile = session.profile
     return make_meta(
-        session.engine.device,
+        session.engine.device, command=command,
         target={"id": t.model_id, "path": str(t.path), "revision": t.revision, "quant": t.quant},
         draft={"id": session.draft_id, "path": str(session.draft.path) if session.draft else None,
                "revision": session.draft.revision if session.draft else None,

@@ -17,8 +17,8 @@ runs per method, then ONE teacher-forced target pass over the output for its fid
 assumed, HF methods included). A method that cannot run is `skipped` with the reason; one that
 raises is `failed` with the error, and none of its runs is kept as a result.
 
-The runners are in bench_runners.py, the summary in bench_summary.py, the files and meta block in
-bench_files.py, the plots in bench_plots.py.
+The runners are in runners.py, the summary in summary.py, the files and meta block in files.py,
+the plots in plots.py; measure.py runs a whole bench from option values, formats.py one per format.
 """
 
 from __future__ import annotations

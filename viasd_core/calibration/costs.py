@@ -1,0 +1,80 @@
+"""Pass costs, measured on this machine, and the throughput they model for a replayed run.
+
+The threshold fit compares threshold sets by modeled tokens/s: the draft's, the target's and the
+slim verifier's passes, each priced by `pass_costs` (the median of timed passes over 1 token and
+over a block after a cached context). docs/algorithm.md section 5.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from viasd_core.decoding.model import FastModel
+from viasd_core.decoding.router import OFF, BlockRecord, ReplayOutcome, Thresholds, replay
+
+
+@torch.inference_mode()
+def pass_costs(model: FastModel, name: str, block: int, context: int = 256, repeats: int = 7) -> dict:
+    """Median seconds of `model`'s pass over `block` tokens and over 1 token after `context`
+    cached positions (fewer where its cache holds fewer: --max-context is never exceeded):
+    {name: block pass, name_1: 1-token pass}."""
+    device = model.device
+    context = max(1, min(context, model.max_len - block - 1))
+    ids = torch.randint(10, min(1000, model.shape.vocab_size), (context + block,), device=device)
+    model.allocate(context + block + 1)
+
+    def timed(n: int) -> float:
+        model.reset()
+        model.forward(ids[:context], 0, 1)
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            model.forward(ids[context : context + n], context, 1)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - t)
+        model.reset()
+        return statistics.median(times)
+
+    one = timed(1)
+    return {name: one if block == 1 else timed(block), f"{name}_1": one}
+
+
+def measure_costs(target: FastModel, draft: FastModel | None, context: int = 256, block: int = 6, repeats: int = 7) -> dict:
+    """Seconds of one pass, measured here: the target over `block` tokens and over 1 token
+    (`target_1`), one draft token; `block` records the width. A slim view's come from pass_costs."""
+    costs = {"block": block, **pass_costs(target, "target", block, context, repeats)}
+    costs["draft"] = pass_costs(draft, "draft", 1, context, repeats)["draft"] if draft is not None else 0.0
+    return costs
+
+
+def pass_seconds(costs: dict, name: str, passes: int, positions: int) -> float:
+    """Seconds of `passes` passes of model `name` over `positions` positions in all: linear in a
+    pass's width between the measured 1-token and block passes (on a CPU a wider pass costs more;
+    a target skipped for a few steps runs their tokens in its next pass). Flat per pass where
+    only the block pass was measured."""
+    block, one, width = costs[name], costs.get(f"{name}_1"), costs.get("block", 0)
+    if one is None or width < 2:
+        return passes * block
+    per_position = max(0.0, (block - one) / (width - 1))
+    return passes * one + per_position * max(0, positions - passes)
+
+
+def modeled_tokens_per_s(outcome: ReplayOutcome, costs: dict) -> float:
+    seconds = (outcome.drafted * costs["draft"] + pass_seconds(costs, "target", outcome.target_passes, outcome.target_positions))
+    if outcome.slim_passes:
+        seconds += pass_seconds(costs, "slim", outcome.slim_passes, outcome.slim_positions)
+    return outcome.tokens / seconds if seconds > 0 else 0.0
+
+
+def sd_outcome(blocks: list[BlockRecord]) -> ReplayOutcome:
+    """What plain sd does on the same blocks: viasd with both tiers off (one target pass per
+    block, no slim pass; the target's tokens up to its first disagreement, then its own)."""
+    return replay(blocks, Thresholds(OFF, OFF))
+
+
