@@ -16,6 +16,8 @@ and CUDA graphs need (gpt-fast style):
 
 `compile()` wraps the one pass function in `torch.compile(fullgraph=True)` (CUDA graphs on CUDA);
 the eager path is the same function uncompiled: the plain reference the tests compare against.
+With VIASD_CHECK_GRAPH_OUTPUTS=1 every compiled call poisons the outputs of the earlier ones, as
+CUDA graph trees may overwrite them (graph_outputs.py): a CPU run then shows a stale read.
 
 `capture_features(layers)` makes every pass also write the residual-stream states entering those
 layers (transformers' `output_hidden_states[l]`) into a static buffer at the pass's positions, the
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from viasd_core.errors import ViasdError
-from viasd_core.decoding import attention
+from viasd_core.decoding import attention, graph_outputs
 from viasd_core.decoding.rope import apply_rope, check_rope
 from viasd_core.decoding.weight_formats import has_weight_format
 
@@ -233,7 +235,9 @@ class FastModel(attention.CachedPositions):
         # Every FastModel shares `_run`'s code, whose graphs dynamo caches together (a session holds
         # about 12: target, slim and draft shapes); the default limit of 8 would refuse the rest.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self._compiled = torch.compile(self._run, fullgraph=True, dynamic=False, mode=mode)
+        # The cache's buffers are inputs mutated in place, never outputs: the output check spares them.
+        self._compiled = graph_outputs.guard(torch.compile(self._run, fullgraph=True, dynamic=False, mode=mode),
+                                             static=list(self.cache.buffers()))
         return True
 
     @property
