@@ -28,8 +28,7 @@ EAGLE's own training used) and optionally `eagle_aux_hidden_state_layer_ids` (to
 embedding is normally absent (EAGLE's trainer freezes it and saves only trained weights): the head
 then shares the target's embedding module; an `embed_tokens.weight` [vocab, H] is used when present.
 
-Like `FastModel`: batch 1, a KV cache allocated once, `rollback(n)` keeps the first n cached positions
-(attention.CachedPositions), fp32 logits; its attention is attention.py's, as the target's.
+Like `FastModel`: batch 1, a static KV cache, `rollback(n)` keeps n positions, attention.py's attention, fp32 logits.
 """
 
 from __future__ import annotations
