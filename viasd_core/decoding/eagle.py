@@ -28,7 +28,7 @@ EAGLE's own training used) and optionally `eagle_aux_hidden_state_layer_ids` (to
 embedding is normally absent (EAGLE's trainer freezes it and saves only trained weights): the head
 then shares the target's embedding module; an `embed_tokens.weight` [vocab, H] is used when present.
 
-Like `FastModel`: batch 1, a KV cache allocated once, rollback as a length reset, fp32 logits.
+Like `FastModel`: batch 1, a static KV cache, `rollback(n)` keeps n positions, attention.py's attention, fp32 logits.
 """
 
 from __future__ import annotations
@@ -41,15 +41,14 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from viasd_core.errors import ViasdError
-from viasd_core.decoding.model import LayerCache
-from viasd_core.decoding.rope import check_rope
+from viasd_core.decoding import attention
+from viasd_core.decoding.rope import apply_rope, check_rope
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -86,7 +85,7 @@ class _MidLayer(nn.Module):
         self.mlp = LlamaMLP(cfg)
 
 
-class FeatureHead(nn.Module):
+class FeatureHead(nn.Module, attention.CachedPositions):
     """An EAGLE-3 head; its `state_dict()` names are the published checkpoint's.
 
     `embed`: the target's input-embedding module, shared (not a submodule: never saved, moved or
@@ -133,15 +132,8 @@ class FeatureHead(nn.Module):
             cos, sin = LlamaRotaryEmbedding(cfg)(self.fc.weight, positions[None])
         self.register_buffer("rope_cos", cos[0].to(self.dtype), persistent=False)  # [max_len, D]
         self.register_buffer("rope_sin", sin[0].to(self.dtype), persistent=False)
-        self.cache = LayerCache(cfg.num_key_value_heads, max_len, cfg.head_dim, self.dtype, device)
+        self.cache = attention.LayerCache(cfg.num_key_value_heads, max_len, cfg.head_dim, self.dtype, device)
         self.max_len = int(max_len)
-        self.seen = 0
-
-    def rollback(self, n: int) -> None:
-        """Keep the first `n` cached positions; later ones are overwritten by the next forward."""
-        self.seen = min(self.seen, n)
-
-    def reset(self) -> None:
         self.seen = 0
 
     # ------------------------------------------------------------------ forward
@@ -163,7 +155,7 @@ class FeatureHead(nn.Module):
         q = attn.q_proj(x).view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
         k = attn.k_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         v = attn.v_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def finish(self, fused: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """The residual and MLP after attention: the head's output feature [..., H]."""
@@ -183,7 +175,6 @@ class FeatureHead(nn.Module):
 
         Returns (logits [n_logits or T, draft_vocab] float32 of the last rows, hidden [T, H]).
         """
-        cfg = self.llama_config
         T = token_ids.shape[0]
         end = start + T
         if end > self.max_len:
@@ -194,20 +185,14 @@ class FeatureHead(nn.Module):
         if features.shape[0] != T or features.shape[-1] not in (self.hidden_size, 3 * self.hidden_size):
             raise ValueError(f"features must be [{T}, {self.hidden_size}] or [{T}, {3 * self.hidden_size}], "
                              f"got {list(features.shape)}")
-        n_heads, n_kv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        rep = n_heads // n_kv
         fused = self.fuse(features) if features.shape[-1] != self.hidden_size else features.to(self.dtype)
         emb = self.embedding(token_ids).to(self.dtype)
         q, k, v = self.qkv(emb[None], fused[None], self.rope_cos[start:end], self.rope_sin[start:end])
         pos = torch.arange(start, end, device=token_ids.device)
         k_cache, v_cache = self.cache.update(pos, k, v)
-        mask = None
-        if T > 1:  # causal over cache[:end]; the query heads of a KV head are packed along the rows
-            mask = (torch.arange(end, device=pos.device)[None, :] <= pos[:, None]).repeat(rep, 1)
-        o = F.scaled_dot_product_attention(q.reshape(1, n_kv, rep * T, D), k_cache[:, :, :end],
-                                           v_cache[:, :, :end], attn_mask=mask)  # scale 1/sqrt(D)
-        o = o.reshape(n_heads, T, D).transpose(0, 1).reshape(T, n_heads * D)
-        hidden = self.finish(fused, o)
+        mask = attention.causal_mask(pos, torch.arange(end, device=pos.device)) if T > 1 else None  # [T, end]
+        o = attention.attend(q, k_cache[:, :, :end], v_cache[:, :, :end], mask)  # [1, T, heads * D]; scale 1/sqrt(D)
+        hidden = self.finish(fused, o[0])
         rows = hidden if n_logits is None else hidden[T - n_logits:]
         logits = self.logits(rows)
         self.seen = end

@@ -12,11 +12,12 @@ and CUDA graphs need (gpt-fast style):
   reset (`rollback(n)`): stale entries are masked, then overwritten;
 - compiled, short passes are padded to a few fixed widths (`PASS_WIDTHS`): one graph per width,
   whatever the draft length; long passes (prefill) run in fixed-size chunks, eagerly;
-- grouped-query attention is computed by packing each KV head's query heads along the sequence
-  axis, so every pass takes SDPA's fused path with a mask (no `enable_gqa`, no K/V repeat).
+- attention, its masks and grouped-query packing are attention.py's, shared with the EAGLE head.
 
 `compile()` wraps the one pass function in `torch.compile(fullgraph=True)` (CUDA graphs on CUDA);
 the eager path is the same function uncompiled: the plain reference the tests compare against.
+With VIASD_CHECK_GRAPH_OUTPUTS=1 every compiled call poisons the outputs of the earlier ones, as
+CUDA graph trees may overwrite them (graph_outputs.py): a CPU run then shows a stale read.
 
 `capture_features(layers)` makes every pass also write the residual-stream states entering those
 layers (transformers' `output_hidden_states[l]`) into a static buffer at the pass's positions, the
@@ -33,10 +34,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from viasd_core.errors import ViasdError
-from viasd_core.decoding.rope import check_rope
+from viasd_core.decoding import attention, graph_outputs
+from viasd_core.decoding.rope import apply_rope, check_rope
 from viasd_core.decoding.weight_formats import has_weight_format
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
@@ -87,48 +88,25 @@ def pass_width(n: int) -> int:
     raise ValueError(f"a padded pass covers at most {PASS_WIDTHS[-1]} tokens, got {n}")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-class LayerCache(torch.nn.Module):
-    """One layer's K/V [1, kv_heads, length, head_dim] as buffers (static addresses for CUDA graphs).
-
-    Each layer owns its tensors (not views of one big tensor): a compiled in-place write then
-    stays in place instead of being functionalized into a copy of the whole cache.
-    """
-
-    def __init__(self, n_kv_heads: int, length: int, head_dim: int, dtype, device):
-        super().__init__()
-        shape = (1, n_kv_heads, length, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Write k, v [1, kv_heads, T, head_dim] at positions input_pos [T]; returns the buffers."""
-        self.k[:, :, input_pos] = k
-        self.v[:, :, input_pos] = v
-        return self.k, self.v
-
-
 class StaticCache(torch.nn.Module):
     """Every run layer's K/V and the RoPE tables, allocated once."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, length: int, head_dim: int, cos, sin, dtype, device):
         super().__init__()
-        self.layers = torch.nn.ModuleList(LayerCache(n_kv_heads, length, head_dim, dtype, device) for _ in range(n_layers))
+        self.layers = torch.nn.ModuleList(attention.LayerCache(n_kv_heads, length, head_dim, dtype, device)
+                                          for _ in range(n_layers))
         self.register_buffer("cos", cos, persistent=False)  # [length, head_dim]
         self.register_buffer("sin", sin, persistent=False)
         self.register_buffer("key_pos", torch.arange(length, device=device), persistent=False)
         self.register_buffer("features", None, persistent=False)  # [length, n * hidden] once features are captured
 
 
-class FastModel:
+class FastModel(attention.CachedPositions):
     """Batch-1 forward with a preallocated KV cache over (a subset of) a HF model's layers.
 
-    `seen` is the number of positions whose K/V are valid in the cache. `forward(ids, start)`
-    writes positions [start, start + T) and returns logits for the last `n_logits` of them.
+    `seen` is the number of positions whose K/V are valid in the cache; `rollback(n)` keeps the
+    first n (attention.CachedPositions). `forward(ids, start)` writes positions [start, start + T)
+    and returns logits for the last `n_logits` of them.
     """
 
     def __init__(self, hf_model, layer_ids: list[int] | None = None, max_len: int = 2048, name: str = "target"):
@@ -257,7 +235,9 @@ class FastModel:
         # Every FastModel shares `_run`'s code, whose graphs dynamo caches together (a session holds
         # about 12: target, slim and draft shapes); the default limit of 8 would refuse the rest.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self._compiled = torch.compile(self._run, fullgraph=True, dynamic=False, mode=mode)
+        # The cache's buffers are inputs mutated in place, never outputs: the output check spares them.
+        self._compiled = graph_outputs.guard(torch.compile(self._run, fullgraph=True, dynamic=False, mode=mode),
+                                             static=list(self.cache.buffers()))
         return True
 
     @property
@@ -271,13 +251,6 @@ class FastModel:
         verification compute the same numbers: on CPU bitsandbytes runs 1 token through another
         kernel (gemv). On CUDA 1-token passes are allowed (docs/engine.md says what is bit-exact there)."""
         return 2 if self.quantized and self.device.type != "cuda" else 1
-
-    def rollback(self, n: int) -> None:
-        """Keep the first `n` cached positions; later ones are overwritten by the next forward."""
-        self.seen = min(self.seen, n)
-
-    def reset(self) -> None:
-        self.seen = 0
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for c in self.cache.layers for t in (c.k, c.v))
@@ -294,17 +267,14 @@ class FastModel:
         """
         s = self.shape
         T = input_ids.shape[0]
-        rep = s.n_heads // s.n_kv_heads
         cache = self.cache
         x = self.embed(input_ids[None])  # [1, T, H]
         cos = cache.cos.index_select(0, input_pos)  # [T, D]
         sin = cache.sin.index_select(0, input_pos)
         key_pos = cache.key_pos[:attn_len]  # [L]
-        causal = key_pos[None, :] <= input_pos[:, None]  # [T, L]
-        masks = {None: None}
-        for window in set(self.windows) if masked and not by_row else ():  # by_row slices its keys instead
-            mask = causal if window is None else causal & (key_pos[None, :] > input_pos[:, None] - window)
-            masks[window] = mask.repeat(rep, 1)  # [rep * T, L]: query heads packed per KV head
+        masks = {}  # window -> [T, L]; by_row slices its keys instead
+        if masked and not by_row:
+            masks = {window: attention.causal_mask(input_pos, key_pos, window) for window in set(self.windows)}
         captured: list = [None] * len(self.feature_layers)
         for ci, layer in enumerate(self.layers):
             for slot in self._capture[ci]:
@@ -317,20 +287,14 @@ class FastModel:
             if hasattr(attn, "q_norm"):  # Qwen3
                 q = attn.q_norm(q)
                 k = attn.k_norm(k)
-            q = q.transpose(1, 2)  # [1, Hq, T, D]
-            k = k.transpose(1, 2)  # [1, Hkv, T, D]
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q = apply_rope(q.transpose(1, 2), cos, sin)  # [1, Hq, T, D]
+            k = apply_rope(k.transpose(1, 2), cos, sin)  # [1, Hkv, T, D]
             k_cache, v_cache = cache.layers[ci].update(input_pos, k, v.transpose(1, 2))
             if by_row:
-                o = self._attend_by_row(q, k_cache, v_cache, attn_len, self.windows[ci], attn.scaling)
+                o = attention.attend_by_row(q, k_cache, v_cache, attn_len, self.windows[ci], attn.scaling)
             else:
-                q = q.reshape(1, s.n_kv_heads, rep * T, s.head_dim)  # head h -> KV head h // rep
-                o = F.scaled_dot_product_attention(
-                    q, k_cache[:, :, :attn_len], v_cache[:, :, :attn_len],
-                    attn_mask=masks.get(self.windows[ci]), scale=attn.scaling,
-                )  # [1, Hkv, rep * T, D]
-            o = o.reshape(1, s.n_heads, T, s.head_dim).transpose(1, 2).reshape(1, T, s.n_heads * s.head_dim)
+                o = attention.attend(q, k_cache[:, :, :attn_len], v_cache[:, :, :attn_len],
+                                     masks.get(self.windows[ci]), attn.scaling)  # [1, T, Hq * D]
             x = x + attn.o_proj(o)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         for slot in self._capture[len(self.layers)]:
@@ -342,21 +306,6 @@ class FastModel:
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
             logits[:, self.vocab_limit:] = float("-inf")
         return logits
-
-    def _attend_by_row(self, q, k_cache, v_cache, attn_len: int, window: int | None, scale: float) -> torch.Tensor:
-        """Attention of q [1, Hq, T, D] at positions attn_len - T .. attn_len - 1, one position per
-        call over exactly its keys (no mask): [1, Hq, T, D]."""
-        s = self.shape
-        T = q.shape[2]
-        rep = s.n_heads // s.n_kv_heads
-        outs = []
-        for i in range(T):
-            end = attn_len - T + i + 1
-            lo = 0 if window is None else max(0, end - window)
-            qi = q[:, :, i].reshape(1, s.n_kv_heads, rep, s.head_dim)
-            o = F.scaled_dot_product_attention(qi, k_cache[:, :, lo:end], v_cache[:, :, lo:end], scale=scale)
-            outs.append(o.reshape(1, s.n_heads, 1, s.head_dim))
-        return torch.cat(outs, dim=2)  # [1, Hq, T, D]; the caller's reshape reads it as heads x T
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: int, n_logits: int = 1) -> torch.Tensor:

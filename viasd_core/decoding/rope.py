@@ -1,4 +1,4 @@
-"""Which RoPE types the engine can run.
+"""Which RoPE types the engine can run, and `apply_rope`, the one rotation FastModel and the EAGLE head apply.
 
 `FastModel` builds one cos/sin table for all positions up to its cache length and reads it by
 position. That is right only for RoPE types whose frequencies are fixed by the config. In
@@ -9,6 +9,8 @@ current length and `longrope` switches between short and long factors past
 """
 
 from __future__ import annotations
+
+import torch
 
 from viasd_core.errors import ViasdError
 
@@ -35,3 +37,10 @@ def check_rope(config) -> None:
         raise ViasdError(
             f"RoPE type '{rope_type}' is not supported ({why}); supported: {', '.join(STATIC_ROPE_TYPES)}"
         )
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, D] rotated by the table rows cos, sin [T, D] of its positions (transformers' layout:
+    the pairs (i, i + D/2), `rotate_half`)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -32,6 +32,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from viasd_core.decoding import attention
 from viasd_core.training.shared import cosine_lr
 from viasd_core.decoding.eagle import LAYER_IDS_KEY, FeatureHead
 from viasd_core.errors import UsageError
@@ -168,35 +169,24 @@ def ttt_logits(head: FeatureHead, tokens: torch.Tensor, features: torch.Tensor, 
     tokens [B, T + 1], features [B, T, 3H] (the target's, positions 0..T-1). Step 0 at position q is the
     head run on the target's features up to q (as when the head catches up); step s at q is the s-th
     drafted token after anchor q - s: the head's own step s - 1 output at q - 1 as its feature,
-    attending to step-0 keys up to q - s and to step k's key at q - s + k (k = 1..s). Rows q < s are
-    not defined (zeros in, masked out of the loss). Teacher tokens are fed, as in EAGLE-3.
+    attending to step-0 keys up to q - s and to step k's key at q - s + k (k = 1..s): the keys of
+    steps 0..s concatenated under `attention.ttt_mask`. Rows q < s are not defined (zeros in, masked
+    out of the loss). Teacher tokens are fed, as in EAGLE-3.
     Equal to drafting with `FeatureHead.forward` (tests/test_feature_drafter.py checks it).
     """
-    cfg = head.llama_config
     B, T = features.shape[:2]
-    n_heads, n_kv, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    rep = n_heads // n_kv
     if head.max_len < T:
         head.allocate(T)
     cos, sin = head.rope_cos[:T], head.rope_sin[:T]
     emb = head.embedding(tokens[:, 1 : T + 1]).to(head.dtype).detach()
     fused = head.fuse(features)
-    pos = torch.arange(T, device=features.device)
     keys, values, out = [], [], []
-    scale = D ** -0.5
     for s in range(steps):
         q, k, v = head.qkv(emb, fused, cos, sin)
-        keys.append(k.repeat_interleave(rep, dim=1))
-        values.append(v.repeat_interleave(rep, dim=1))
-        scores0 = (q @ keys[0].transpose(-1, -2)) * scale  # [B, h, T, T]
-        scores0 = scores0.masked_fill(~(pos[None, :] <= pos[:, None] - s), float("-inf"))
-        diag = [((q * _shift(keys[k], s - k, 2)).sum(-1) * scale) for k in range(1, s + 1)]  # [B, h, T] each
-        scores = torch.cat([scores0] + [d[..., None] for d in diag], dim=-1).float()
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        o = probs[..., :T] @ values[0]
-        for k in range(1, s + 1):
-            o = o + probs[..., T + k - 1 : T + k] * _shift(values[k], s - k, 2)
-        o = o.transpose(1, 2).reshape(B, T, n_heads * D)
+        keys.append(k)
+        values.append(v)
+        o = attention.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2),
+                             attention.ttt_mask(T, s, device=q.device))  # [B, T, heads * D]; scale 1/sqrt(D)
         hidden = head.finish(fused, o)
         out.append(head.logits(hidden))
         fused = _shift(hidden, 1, 1)

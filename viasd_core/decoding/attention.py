@@ -1,0 +1,123 @@
+"""Attention in one place: the static KV cache, the masks, grouped-query packing and the one call.
+
+Three users attend through `attend`: `FastModel` (target, slim verifier, draft model: a static
+cache per layer), `FeatureHead` (the EAGLE-3 head's own one-layer cache) and
+`eagle_train.ttt_logits` (the head's training-time test, no cache). They differ only in their masks,
+all made here from positions:
+
+    causal_mask(query_pos, key_pos, window)   [T, L]: key p is seen from query q iff p <= q (and
+                                              p > q - window with a sliding window). Over a static
+                                              cache, keys past the pass are stale or garbage: masked.
+    ttt_mask(T, step)                         [T, (step + 1) * T]: the training-time test's keys
+                                              (see the function).
+
+Grouped-query packing: the `rep = Hq // Hkv` query heads that read one KV head are laid along the
+query axis, q [B, Hq, T, D] -> [B, Hkv, rep * T, D] (query head h reads KV head h // rep, as in
+transformers' `repeat_kv`), and the mask is repeated to match. SDPA then takes its fused path with a
+mask, with no `enable_gqa` and no K/V repeat (tests/test_attention.py compares it with a plain
+softmax(QK^T)V over repeated K/V).
+
+`attend_by_row` attends one query position per call over exactly the keys it sees (no mask): a
+position's numbers then do not depend on how many positions its pass holds (FastModel.row_attention
+says when that matters). It calls `attend`, one row at a time.
+
+`CachedPositions.rollback(n)` is the one meaning of rollback for a static cache: keep the first n
+cached positions.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class LayerCache(torch.nn.Module):
+    """One layer's K/V [1, kv_heads, length, head_dim] as buffers (static addresses for CUDA graphs).
+
+    Each layer owns its tensors (not views of one big tensor): a compiled in-place write then
+    stays in place instead of being functionalized into a copy of the whole cache.
+    """
+
+    def __init__(self, n_kv_heads: int, length: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (1, n_kv_heads, length, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Write k, v [1, kv_heads, T, head_dim] at positions input_pos [T]; returns the buffers."""
+        self.k[:, :, input_pos] = k
+        self.v[:, :, input_pos] = v
+        return self.k, self.v
+
+
+class CachedPositions:
+    """`seen` positions of a static cache are valid; the rest are stale and masked until overwritten."""
+
+    seen: int = 0
+
+    def rollback(self, n: int) -> None:
+        """Keep the first `n` cached positions (`seen` becomes min(seen, n): rollback never grows the
+        cache); the next forward overwrites the positions from there."""
+        if n < 0:
+            raise ValueError(f"rollback keeps a number of positions, got {n}")
+        self.seen = min(self.seen, n)
+
+    def reset(self) -> None:
+        self.seen = 0
+
+
+# ---------------------------------------------------------------------- masks
+def causal_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """[T, L] bool, True where query position query_pos[t] sees key position key_pos[l]: p <= q, and
+    p > q - window under a sliding window. Computed on the device (no host read, compilable)."""
+    mask = key_pos[None, :] <= query_pos[:, None]
+    if window is not None:
+        mask = mask & (key_pos[None, :] > query_pos[:, None] - window)
+    return mask
+
+
+def ttt_mask(n: int, step: int, device=None) -> torch.Tensor:
+    """[n, (step + 1) * n] bool: the keys of drafting step `step` in the training-time test.
+
+    The keys are those of steps 0..step over positions 0..n-1, concatenated (block k = step k's).
+    Query q of step s (the s-th drafted token after anchor q - s) sees step 0's keys up to the anchor
+    (p <= q - s) and, of each later step k = 1..s, the key at q - s + k (its own drafted prefix). Row
+    q < s has no anchor (undefined, masked out of the loss); it still sees its own key, so no row is empty.
+    """
+    pos = torch.arange(n, device=device)
+    blocks = [causal_mask(pos - step, pos)]
+    blocks += [pos[None, :] == (pos - step + k)[:, None] for k in range(1, step + 1)]
+    return torch.cat(blocks, dim=1)
+
+
+# ---------------------------------------------------------------------- the call
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
+           scale: float | None = None) -> torch.Tensor:
+    """Attention of q [B, Hq, T, D] over k, v [B, Hkv, L, D], Hq a multiple of Hkv.
+
+    mask: [T, L] bool (True: attend) or None (every key). scale: None is 1/sqrt(D).
+    Returns [B, T, Hq * D] (heads concatenated, ready for o_proj).
+    """
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} KV heads")
+    rep = Hq // Hkv
+    if mask is not None:
+        mask = mask.repeat(rep, 1)  # [rep * T, L]: rows follow the packed queries
+    o = F.scaled_dot_product_attention(q.reshape(B, Hkv, rep * T, D), k, v, attn_mask=mask, scale=scale)
+    return o.reshape(B, Hq, T, D).transpose(1, 2).reshape(B, T, Hq * D)  # [B, Hkv, rep * T, D] -> [B, T, Hq * D]
+
+
+def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, window: int | None = None,
+                  scale: float | None = None) -> torch.Tensor:
+    """Causal attention of q [B, Hq, T, D] at positions end - T .. end - 1 over a cache k, v
+    [B, Hkv, >= end, D], one position per call over exactly its keys (no mask): [B, T, Hq * D]."""
+    T = q.shape[2]
+    outs = []
+    for i in range(T):
+        stop = end - T + i + 1
+        lo = 0 if window is None else max(0, stop - window)
+        outs.append(attend(q[:, :, i : i + 1], k[:, :, lo:stop], v[:, :, lo:stop], None, scale))
+    return torch.cat(outs, dim=1)
