@@ -131,3 +131,40 @@ def test_compiled_greedy_generation_reads_no_stale_output(target, compiled_engin
     assert checked >= got.stats.target_passes  # every target pass after the prefill ran compiled, checked
     if mode != "ar":
         assert got.stats.draft_tokens > 0 and 0 < got.stats.acceptance_rate < 1  # blocks, some rejected
+
+
+@pytest.mark.parametrize("mode", ["sd", "viasd"])
+def test_calibration_recording_reads_no_stale_output(target, compiled_engine, mode):
+    """Calibration's recorder (an engine observer) runs the passes a step did not run, after the step:
+    under the stand-in the compiled run still emits eager ar's tokens and records the same blocks as
+    an eager engine. (Recording inside the step read the target's logits after the slim's compiled
+    pass: every token came out 0 under the stand-in.)"""
+    from viasd_core.calibration.recording import BlockRecorder
+    from viasd_core.decoding.router import Thresholds
+
+    config = GenerationConfig(mode=mode, max_new_tokens=NEW, gamma=3, adaptive=False,
+                              thresholds=Thresholds(accept=1.0, slim=0.5) if mode == "viasd" else None)
+    eager = Engine(FastModel(target, max_len=128), TinyTokenizer(),
+                   drafter=ModelDrafter(FastModel(target, layer_ids=[0, 1, 3], max_len=128, name="draft"), 256),
+                   slim=FastModel(target, layer_ids=[0, 2], max_len=128, name="slim"))
+    want_rec = BlockRecorder()
+    eager.observers.append(want_rec)
+    want = eager.generate(PROMPT, config)
+    got_rec = BlockRecorder()
+    compiled_engine.observers.append(got_rec)
+    try:
+        with graph_outputs.checking():
+            compiled_engine.reset()
+            got = compiled_engine.generate(PROMPT, config)
+    finally:
+        compiled_engine.observers.remove(got_rec)
+    assert got.tokens == want.tokens
+    if mode == "sd":
+        ar = Engine(FastModel(target, max_len=128), TinyTokenizer()).generate(PROMPT, GenerationConfig(mode="ar", max_new_tokens=NEW))
+        assert got.tokens == ar.tokens
+    assert len(got_rec.blocks) == len(want_rec.blocks) > 0
+    for mine, theirs in zip(got_rec.blocks, want_rec.blocks):
+        assert (mine.draft_ok, mine.slim_ok, mine.draft_eq_slim, mine.slim_bonus_ok) == \
+            (theirs.draft_ok, theirs.slim_ok, theirs.draft_eq_slim, theirs.slim_bonus_ok)
+        assert mine.gate == pytest.approx(theirs.gate, abs=1e-4)
+        assert mine.confidence == pytest.approx(theirs.confidence, abs=1e-4)
