@@ -8,7 +8,7 @@ target's own modules, shared: the view costs only its KV cache) or a weight form
 of the target made once per session and shared by every view at that format).
 
 The full target always runs at the user's precision; the view only decides which tokens it needs
-to see. Which view pays is measured, not assumed: calibrate.py tries the candidates.
+to see. Which view pays is measured, not assumed: calibration/candidates.py tries the candidates.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Stages (functions, shared by `viasd distill --kind feature`, benchmarks/eagle_smollm2.py and tests):
 
-1. sequences       the target's own answers (distill.build_dataset: batched generation).
+1. sequences       the target's own answers (teacher_answers.build_dataset: batched generation).
 2. `teacher_pass`  ONE teacher-forced, batched target pass per batch of sequences gives, at every
                    position, the three layer states the head reads and the target's next-token
                    distribution (its top-k, as soft labels): thousands of labels per second,
@@ -54,7 +54,7 @@ class FeatureRecord:
 
     @property
     def labels(self) -> torch.Tensor:
-        """The target's argmax at the generated positions (what distill.choose_vocab counts)."""
+        """The target's argmax at the generated positions (what teacher_answers.choose_vocab counts)."""
         return self.top_ids[max(self.prompt_len - 1, 0) : -1, 0]
 
     def to_dict(self) -> dict:

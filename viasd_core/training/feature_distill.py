@@ -3,7 +3,7 @@
 Every stage caches its result in a work folder, so a run killed at any point resumes where it
 stopped (generation per split, teacher passes per split, training from its last checkpoint):
 
-    greedy.pt / sampled.pt            the target's own answers to the prompts (distill.build_dataset)
+    greedy.pt / sampled.pt            the target's own answers to the prompts (teacher_answers.build_dataset)
     features-greedy.pt / -sampled.pt  one teacher-forced pass: features + top-k soft labels
     head.ckpt                         training state (weights, optimizer, step, best so far)
     eval.pt / features-eval.pt        the target's answers to the evaluation prompts (measured only)
@@ -42,7 +42,7 @@ class FeatureDistillConfig:
     held_out_every: int = 20
     teacher_batch_size: int = 8
     eval_steps: int = 8  # draft positions whose teacher-forced agreement is measured
-    prompts: Optional[Path] = None  # None: distill.DEFAULT_PROMPTS
+    prompts: Optional[Path] = None  # None: teacher_answers.DEFAULT_PROMPTS
     eval_prompts: Optional[Path] = None
     eval_limit: int = 80
     seed: int = 0
