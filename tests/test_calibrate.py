@@ -317,3 +317,54 @@ def test_viasd_with_both_tiers_off_is_sd_without_slim_passes():
                                                           thresholds=Thresholds(0.9, 0.5)))
     assert active.stats.slim_passes > 0 and off_engine.slim.passes > active.stats.slim_passes  # prefilled, then run
     assert replay([block([0.5], [True], [True], [True])], Thresholds(OFF, OFF)).slim_passes == 0
+
+
+@pytest.mark.parametrize("block", [3, 4, 6])
+def test_pass_costs_time_the_shapes_generation_runs(block):
+    """Every timed pass has a decode shape that runs compiled (a block verify returns all its rows):
+    a block timed with one logit row ran eagerly beside a compiled 1-token pass (issue 22 item 3)."""
+    from viasd_core.calibration.costs import pass_costs
+    from viasd_core.decoding.model import pass_width
+
+    fast = FastModel(tiny_model("llama", seed=3), max_len=64)
+    shapes = []
+    inner = fast.forward
+
+    def forward(input_ids, start, n_logits=1):
+        T = input_ids.shape[0]
+        if start > 0:  # the timed passes (the cached context's prefill starts at 0)
+            shapes.append((pass_width(T), pass_width(T) if n_logits > 1 else 1))  # as FastModel.forward
+        return inner(input_ids, start, n_logits=n_logits)
+
+    fast.forward = forward
+    costs = pass_costs(fast, "target", block, context=16, repeats=3)
+    assert set(costs) == {"target", "target_1"} and costs["target"] > 0 and costs["target_1"] > 0
+    assert shapes and all(shape in fast.graph_shapes() for shape in shapes), shapes
+    assert (pass_width(block), pass_width(block)) in shapes and (1, 1) in shapes
+
+
+def test_a_candidate_view_is_attached_before_its_costs_are_measured(monkeypatch):
+    """The slim view's pass costs are taken once the engine has attached it (sized, and compiled and
+    warmed up when the engine is), so the costs are those of the passes the run will make."""
+    from viasd_core.calibration import candidates as cand_mod
+    from viasd_core.decoding.engine import Engine, GenerationConfig
+    from viasd_core.decoding.drafters import NgramDrafter
+    from viasd_core.decoding.slim_view import SlimView, TARGET_WEIGHTS
+    from conftest import TinyTokenizer
+
+    model = tiny_model("llama", n_layers=6, seed=1)
+    engine = Engine(FastModel(model, max_len=64), TinyTokenizer(), drafter=NgramDrafter())
+    attached_when_timed = []
+
+    def fake_costs(slim, name, block, *a, **k):
+        attached_when_timed.append(engine.slim is slim)
+        return {"slim": 1e-3, "slim_1": 1e-3}
+
+    monkeypatch.setattr(cand_mod, "pass_costs", fake_costs)
+    monkeypatch.setattr(cand_mod, "collect_blocks", lambda *a, **k: [])
+    ids = [list(range(5, 25))]
+    evaluator = MaskEvaluator(model, ids)
+    views = [SlimView(tuple(range(0, 6, 2)), TARGET_WEIGHTS), SlimView(tuple(range(4)), TARGET_WEIGHTS)]
+    got = cand_mod.measure_candidates(engine, evaluator, views, ids, GenerationConfig(gamma=3), {"target": 2e-3,
+                                      "target_1": 2e-3, "draft": 0.0, "block": 4}, budget=0.01)
+    assert len(got) == 2 and attached_when_timed == [True, True]

@@ -96,8 +96,6 @@ def choose_candidate(candidates: list[Candidate]) -> Candidate:
     return best if best.fit.thresholds.active else measured[0]
 
 
-
-
 def measure_candidates(engine: Engine, evaluator: MaskEvaluator, views: list[SlimView], fit_ids: list[list[int]],
                        config: GenerationConfig, base_costs: dict, budget: float, log=lambda msg: None,
                        bar=lambda label, total: None) -> list[Candidate]:
@@ -118,8 +116,8 @@ def measure_candidates(engine: Engine, evaluator: MaskEvaluator, views: list[Sli
             continue
         cand.extra_bytes = twin_bytes(hf_model, view.weights)
         cand.agreement, cand.kl = evaluator.compare(slim)
+        engine.slim = slim  # sized, and compiled and warmed up when the engine is: costs are the run's
         cand.costs = pass_costs(slim, "slim", block)
-        engine.slim = slim
         label = f"recording gates: {view.describe(n_layers)}"
         blocks = [b for per in collect_blocks(engine, fit_ids, config, progress=bar(label, len(fit_ids))) for b in per]
         cand.fit = fit_thresholds(blocks, {**base_costs, **cand.costs}, budget)

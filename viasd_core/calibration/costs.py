@@ -20,7 +20,8 @@ from viasd_core.decoding.router import OFF, BlockRecord, ReplayOutcome, Threshol
 def pass_costs(model: FastModel, name: str, block: int, context: int = 256, repeats: int = 7) -> dict:
     """Median seconds of `model`'s pass over `block` tokens and over 1 token after `context`
     cached positions (fewer where its cache holds fewer: --max-context is never exceeded):
-    {name: block pass, name_1: 1-token pass}."""
+    {name: block pass, name_1: 1-token pass}. Each pass has the shape generation gives it (a
+    block verify returns every row's logits), so a compiled model is timed on its compiled graphs."""
     device = model.device
     context = max(1, min(context, model.max_len - block - 1))
     ids = torch.randint(10, min(1000, model.shape.vocab_size), (context + block,), device=device)
@@ -34,7 +35,7 @@ def pass_costs(model: FastModel, name: str, block: int, context: int = 256, repe
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t = time.perf_counter()
-            model.forward(ids[context : context + n], context, 1)
+            model.forward(ids[context : context + n], context, n)  # the verify shape: n rows of logits
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - t)
