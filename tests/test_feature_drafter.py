@@ -170,10 +170,11 @@ def test_viasd_drafts_from_the_slim_features_where_the_target_did_not_run():
     assert got.stats.draft_tokens > 0
 
 
-@pytest.mark.parametrize("min_confidence", [0.0, 0.08])
-def test_sampling_with_the_head_follows_the_target_distribution(min_confidence):
+@pytest.mark.parametrize("min_confidence,stop_on_device", [(0.0, False), (0.08, False), (0.08, True)])
+def test_sampling_with_the_head_follows_the_target_distribution(min_confidence, stop_on_device):
     """Also with the confidence stop rule cutting blocks (it reads the draft's top probability,
-    never the drawn token, so the cut cannot bias what is proposed)."""
+    never the drawn token, so the cut cannot bias what is proposed), decided on the host or on the
+    device (all gamma tokens drafted, positions past the cut no proposals)."""
     target = tiny_model("llama", n_layers=5, seed=9)
     head = make_head(target, seed=9, full=True)
     params = SamplingParams(temperature=1.0, top_k=20)
@@ -181,6 +182,7 @@ def test_sampling_with_the_head_follows_the_target_distribution(min_confidence):
     with torch.no_grad():
         first = process_logits(target(torch.tensor([prompt])).logits[0, -1:], params)[0]
     eng = engine_with_head(target, head)
+    eng.drafter.stop_on_device = stop_on_device
     n = 1000
     counts = torch.zeros(256)
     accepted = drafted = 0
@@ -213,6 +215,29 @@ def test_the_confidence_stop_rule_cuts_blocks_and_stays_exact():
         else:
             assert eng.host_reads >= got.stats.steps + got.stats.draft_tokens  # one read per drafted token
     assert drafted[0.9] < drafted[0.05] <= drafted[0.0]
+
+
+@pytest.mark.parametrize("mode", ["sd", "exact", "viasd"])
+def test_the_confidence_stop_decided_on_the_device_needs_no_read_while_drafting(mode):
+    """The stop rule decided on the device (the default off a CPU): all gamma tokens drafted, the
+    proposals' count carried in the step's one read. Exact as the host rule, one read per step."""
+    target = tiny_model("qwen2", n_layers=5, seed=11)
+    head = make_head(target, seed=11)
+    prompt = prompt_for(11)
+    ar = engine_with_head(target, head).generate(prompt, GenerationConfig(mode="ar", max_new_tokens=NEW)).tokens
+    # viasd with a slim view holding every layer, every token on the slim tier: the target's tokens
+    th = Thresholds(accept=OFF, slim=0.0) if mode == "viasd" else None
+    for on_device in (False, True):
+        eng = engine_with_head(target, head, slim_layers=None if mode == "sd" else [0, 1, 2, 3, 4])
+        eng.drafter.stop_on_device = on_device
+        got = eng.generate(prompt, GenerationConfig(mode=mode, max_new_tokens=NEW, gamma=4, min_confidence=0.05,
+                                                    thresholds=th))
+        assert got.tokens == ar, (mode, on_device)
+        assert sum(got.stats.position_attempts) == got.stats.draft_tokens > 0  # proposals, not drafted tokens
+        if on_device:
+            assert eng.host_reads == got.stats.steps  # the step's one read, drafting included
+        else:
+            assert eng.host_reads >= got.stats.steps + got.stats.draft_tokens  # one read per drafted token
 
 
 # ---------------------------------------------------------------------- training

@@ -171,3 +171,27 @@ def test_sampling_engine_follows_the_target_distribution():
 
     long_a, long_b = run(7, 12).tokens, run(8, 12).tokens
     assert run(7, 12).tokens == long_a and long_a != long_b
+
+
+@pytest.mark.parametrize("limit", [0, 1, 2])
+def test_monte_carlo_positions_past_the_limit_are_no_proposals(limit):
+    """A block of 3 drafted tokens of which only `limit` are proposals (the confidence stop decided on
+    the device): the first emitted token still follows the target, and nothing past the limit is
+    ever accepted; greedy acceptance stops there too."""
+    V, gamma = 8, 3
+    g = torch.Generator().manual_seed(1)
+    target_probs = torch.softmax(torch.randn(gamma + 1, V, generator=g) * 1.5, -1)
+    draft_probs = torch.softmax(torch.randn(gamma, V, generator=g) * 1.5, -1)
+    sampler = Sampler(seed=7)
+    counts = torch.zeros(V)
+    lim = torch.tensor(limit)
+    for _ in range(20000):
+        tokens = sampler.categorical(draft_probs)
+        out, n_acc = speculative_sample(tokens, draft_probs, target_probs, sampler.uniform(gamma, "cpu"), sampler, lim)
+        assert int(n_acc) <= limit
+        counts[out[0]] += 1
+    assert _tv(counts / counts.sum(), target_probs[0]) < 0.02
+    # greedy: a block the target agrees with everywhere is accepted only up to the limit
+    argmax = torch.tensor([3, 4, 5, 6])
+    _, n = greedy_accept(argmax[:3], argmax, lim)
+    assert int(n) == limit

@@ -36,21 +36,22 @@ class BlockRecorder:
     def __call__(self, engine: Engine, step: StepResult) -> None:
         if not step.drafted or engine.slim is None:
             return  # a plain step: nothing was drafted
-        n, g = step.position, step.drafted
-        drafted = step.draft_tokens.tolist()
+        n, g = step.position, step.drafted  # the proposals (a draft may have drafted more: Proposal.limit)
+        draft_tokens = step.draft_tokens[:g]
+        drafted = draft_tokens.tolist()
         valid = common_prefix(step.tokens, drafted)  # drafted positions the emitted tokens confirm
         ids = None
         route = step.route
         if route is None:  # the slim did not run in this step: run it over the drafted block
-            ids = self._with_block(engine, n, step.draft_tokens)
+            ids = self._with_block(engine, n, draft_tokens)
             if engine.slim.seen < n - 1:  # the slim's prefill, as a mode that runs it would have done
                 engine.slim.extend(ids, n - 1, 1)
             slim_logits = engine.slim.extend(ids, n + g, g + 1)  # [g + 1, V]
             route = route_block(slim_logits, ids[n : n + g], 0.0, OFF, OFF)  # the gate only
             engine.slim.rollback(n + valid)
-        target_argmax = step.target_argmax
+        target_argmax = step.target_argmax[: g + 1] if step.target_argmax is not None else None
         if target_argmax is None:  # the walk never needed the target: its choices are the labels
-            ids = ids if ids is not None else self._with_block(engine, n, step.draft_tokens)
+            ids = ids if ids is not None else self._with_block(engine, n, draft_tokens)
             target_argmax = engine.target.extend(ids, n + g, g + 1).argmax(-1).tolist()  # [g + 1]
             engine.target.rollback(n + valid)
         self.blocks.append(BlockRecord.from_choices(route.gate.tolist(), drafted, route.argmax.tolist(), target_argmax,

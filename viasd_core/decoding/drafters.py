@@ -15,14 +15,17 @@ from dataclasses import dataclass
 import torch
 
 from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.sampling import Sampler, SamplingParams, process_logits
+from viasd_core.decoding.sampling import Sampler, SamplingParams, prefix_length, process_logits
 
 
 @dataclass
 class Proposal:
     tokens: torch.Tensor  # [g] int64, also written to ids[n:n + g]
     probs: torch.Tensor | None  # [g, V] float32 draft distribution, or None (greedy / deterministic)
-    reads: int = 0  # device-to-host reads the drafter made (the confidence stop rule)
+    reads: int = 0  # device-to-host reads the drafter made (the confidence stop rule on the host)
+    # [] int64 on the device, or None: how many of the g tokens are proposals (the confidence stop
+    # decided on the device; positions from it on are drafted but not proposed). None: all g.
+    limit: torch.Tensor | None = None
 
 
 class Drafter(ABC):
@@ -98,21 +101,28 @@ class ChainDrafter(Drafter):
     def _next_logits(self, ids: torch.Tensor, n: int, i: int) -> torch.Tensor:
         """Feed drafted token i (at ids[n + i]); logits [1, width] of the next one."""
 
+    # Where the confidence stop is decided: None = by the device (on the host where reading a value
+    # costs nothing, a CPU; on the device elsewhere, where a read waits for the device).
+    stop_on_device: bool | None = None
+
     def propose(self, ids: torch.Tensor, n: int, gamma: int, params: SamplingParams, sampler: Sampler, host_tokens=None,
                 stop_below: float = 0.0) -> Proposal:
         """Draft up to `gamma` tokens into ids[n:]. `stop_below` > 0: the confidence stop rule. The
         block ends before the first position at which the draft's own estimate that the block is
         accepted (the product of its top probabilities so far) falls below `stop_below`; it may end
-        empty (the engine then takes a plain step). One host read per drafted token. Whether a
-        position is drafted depends on its distribution, never on the token drawn from it, so
-        speculative sampling stays exact."""
+        empty. Decided on the host, the drafting stops there (one host read per drafted token);
+        decided on the device, all `gamma` tokens are drafted and `Proposal.limit` says how many
+        are proposals (no host read). Whether a position is proposed depends on its distribution,
+        never on the token drawn from it, so speculative sampling stays exact either way."""
         logits = self._first_logits(ids, n)
         if logits is None:
             return Proposal(tokens=ids[n:n], probs=None)
+        on_device = self.stop_on_device if self.stop_on_device is not None else ids.device.type != "cpu"
         logits = logits[:, : self.limit]  # [1, Vd]
         probs_rows = []
         reads = 0
         sure = None  # [1] the draft's probability that the block so far is all accepted
+        confident = []  # [1] bool per drafted position (decided on the device)
         for i in range(gamma):
             if params.greedy:
                 idx = logits.argmax(-1)
@@ -123,10 +133,13 @@ class ChainDrafter(Drafter):
                 conf = draft_probs.amax(-1) if stop_below > 0 else None
             if conf is not None:
                 sure = conf if sure is None else sure * conf
-                reads += 1
-                if float(sure) < stop_below:
-                    gamma = i
-                    break
+                if on_device:
+                    confident.append(sure >= stop_below)
+                else:
+                    reads += 1
+                    if float(sure) < stop_below:
+                        gamma = i
+                        break
             if not params.greedy:
                 if self.vocab_map is not None or self.limit != self.vocab_size:
                     draft_probs = self._widen(draft_probs)
@@ -135,7 +148,8 @@ class ChainDrafter(Drafter):
             if i + 1 < gamma:
                 logits = self._next_logits(ids, n, i)[:, : self.limit]
         probs = torch.cat(probs_rows) if probs_rows else None
-        return Proposal(tokens=ids[n : n + gamma], probs=probs, reads=reads)
+        limit = prefix_length(torch.cat(confident)) if confident else None  # sure only falls: a prefix
+        return Proposal(tokens=ids[n : n + gamma], probs=probs, reads=reads, limit=limit)
 
 
 class ModelDrafter(ChainDrafter):

@@ -247,7 +247,7 @@ class Engine:
                 result = plan.step(self, run, g) if g > 0 else plain_step(self, run)
                 self._commit(result)
                 # adapt: the step ended with its device read, so its wall time is real
-                if result.drafted:
+                if "draft" in result.keep:  # a speculative step (its proposals may have been 0)
                     policy.record_spec(result.drafted, result.kept, len(result.tokens), time.perf_counter() - t_step)
                 else:
                     policy.record_plain(len(result.tokens), time.perf_counter() - t_step)
@@ -286,7 +286,7 @@ class Engine:
         self.tokens.extend(result.tokens)
         for role, m in self._roles().items():
             m.rollback(n + result.keep.get(role, k - 1))
-        if result.drafted:
+        if "draft" in result.keep:
             self.drafter.rollback(n + result.keep["draft"])
 
     def _emit(self, gen: Generation, out: list[int], tiers: list[str], max_new: int, config: GenerationConfig, on_emit) -> bool:

@@ -75,18 +75,28 @@ def prefix_length(matches: torch.Tensor) -> torch.Tensor:
     return matches.int().cumprod(0).sum()
 
 
-def greedy_accept(draft_tokens: torch.Tensor, target_argmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def proposed(num_draft: int, limit: torch.Tensor | None, device) -> torch.Tensor:
+    """[G] bool: which block positions hold a proposal. A drafter that decides on the device where
+    its block ends (the confidence stop) drafts G tokens and reports `limit` ([] int64): positions
+    from `limit` on are no proposals, however they compare."""
+    idx = torch.arange(num_draft, device=device)
+    return idx < limit if limit is not None else torch.ones(num_draft, dtype=torch.bool, device=device)
+
+
+def greedy_accept(draft_tokens: torch.Tensor, target_argmax: torch.Tensor,
+                  limit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification of one block.
 
     draft_tokens:  [G] int64, the proposed tokens.
     target_argmax: [G + 1] int64, the target's choice at each block position and the bonus position.
+    limit:         [] int64 or None, the proposals' count (see `proposed`); None: all G.
     Returns (emitted [G + 1] int64, n_accepted [] int64): the emitted tokens are the accepted
     draft prefix followed by the target's token at the first mismatch (or the bonus token);
     only the first n_accepted + 1 entries are meaningful.
     """
     G = draft_tokens.shape[0]
     assert target_argmax.shape[0] == G + 1, (draft_tokens.shape, target_argmax.shape)
-    n_accepted = prefix_length(draft_tokens == target_argmax[:G])
+    n_accepted = prefix_length((draft_tokens == target_argmax[:G]) & proposed(G, limit, draft_tokens.device))
     return target_argmax, n_accepted  # target_argmax[:n] == draft_tokens[:n] on the accepted prefix
 
 
@@ -96,6 +106,7 @@ def speculative_sample(
     target_probs: torch.Tensor,  # [G + 1, V] float32
     uniforms: torch.Tensor,  # [G] float32 in [0, 1)
     sampler: Sampler,
+    limit: torch.Tensor | None = None,  # [] int64, the proposals' count (see `proposed`); None: all G
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The speculative sampling rule (Leviathan et al.; Chen et al.), without host reads.
 
@@ -105,14 +116,19 @@ def speculative_sample(
     Returns (emitted [G + 1] int64, n_accepted [] int64), like `greedy_accept`: only the first
     n_accepted + 1 entries are meaningful. Every row's recovery token is drawn (independently of
     the acceptance draws) and the one at n_accepted is kept, so the count never leaves the device.
+    A position past `limit` holds no proposal: it is never accepted and its draft distribution
+    counts as zero, so its recovery token is the target's own (as for the bonus token).
     """
     G = draft_tokens.shape[0]
     assert draft_probs.shape[0] == G and target_probs.shape[0] == G + 1
     idx = torch.arange(G, device=draft_tokens.device)
+    is_proposal = proposed(G, limit, draft_tokens.device)
+    if limit is not None:
+        draft_probs = draft_probs * is_proposal[:, None]
     p_draft = draft_probs[idx, draft_tokens]
     p_target = target_probs[idx, draft_tokens]
     # u < p_target / p_draft, written without division (p_draft > 0 for a token it sampled).
-    n_accepted = prefix_length(uniforms * p_draft < p_target)
+    n_accepted = prefix_length((uniforms * p_draft < p_target) & is_proposal)
     residual = (target_probs[:G] - draft_probs).clamp_min(0)  # [G, V]
     total = residual.sum(-1, keepdim=True)
     # identical distributions: a rejection is impossible in exact arithmetic; fall back to the target

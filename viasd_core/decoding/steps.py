@@ -26,7 +26,7 @@ from typing import Callable, Protocol
 import torch
 from viasd_kernels import RouteResult, route_block
 
-from viasd_core.decoding.drafters import Drafter
+from viasd_core.decoding.drafters import Drafter, Proposal
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.router import Thresholds, slim_confidence, unsure_to_full, walk_block
 from viasd_core.decoding.sampling import Sampler, SamplingParams, greedy_accept, prefix_length, process_logits, speculative_sample
@@ -60,7 +60,7 @@ class StepResult:
     kept: int = 0  # drafted tokens that were emitted as drafted (acceptance statistics)
     # Per role, how many of the positions n, n + 1, ... its cache keeps. A model absent here keeps
     # k - 1: it either did not run this step or ran over exactly the emitted tokens. The draft is
-    # rolled back only after a step that drafted.
+    # rolled back only after a step that drafted ('draft' present, even with 0 proposals).
     keep: dict[str, int] = field(default_factory=dict)
     draft_tokens: torch.Tensor | None = None  # [g] what the draft proposed (the buffer now holds `tokens`)
     target_argmax: list[int] | None = None  # [g + 1] the target's choices over the drafted block, if it ran over it
@@ -122,7 +122,7 @@ def plain_step(eng: Decoder, run: Run, g: int = 0) -> StepResult:
 
 
 # ---------------------------------------------------------------------- sd and exact
-def _draft(eng: Decoder, run: Run, g: int):
+def _draft(eng: Decoder, run: Run, g: int) -> Proposal | None:
     """1. draft: up to g tokens into ids[n : n + g]; None when the draft proposes nothing."""
     n = len(eng.tokens)
     t = eng.clock()
@@ -130,11 +130,7 @@ def _draft(eng: Decoder, run: Run, g: int):
                                    stop_below=run.stop_below)
     eng.host_reads += proposal.reads
     run.stats.time_draft += eng.clock() - t
-    if proposal.tokens.shape[0] == 0:
-        return None
-    run.stats.draft_tokens += proposal.tokens.shape[0]
-    run.stats.steps += 1
-    return proposal
+    return proposal if proposal.tokens.shape[0] else None
 
 
 def speculative_step(eng: Decoder, run: Run, g: int) -> StepResult:
@@ -142,7 +138,7 @@ def speculative_step(eng: Decoder, run: Run, g: int) -> StepResult:
     proposal = _draft(eng, run, g)
     if proposal is None:
         return plain_step(eng, run)
-    return _verify_and_accept(eng, run, proposal.tokens.clone(), proposal.probs, refined=False)
+    return _verify_and_accept(eng, run, proposal, proposal.tokens.clone(), proposal.probs, refined=False)
 
 
 def refined_step(eng: Decoder, run: Run, g: int) -> StepResult:
@@ -163,13 +159,15 @@ def refined_step(eng: Decoder, run: Run, g: int) -> StepResult:
     run.stats.time_slim += eng.clock() - t
     run.stats.slim_passes += 1
     eng.ids[n : n + g] = slim_argmax[:g]
-    return _verify_and_accept(eng, run, draft_tokens, None, refined=True)
+    return _verify_and_accept(eng, run, proposal, draft_tokens, None, refined=True)
 
 
-def _verify_and_accept(eng: Decoder, run: Run, draft_tokens: torch.Tensor, draft_probs, refined: bool) -> StepResult:
+def _verify_and_accept(eng: Decoder, run: Run, proposal: Proposal, draft_tokens: torch.Tensor, draft_probs,
+                       refined: bool) -> StepResult:
     """Steps 3-5 of sd and exact over the block in ids[n : n + g], with the device read once."""
     n, g = len(eng.tokens), draft_tokens.shape[0]
     stats, params = run.stats, run.params
+    limit = proposal.limit  # [] int64 or None: the proposals' count, when decided on the device
     # 3. verify: one target pass over the pending token and the block
     t = eng.clock()
     target_logits = eng.target.extend(eng.ids, n + g, g + 1)  # [g + 1, V]
@@ -177,31 +175,35 @@ def _verify_and_accept(eng: Decoder, run: Run, draft_tokens: torch.Tensor, draft
     # 4. accept
     block = eng.ids[n : n + g]  # [g] the proposals (refined ones in exact)
     if params.greedy:
-        emitted, n_acc = greedy_accept(block, target_argmax)
+        emitted, n_acc = greedy_accept(block, target_argmax, limit)
     else:
         target_probs = process_logits(target_logits, params)
         if draft_probs is None:  # deterministic proposals: one-hot distributions
             draft_probs = torch.nn.functional.one_hot(block, target_probs.shape[-1]).float()
-        emitted, n_acc = speculative_sample(block, draft_probs, target_probs, run.sampler.uniform(g, eng.device), run.sampler)
+        emitted, n_acc = speculative_sample(block, draft_probs, target_probs, run.sampler.uniform(g, eng.device),
+                                            run.sampler, limit)
     # 5. commit: the tokens on the device first, then the step's one read (which also carries the
-    # target's choices over the block, for observers)
+    # proposals' count and the target's choices over the block, for observers)
     eng.ids[n : n + g + 1] = emitted
     draft_valid_t = torch.minimum(prefix_length(emitted[:g] == draft_tokens), n_acc + 1)
-    vals = eng.read(torch.cat([n_acc.view(1), draft_valid_t.view(1), emitted, target_argmax]))
-    n_acc, draft_valid = vals[0], vals[1]
-    tokens, target_choices = vals[2 : n_acc + 3], vals[g + 3 :]
+    proposals_t = limit if limit is not None else torch.tensor(g, device=eng.device)
+    vals = eng.read(torch.cat([n_acc.view(1), draft_valid_t.view(1), proposals_t.view(1), emitted, target_argmax]))
+    n_acc, draft_valid, proposals = vals[0], vals[1], vals[2]
+    tokens, target_choices = vals[3 : n_acc + 4], vals[g + 4 :]
     stats.time_verify += eng.clock() - t
     stats.target_passes += 1
-    bonus = n_acc == g
+    stats.steps += 1
+    stats.draft_tokens += proposals
+    bonus = n_acc == proposals
     stats.tier_counts["accept"] += n_acc
     stats.tier_counts["bonus" if bonus else "full"] += 1
     stats.accepted_lengths.append(len(tokens))
-    stats.record_block(g, n_acc)
+    stats.record_block(proposals, n_acc)
     keep = {"target": n_acc, "draft": draft_valid}
     if refined:
         keep["slim"] = draft_valid  # the slim ran over the draft's tokens
-    return StepResult(n, tokens, ["accept"] * n_acc + ["bonus" if bonus else "full"], drafted=g, kept=n_acc, keep=keep,
-                      draft_tokens=draft_tokens, target_argmax=target_choices)
+    return StepResult(n, tokens, ["accept"] * n_acc + ["bonus" if bonus else "full"], drafted=proposals, kept=n_acc,
+                      keep=keep, draft_tokens=draft_tokens, target_argmax=target_choices)
 
 
 # ---------------------------------------------------------------------- viasd
@@ -211,9 +213,19 @@ def tiered_step(eng: Decoder, run: Run, g: int) -> StepResult:
     proposal = _draft(eng, run, g)
     if proposal is None:
         return plain_step(eng, run)
-    n, g, stats, th = len(eng.tokens), proposal.tokens.shape[0], run.stats, run.thresholds
-    draft_tokens = proposal.tokens.clone()  # [g]
-    block = eng.read(draft_tokens)  # the tiers are walked on the host
+    n, stats, th = len(eng.tokens), run.stats, run.thresholds
+    g = proposal.tokens.shape[0]
+    if proposal.limit is None:
+        block = eng.read(proposal.tokens)  # the tiers are walked on the host
+    else:  # the same read carries the proposals' count: only they are routed
+        vals = eng.read(torch.cat([proposal.limit.view(1), proposal.tokens]))
+        g, block = vals[0], vals[1 : vals[0] + 1]
+        if g == 0:
+            eng.drafter.rollback(n)  # it drafted past what it proposes
+            return plain_step(eng, run)
+    draft_tokens = eng.ids[n : n + g].clone()  # [g]
+    stats.steps += 1
+    stats.draft_tokens += g
     # 2. route: one slim pass over the block gives the gate and tier of every position
     t = eng.clock()
     slim_logits = eng.slim.extend(eng.ids, n + g, g + 1)  # [g + 1, V]
