@@ -184,3 +184,21 @@ def test_should_stop_ends_the_generation_and_keeps_the_caches_consistent():
     full = eng.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=NEW, gamma=3, adaptive=False))
     fresh = make_engine(target).generate(prompt, GenerationConfig(mode="ar", max_new_tokens=NEW))
     assert full.tokens == fresh.tokens and full.tokens[:8] == out.tokens
+
+
+def test_a_float16_overflow_ends_the_generation_with_an_error_and_no_read_per_pass():
+    """Non-finite logits in float16 are flagged on the device by every pass and read once, at the
+    end of the generation (a read per pass would synchronize a GPU at every step)."""
+    from viasd_core.errors import ViasdError
+
+    target = tiny_model("llama", seed=11).half()
+    prompt = prompt_for(0)
+    eng = make_engine(target, draft_model=target)
+    out = eng.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=8, gamma=3, adaptive=False))
+    assert out.stats.steps == eng.host_reads  # healthy: no error, one read a step
+    with torch.no_grad():
+        target.lm_head.weight.mul_(1e4)  # logits beyond float16's range
+    eng = make_engine(target, draft_model=target)
+    with pytest.raises(ViasdError, match="overflowed in float16"):
+        eng.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=8, gamma=3, adaptive=False))
+    assert 1 <= eng.host_reads <= 8  # the steps ran to the end, one read each: no read per pass

@@ -262,6 +262,8 @@ class Engine:
             gen.finish_reason = "interrupted"
         # Caches stay consistent with the committed tokens, whatever happened above.
         self._rollback(len(self.tokens) - 1)
+        for m in self.all_models():
+            m.check_finite()  # a float16 overflow anywhere in the run (one read, not one per pass)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the one synchronization of the whole run, for its wall time
         stats.time_total = time.perf_counter() - t0

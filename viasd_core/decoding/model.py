@@ -152,6 +152,9 @@ class FastModel(attention.CachedPositions):
         self.positions_run = 0  # real (unpadded) positions processed
         self._compiled = None
         self.compile_mode: str | None = None
+        # float16 only: [] bool on the device, True once a pass produced a non-finite logit. Set
+        # without a host read; `check_finite` reads it once, at the end of a generation.
+        self._nonfinite: torch.Tensor | None = None
         self.feature_layers: tuple[int, ...] = ()
         self._capture: list[list[int]] = [[] for _ in range(len(self.layers) + 1)]
         self.allocate(max_len)
@@ -342,11 +345,19 @@ class FastModel(attention.CachedPositions):
                 if want:
                     outs.append(logits[-want:])
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
-            if self.dtype == torch.float16 and T > 1 and not bool(torch.isfinite(out[:, : self.vocab_limit]).all()):
-                raise ViasdError(f"'{self.name}' overflowed in float16 (non-finite logits): use --dtype float32, "
-                                 "or bfloat16 on a GPU that has it")
+        if self.dtype == torch.float16:  # on the device: no read per pass
+            bad = ~torch.isfinite(out[:, : self.vocab_limit]).all()
+            self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad
         self.seen = end
         return out
+
+    def check_finite(self) -> None:
+        """Raise if any pass since the last check produced a non-finite logit (float16 overflow).
+        One host read; the engine calls it once a generation."""
+        if self._nonfinite is not None and bool(self._nonfinite):
+            self._nonfinite = None
+            raise ViasdError(f"'{self.name}' overflowed in float16 (non-finite logits): use --dtype float32, "
+                             "or bfloat16 on a GPU that has it")
 
     def _compiled_pass(self, input_ids: torch.Tensor, start: int, T: int, W: int, n_logits: int) -> torch.Tensor:
         """A short pass padded to its fixed width W, attending over the whole cache (static shapes)."""
