@@ -56,7 +56,7 @@ def test_recipe_end_to_end(tiny_dirs, viasd_home, prompt_file, tmp_path):
 
 
 def test_feature_head_recipe_end_to_end_and_resumes_from_its_work_folder(tiny_dirs, viasd_home, prompt_file, tmp_path):
-    from viasd_core.decoding.eagle import read_head_config
+    from viasd_core.decoding.eagle_files import read_head_config
 
     out, work = tmp_path / "head", tmp_path / "work"
     args = ("--kind", "feature", "--target", tiny_dirs["target"], "--out", out, "--work", work, "--prompts", prompt_file,

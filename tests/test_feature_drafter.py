@@ -318,7 +318,7 @@ def head_dir(tiny_dirs, tmp_path_factory):
     """An EAGLE-3 head for the tiny target folder, written in the published layout."""
     from transformers import AutoModelForCausalLM
 
-    from viasd_core.decoding.eagle import save_feature_head
+    from viasd_core.decoding.eagle_files import save_feature_head
 
     target = AutoModelForCausalLM.from_pretrained(tiny_dirs["target"])
     head = eagle_train.init_head(target, (0, 1, 2), torch.arange(0, 256, 2), seed=1)
@@ -372,3 +372,41 @@ def test_a_head_that_does_not_fit_is_a_one_line_error(tiny_dirs, head_dir, viasd
     errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and message in errors[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_the_compiled_head_step_drafts_as_the_eager_one_and_reads_no_stale_output():
+    """The head's 1-token drafting step compiled (static shapes, the whole cache masked by position;
+    CUDA graphs on CUDA): its logits equal the eager step's, and compiled sd under the CUDA-graph
+    output stand-in still emits ar's tokens (the drafter keeps a copy of the step's output feature)."""
+    from viasd_core.decoding import graph_outputs
+
+    target = tiny_model("llama", n_layers=5, seed=13)
+    head = make_head(target, seed=13)
+    prompt = prompt_for(13)
+    eager_eng = engine_with_head(target, head)
+    ar = eager_eng.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=NEW)).tokens
+    proposals = {"eager": [], "compiled": []}
+    eager_eng.observers.append(lambda e, step: proposals["eager"].append(step.draft_tokens.tolist() if step.drafted else None))
+    eager = eager_eng.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=NEW, gamma=3, adaptive=False))
+    # one step by hand: the eager and the compiled step from the same cache
+    feats = torch.randn(6, 3 * head.hidden_size, generator=torch.Generator().manual_seed(1))
+    tokens = torch.tensor(prompt[:7])
+    head.reset()
+    _, hidden = head.forward(tokens[1:7], feats, 0)
+    want, want_hidden = head.forward(tokens[6:7], hidden[-1:], 6, n_logits=1)
+    assert head.compile()
+    head.warm_up()
+    head.forward(tokens[1:7], feats, 0)
+    got, got_hidden = head.forward(tokens[6:7], hidden[-1:], 6, n_logits=1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got_hidden, want_hidden, rtol=1e-4, atol=1e-4)
+    eng = engine_with_head(target, head)
+    assert eng.drafter.compile() and eng.drafter.warm_up() > 0
+    eng.observers.append(lambda e, step: proposals["compiled"].append(step.draft_tokens.tolist() if step.drafted else None))
+    with graph_outputs.checking():
+        before = graph_outputs.checked
+        got_run = eng.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=NEW, gamma=3, adaptive=False))
+        assert graph_outputs.checked - before >= got_run.stats.draft_tokens - got_run.stats.steps  # compiled steps ran
+    assert got_run.tokens == ar == eager.tokens
+    assert got_run.stats.draft_tokens == eager.stats.draft_tokens
+    assert proposals["compiled"] == proposals["eager"] and len(proposals["eager"]) > 3  # the same proposals

@@ -57,8 +57,16 @@ class Drafter(ABC):
         """Hold state for `max_len` positions (the engine's context); allocated once."""
 
     def fast_models(self) -> list[FastModel]:
-        """The FastModels the drafter runs: the engine sizes, compiles and warms them with its own."""
+        """The FastModels the drafter runs (the engine sizes them and checks their passes with its own)."""
         return []
+
+    def compile(self) -> bool:
+        """torch.compile what the drafter runs per drafted token; False when nothing could be."""
+        return any([m.compile() for m in self.fast_models()])
+
+    def warm_up(self) -> float:
+        """Compile now the graphs drafting meets (1-token steps, 2-token catch-ups); seconds taken."""
+        return sum(m.warm_up(max_width=1) for m in self.fast_models())
 
     def link_slim(self, slim: FastModel | None) -> None:
         """What the drafter needs from the verifiers beyond the target it was built with: the slim
@@ -263,6 +271,12 @@ class HybridDrafter(Drafter):
 
     def fast_models(self) -> list[FastModel]:
         return self.model_drafter.fast_models()
+
+    def compile(self) -> bool:
+        return self.model_drafter.compile()
+
+    def warm_up(self) -> float:
+        return self.model_drafter.warm_up()
 
     def link_slim(self, slim: FastModel | None) -> None:
         self.model_drafter.link_slim(slim)

@@ -33,12 +33,7 @@ Like `FastModel`: batch 1, a static KV cache, `rollback(n)` keeps n positions, a
 
 from __future__ import annotations
 
-import json
-import os
-import pickle
-import shutil
-import tempfile
-from pathlib import Path
+import time
 
 import torch
 from torch import nn
@@ -47,8 +42,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from viasd_core.errors import ViasdError
-from viasd_core.decoding import attention
-from viasd_core.decoding.rope import apply_rope, check_rope
+from viasd_core.decoding import attention, graph_outputs
+from viasd_core.decoding.rope import apply_rope
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -113,6 +108,8 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
         self.max_len = 0
         self.seen = 0  # positions whose K/V are valid in the cache
+        self._compiled_step = None  # the drafting step compiled (compile()), else eager
+        self.compile_mode: str | None = None
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -135,6 +132,8 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         self.cache = attention.LayerCache(cfg.num_key_value_heads, max_len, cfg.head_dim, self.dtype, device)
         self.max_len = int(max_len)
         self.seen = 0
+        if self._compiled_step is not None:  # new buffers: a new graph
+            self.compile(self.compile_mode)
 
     # ------------------------------------------------------------------ forward
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
@@ -167,6 +166,46 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         """Draft-vocabulary logits (float32) of output features."""
         return self.lm_head(self.norm(hidden)).float()
 
+    # ------------------------------------------------------------------ the compiled drafting step
+    def compile(self, mode: str | None = "default") -> bool:
+        """torch.compile the 1-token drafting step (static shapes: it attends over the whole cache,
+        masked by position; CUDA graphs on CUDA). Catch-up passes over several positions stay eager."""
+        if mode == "default" and self.fc.weight.device.type == "cuda":
+            mode = "reduce-overhead"
+        self.compile_mode = mode
+        fn = torch.compile(self._step, fullgraph=True, dynamic=False, mode=mode)
+        self._compiled_step = graph_outputs.guard(fn, static=list(self.cache.buffers()))
+        return True
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled_step is not None
+
+    def warm_up(self) -> float:
+        """Compile the drafting step now (it runs at position 0; the cache is emptied after)."""
+        if self._compiled_step is None:
+            return 0.0
+        t0 = time.perf_counter()
+        device = self.fc.weight.device
+        self._compiled_step(torch.zeros(1, dtype=torch.long, device=device),
+                            torch.zeros(1, self.hidden_size, dtype=self.dtype, device=device),
+                            torch.zeros(1, dtype=torch.long, device=device))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.reset()
+        return time.perf_counter() - t0
+
+    def _step(self, token_id: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor):
+        """One drafted token at position pos [1] from the head's own previous feature hidden [1, H]:
+        (logits [1, draft_vocab] float32, hidden [1, H]). Static shapes: every key of the cache,
+        those after pos masked, so one graph serves every position."""
+        emb = self.embedding(token_id).to(self.dtype)
+        q, k, v = self.qkv(emb[None], hidden[None], self.rope_cos[pos], self.rope_sin[pos])
+        k_cache, v_cache = self.cache.update(pos, k, v)
+        mask = attention.causal_mask(pos, torch.arange(self.max_len, device=pos.device))  # [1, max_len]
+        out = self.finish(hidden, attention.attend(q, k_cache, v_cache, mask)[0])
+        return self.logits(out), out
+
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, features: torch.Tensor, start: int,
                 n_logits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,6 +224,11 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         if features.shape[0] != T or features.shape[-1] not in (self.hidden_size, 3 * self.hidden_size):
             raise ValueError(f"features must be [{T}, {self.hidden_size}] or [{T}, {3 * self.hidden_size}], "
                              f"got {list(features.shape)}")
+        if self._compiled_step is not None and T == 1 and features.shape[-1] == self.hidden_size:
+            pos = torch.full((1,), start, dtype=torch.long, device=token_ids.device)
+            logits, hidden = self._compiled_step(token_ids, features.to(self.dtype), pos)
+            self.seen = end
+            return logits, hidden
         fused = self.fuse(features) if features.shape[-1] != self.hidden_size else features.to(self.dtype)
         emb = self.embedding(token_ids).to(self.dtype)
         q, k, v = self.qkv(emb[None], fused[None], self.rope_cos[start:end], self.rope_sin[start:end])
@@ -197,203 +241,3 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         logits = self.logits(rows)
         self.seen = end
         return logits, hidden
-
-
-# ---------------------------------------------------------------------- checks
-def _int(raw: dict, key: str, where: str, default=None) -> int:
-    value = raw.get(key) if raw.get(key) is not None else default
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ViasdError(f"{where}: '{key}' must be a positive integer, got {value!r}")
-    return value
-
-
-def _eagle_config(raw: dict) -> dict:
-    """vLLM's nested `eagle_config` settings, when the config has them."""
-    return raw["eagle_config"] if isinstance(raw.get("eagle_config"), dict) else {}
-
-
-def feature_layers(raw: dict, n_target_layers: int, where: str) -> tuple[int, int, int]:
-    """The three target layers whose input states the head reads, ascending (checked against the target)."""
-    ids = raw.get(LAYER_IDS_KEY, _eagle_config(raw).get(LAYER_IDS_KEY))
-    if ids is None:
-        ids = [2, n_target_layers // 2, n_target_layers - 3]  # EAGLE's and vLLM's default
-        named = f"the default layers (2, L//2, L-3) = {tuple(ids)} of this {n_target_layers}-layer target"
-    else:
-        named = f"{LAYER_IDS_KEY} {ids}"
-    if (not isinstance(ids, list) or len(ids) != 3 or any(not isinstance(i, int) or isinstance(i, bool) for i in ids)
-            or len(set(ids)) != 3):
-        raise ViasdError(f"{where}: {named} are not three distinct layer indices (set {LAYER_IDS_KEY} in config.json)")
-    if any(not 0 <= i < n_target_layers for i in ids):
-        raise ViasdError(f"{where}: {named} are out of range: the target has {n_target_layers} layers (0..{n_target_layers - 1})")
-    return tuple(sorted(ids))
-
-
-def check_head_config(raw: dict, target_config, where: str) -> tuple[int, int, int]:
-    """Refuse a head config that does not fit `target_config`; returns its feature layers."""
-    hidden = _int(raw, "hidden_size", where)
-    target_hidden = int(target_config.hidden_size)
-    if hidden != target_hidden or raw.get("target_hidden_size", hidden) != target_hidden:
-        raise ViasdError(f"{where}: hidden size {raw.get('target_hidden_size', hidden)} does not match the target's "
-                         f"{target_hidden}: this head was made for another model")
-    vocab = _int(raw, "vocab_size", where)
-    if vocab != int(target_config.vocab_size):
-        raise ViasdError(f"{where}: vocab size {vocab} does not match the target's {target_config.vocab_size}: "
-                         "this head was made for another tokenizer")
-    draft_vocab = _int(raw, "draft_vocab_size", where, default=vocab)
-    if draft_vocab > vocab:
-        raise ViasdError(f"{where}: draft_vocab_size {draft_vocab} exceeds the vocabulary of {vocab}")
-    if _int(raw, "num_hidden_layers", where, default=1) != 1:
-        raise ViasdError(f"{where}: {raw['num_hidden_layers']} decoder layers; only one-layer EAGLE-3 heads are supported")
-    if raw.get("norm_before_residual") or _eagle_config(raw).get("use_aux_hidden_state") is False:
-        raise ViasdError(f"{where}: this head variant (norm_before_residual, or no fused features) is not supported")
-    for key in ("intermediate_size", "num_attention_heads"):
-        _int(raw, key, where)
-    try:
-        cfg = head_llama_config(raw)
-    except (TypeError, ValueError) as e:
-        raise ViasdError(f"{where}: not a valid Llama config ({str(e).splitlines()[0]})") from None
-    if cfg.num_attention_heads % cfg.num_key_value_heads:
-        raise ViasdError(f"{where}: {cfg.num_attention_heads} heads are not a multiple of {cfg.num_key_value_heads} KV heads")
-    check_rope(cfg)
-    return feature_layers(raw, int(target_config.num_hidden_layers), where)
-
-
-def is_feature_head_folder(folder: str | os.PathLike) -> bool:
-    """True when `folder` holds an EAGLE-3 head (its config names a draft vocabulary or Eagle3, or
-    the feature layers), not a causal LM."""
-    try:
-        raw = json.loads((Path(folder) / CONFIG).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    if not isinstance(raw, dict):
-        return False
-    archs = " ".join(str(a) for a in raw.get("architectures") or []).lower()
-    return "draft_vocab_size" in raw or "eagle" in archs or LAYER_IDS_KEY in raw or "eagle_config" in raw
-
-
-def read_head_config(folder: Path) -> dict:
-    path = folder / CONFIG
-    if not path.is_file():
-        raise ViasdError(f"'{folder}' has no {CONFIG}: it is not an EAGLE-3 head folder")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ViasdError(f"{path} is not valid JSON ({getattr(e, 'msg', e)}): the file is damaged") from None
-    if not isinstance(raw, dict):
-        raise ViasdError(f"{path} is not a JSON object")
-    return raw
-
-
-def read_head_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """The tensors of `model.safetensors`, else of `pytorch_model.bin` (plain tensors only: weights_only)."""
-    safetensors_path, pickle_path = folder / SAFETENSORS, folder / PICKLE
-    if safetensors_path.is_file():
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            tensors = load_file(str(safetensors_path))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise ViasdError(f"{safetensors_path} is damaged or truncated ({str(e).splitlines()[0]})") from None
-    elif pickle_path.is_file():
-        try:
-            tensors = torch.load(pickle_path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError:
-            raise ViasdError(f"{pickle_path} holds objects other than tensors: refused (it is read with "
-                             "weights_only=True, so it cannot run code)") from None
-        except Exception as e:  # a truncated or foreign file: torch raises several kinds
-            raise ViasdError(f"{pickle_path} is damaged or not a PyTorch file ({type(e).__name__})") from None
-    else:
-        raise ViasdError(f"'{folder}' has no {SAFETENSORS} or {PICKLE}: copy the head's weights there")
-    if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
-        raise ViasdError(f"the weights in '{folder}' are not a flat mapping of names to tensors")
-    return tensors
-
-
-def _names(names) -> str:
-    names = sorted(names)
-    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-
-
-def check_head_tensors(head: FeatureHead, tensors: dict[str, torch.Tensor], where: str) -> None:
-    """Refuse missing, unexpected, mistyped or misshapen tensors, and vocabulary maps that disagree."""
-    expected = head.state_dict()
-    missing, unexpected = set(expected) - set(tensors), set(tensors) - set(expected)
-    if missing:
-        raise ViasdError(f"{where}: missing tensors {_names(missing)}")
-    if unexpected:
-        raise ViasdError(f"{where}: unexpected tensors {_names(unexpected)} (not the EAGLE-3 layout)")
-    for name, want in expected.items():
-        got = tensors[name]
-        if got.shape != want.shape:
-            raise ViasdError(f"{where}: tensor '{name}' has shape {list(got.shape)}, expected {list(want.shape)}")
-        kind_ok = {"d2t": not got.dtype.is_floating_point and got.dtype != torch.bool,
-                   "t2d": got.dtype == torch.bool}.get(name, got.dtype.is_floating_point)
-        if not kind_ok:
-            raise ViasdError(f"{where}: tensor '{name}' has dtype {got.dtype}, expected {want.dtype}")
-    target_ids = torch.arange(head.draft_vocab_size) + tensors["d2t"].long()
-    if int(target_ids.min()) < 0 or int(target_ids.max()) >= head.vocab_size or target_ids.unique().numel() != target_ids.numel():
-        raise ViasdError(f"{where}: d2t maps draft ids outside the target vocabulary or two of them to one id")
-    marked = torch.zeros(head.vocab_size, dtype=torch.bool)
-    marked[target_ids] = True
-    if not torch.equal(marked, tensors["t2d"]):
-        raise ViasdError(f"{where}: t2d does not mark exactly the target ids that d2t maps to")
-
-
-# ---------------------------------------------------------------------- load / save
-def load_feature_head(folder: str | os.PathLike, target_config, *, embed: nn.Module | None = None,
-                      dtype: torch.dtype | None = None, device=None, max_len: int = 2048) -> FeatureHead:
-    """Load an EAGLE-3 head in the published layout for a target with `target_config`.
-
-    `embed`: the target's input embedding, required when the checkpoint has none (the usual case).
-    dtype/device default to the embedding's (else the stored dtype, on CPU). Every mismatch is a
-    one-line ViasdError naming it.
-    """
-    folder = Path(folder)
-    where = f"EAGLE-3 head '{folder}'"
-    raw = read_head_config(folder)
-    layers = check_head_config(raw, target_config, where)
-    tensors = read_head_weights(folder)
-    own_embed = EMBED in tensors
-    if not own_embed and embed is None:
-        raise ViasdError(f"{where} has no {EMBED}: pass the target's input embedding (embed=...)")
-    with torch.device("meta"):  # shapes only: no memory, no random initialization
-        head = FeatureHead(raw, layers, embed=None if own_embed else embed)
-    if head.draft_vocab_size == head.vocab_size:  # the maps are optional for a full-vocabulary head
-        tensors.setdefault("d2t", torch.zeros(head.vocab_size, dtype=torch.long))
-        tensors.setdefault("t2d", torch.ones(head.vocab_size, dtype=torch.bool))
-    check_head_tensors(head, tensors, where)
-    tensors["d2t"] = tensors["d2t"].long()
-    head.load_state_dict(tensors, strict=True, assign=True)
-    ref = None if own_embed else embed.weight
-    dtype = dtype or (ref.dtype if ref is not None else tensors["fc.weight"].dtype)
-    device = device if device is not None else (ref.device if ref is not None else "cpu")
-    head.to(device=device, dtype=dtype)
-    head.requires_grad_(False).eval()
-    head.allocate(max_len)
-    return head
-
-
-def save_feature_head(head: FeatureHead, folder: str | os.PathLike) -> Path:
-    """Write `head` in the published layout (config.json, model.safetensors), atomically:
-    a temporary folder beside `folder`, then a rename (an existing folder is replaced)."""
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    old = folder.with_name(f".{folder.name}.old")
-    try:
-        save_file(tensors, str(tmp / SAFETENSORS))
-        (tmp / CONFIG).write_text(json.dumps(head.config_dict, indent=2) + "\n", encoding="utf-8")
-        tmp.chmod(0o755)  # mkdtemp makes it private
-        if folder.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            folder.rename(old)
-        tmp.rename(folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
-    return folder

@@ -148,10 +148,8 @@ class Engine:
         if drafter is not None:
             drafter.ensure_capacity(self.context_len)
             drafter.link_slim(self._slim)
-            if self.compiled:
-                for m in drafter.fast_models():
-                    if m.compile():
-                        m.warm_up(max_width=1)
+            if self.compiled and drafter.compile():
+                drafter.warm_up()
 
     def _models(self) -> list[FastModel]:
         return [self.target] + ([self.slim] if self.slim is not None else [])
@@ -164,16 +162,16 @@ class Engine:
         return self._models() + (self.drafter.fast_models() if self.drafter is not None else [])
 
     def compile(self) -> bool:
-        """torch.compile every model's pass (see FastModel.compile); False when none could be."""
-        self.compiled = any([m.compile() for m in self.all_models()])
+        """torch.compile every model's pass (see FastModel.compile) and the drafter's step; False when none could be."""
+        self.compiled = any([m.compile() for m in self._models()] + [self.drafter is not None and self.drafter.compile()])
         return self.compiled
 
     def warm_up(self) -> float:
         """Compile now every graph a generation can meet (none compiles mid-generation); returns
         the seconds it took, 0.0 when nothing is compiled. Empties the caches."""
         seconds = sum(m.warm_up() for m in self._models())
-        if self.drafter is not None:  # a draft runs 1-token steps and 2-token catch-ups
-            seconds += sum(m.warm_up(max_width=1) for m in self.drafter.fast_models())
+        if self.drafter is not None:
+            seconds += self.drafter.warm_up()
         self.reset()
         return seconds
 

@@ -55,6 +55,14 @@ class FeatureDrafter(ChainDrafter):
         if slim is not None:
             slim.capture_features(self.head.feature_layers)
 
+    def compile(self) -> bool:
+        return self.head.compile()  # its 1-token drafting step (CUDA graphs on CUDA)
+
+    def warm_up(self) -> float:
+        seconds = self.head.warm_up()
+        self.fed = 0  # the warm-up emptied the head's cache
+        return seconds
+
     def reset(self) -> None:
         self.head.reset()
         self.fed = 0
@@ -97,9 +105,10 @@ class FeatureDrafter(ChainDrafter):
         self.head.rollback(start)
         logits, hidden = self.head.forward(ids[start + 1 : n], feats, start, n_logits=1)
         self.fed = n - 1
-        self._hidden = hidden[-1:]
+        self._hidden = hidden[-1:].clone()
         return self._mask(logits)
 
     def _next_logits(self, ids: torch.Tensor, n: int, i: int) -> torch.Tensor:
-        logits, self._hidden = self.head.forward(ids[n + i : n + i + 1], self._hidden, n - 1 + i, n_logits=1)
+        logits, hidden = self.head.forward(ids[n + i : n + i + 1], self._hidden, n - 1 + i, n_logits=1)
+        self._hidden = hidden.clone()  # a compiled step's next call may overwrite its outputs (CUDA graphs)
         return self._mask(logits)

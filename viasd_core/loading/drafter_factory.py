@@ -81,7 +81,7 @@ def _feature_head_folder(ref: str, opts: ModelOptions):
     """The folder of an EAGLE-3 head named by `ref` (embedded, a local folder, or a cached hub repo), else None."""
     from viasd_core.loading import catalog
     from viasd_core.loading import hub
-    from viasd_core.decoding.eagle import is_feature_head_folder
+    from viasd_core.decoding.eagle_files import is_feature_head_folder
 
     if ref in _EMBEDDED_HEAD_ALIASES:
         return _embedded_head_dir()
@@ -96,7 +96,7 @@ def _feature_head_folder(ref: str, opts: ModelOptions):
 
 def feature_drafter(folder, target: Loaded, target_fast: FastModel) -> FeatureDrafter:
     """An EAGLE-3 head for the target (its embedding shared, its dtype and device) as a drafter."""
-    from viasd_core.decoding.eagle import load_feature_head
+    from viasd_core.decoding.eagle_files import load_feature_head
 
     if target.model_id != EMBEDDED_TARGET and Path(folder) == _embedded_head_dir():
         raise UsageError(f"the embedded EAGLE-3 head was trained for '{EMBEDDED_TARGET}', not '{target.model_id}': "

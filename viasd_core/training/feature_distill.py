@@ -10,7 +10,7 @@ stopped (generation per split, teacher passes per split, training from its last 
 
 Prompts with index % held_out_every == 0 are held out (their sequences pick the best weights);
 evaluation prompts are never trained on. The head is written in the published layout
-(eagle.save_feature_head), in bfloat16, with the recipe and its measurements in config.json.
+(eagle_files.save_feature_head), in bfloat16, with the recipe and its measurements in config.json.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 from viasd_core.training import eagle_train
 from viasd_core.training.teacher_answers import DEFAULT_PROMPTS, Record, build_dataset, choose_vocab
-from viasd_core.decoding.eagle import save_feature_head
+from viasd_core.decoding.eagle_files import save_feature_head
 from viasd_core.errors import UsageError
 from viasd_core.loading.models import load_model
 from viasd_core.loading.prompts import load_prompts
