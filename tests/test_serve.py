@@ -3,12 +3,17 @@ not; multi-turn KV-cache re-use; models, auth and health; every kind of bad inpu
 status; /metrics read by Prometheus' parser equals what the requests did."""
 
 import logging
+import socket
 
 import openai
 import pytest
+from typer.testing import CliRunner
 
 from test_serve_support import N, client, generate_texts, metric_samples, raw, running, session, total  # noqa: F401
+from viasd_cli.app import get_app
 from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.frontends.serve_server import is_loopback
+from viasd_core.loading.profile import Profile, profile_path, save_profile
 from viasd_core.loading.prompts import encode
 from viasd_core.session import ModelOptions, build_session
 
@@ -217,3 +222,44 @@ def test_metrics_count_what_the_requests_did(session, viasd_home):  # noqa: F811
     assert total(m, "viasd:e2e_request_latency_seconds_count") == 4
     assert total(m, "viasd:time_to_first_token_seconds_count") == 4
     assert total(m, "viasd:num_requests_running") == 0 and total(m, "viasd:num_requests_waiting") == 0
+
+
+def test_calibrated_modes_per_request(tiny_dirs, viasd_home):
+    """With the pair's profile saved, exact and viasd are per-request modes: exact equals sd, viasd
+    reports its tiers and fidelity."""
+    s = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=str(tiny_dirs["draft"])), mode="sd")
+    save_profile(Profile(target_id=s.target.model_id, draft_id=s.draft_id, quant="none", device="cpu", dtype="float32",
+                         layer_ids=[0, 1], n_layers=4, theta_accept=0.9, theta_slim=0.6, budget=0.05,
+                         heldout_fidelity=0.97), profile_path(s.target.model_id, s.draft_id, "none", "cpu"))
+    with running(s) as (base, _):
+        c = client(base)
+        assert c.models.list().data[0].model_extra["viasd"]["modes"] == ["ar", "sd", "exact", "viasd"]
+        sd = c.chat.completions.create(**chat_args(PROMPTS[0]))
+        exact = c.chat.completions.create(**chat_args(PROMPTS[0]), extra_body={"mode": "exact"})
+        assert exact.choices[0].message.content == sd.choices[0].message.content
+        assert exact.model_extra["viasd"]["mode"] == "exact" and exact.model_extra["viasd"]["slim_passes"] > 0
+        text, chunks = streamed_chat(c, PROMPTS[0], extra_body={"mode": "viasd"}, stream_options={"include_usage": True})
+        ext = chunks[-2].model_extra["viasd"]
+        assert ext["mode"] == "viasd" and 0 <= ext["fidelity"] <= 1 and text
+        assert sum(ext["tier_counts"].values()) == chunks[-1].usage.completion_tokens > 0
+        for extra, param in (({"mode": "viasd", "temperature": 0.5}, None), ({"mode": "viasd", "draft": "ngram"}, "draft")):
+            with pytest.raises(openai.BadRequestError) as e:
+                c.chat.completions.create(**chat_args(PROMPTS[0]), extra_body=extra)
+            assert e.value.param == param and e.value.message
+
+
+def test_loopback_and_command_line_errors(tiny_dirs, viasd_home):
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.2", "example.com"))
+
+    def serve(*args):
+        return CliRunner().invoke(get_app(), ["serve", "-m", str(tiny_dirs["target"]), "-d", "ngram", *map(str, args)])
+
+    for args, message in ((["--port", 70000], "--port must be in [0, 65535]"), (["--timeout", 0], "--timeout must be > 0"),
+                          (["--max-queue", -1], "--max-queue must be >= 0"), (["--mode", "fast"], "unknown mode 'fast'")):
+        r = serve(*args)
+        assert r.exit_code == 2 and message in r.stderr and r.stderr.count("\n") == 1, r.stderr
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        r = serve("--port", taken.getsockname()[1])
+    assert r.exit_code == 1 and r.stderr.splitlines()[-1].startswith("Error: cannot listen on 127.0.0.1:"), r.stderr
+    assert "Traceback" not in r.stderr and r.stdout == ""

@@ -114,6 +114,10 @@ def create_app(session: Session, served: ServedModel, settings: ServeSettings) -
                     yield DONE
                     finished = True
                     return
+        except Exception as e:  # a bug: the stream still ends whole
+            log.error("stream failed: %s: %s", type(e).__name__, e)
+            yield sse(internal(e).body())
+            yield DONE
         finally:
             if not finished:  # the client went away (or the server is stopping)
                 worker.cancel(job, "abort")

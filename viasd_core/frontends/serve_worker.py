@@ -146,7 +146,12 @@ class EngineWorker:
 
     @property
     def busy(self) -> bool:
+        """A job is waiting or running."""
         return bool(self._live)
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
 
     # ------------------------------------------------------------------ worker thread
     def _post(self, job: Job, kind: str, payload) -> None:
