@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 
-from test_serve_support import (client, generate_texts, metric_samples, raw, running, session,  # noqa: F401
+from test_serve_support import (assert_clean_log, client, generate_texts, metric_samples, raw, running, session,  # noqa: F401
                                 slow_target, total)
 from viasd_core.decoding.engine import GenerationConfig
 
@@ -43,7 +43,7 @@ def burst(base, n_requests: int, n_clients: int):
         return list(pool.map(one, range(n_requests)))
 
 
-def test_a_burst_of_50_requests_from_8_clients(session, tiny_dirs, viasd_home):  # noqa: F811
+def test_a_burst_of_50_requests_from_8_clients(session, tiny_dirs, viasd_home, capfd):  # noqa: F811
     expected = {r["prompt"]: r["text"] for r in generate_texts(tiny_dirs, PROMPTS)}
     # 1 running + 7 waiting hold 8 clients: every request is answered, each with its own prompt's answer.
     with running(session, max_queue=7) as (base, _):
@@ -55,10 +55,10 @@ def test_a_burst_of_50_requests_from_8_clients(session, tiny_dirs, viasd_home): 
         assert total(m, "viasd:requests_total", status="200") == 50 and total(m, "viasd:request_success_total") == 50
     # A queue of 2: what does not fit is refused with 503 and Retry-After, nothing is lost or mixed up.
     with running(session, max_queue=2) as (base, _):
-        results = burst(base, 50, 8)
+        results = burst(base, 24, 8)
         ok = [r for r in results if r[1] == 200]
         busy = [r for r in results if r[1] == 503]
-        assert len(ok) + len(busy) == 50 and len(ok) >= 3
+        assert len(ok) + len(busy) == 24 and len(ok) >= 3
         assert all(text == expected[PROMPTS[i % len(PROMPTS)]] for i, _, text, _ in ok)
         assert all(int(retry) >= 1 for *_, retry in busy)
         assert raw(base, "GET", "/health")[0] == 200
@@ -67,6 +67,7 @@ def test_a_burst_of_50_requests_from_8_clients(session, tiny_dirs, viasd_home): 
         assert total(m, "viasd:requests_total", status="200") == len(ok) + 1
         assert total(m, "viasd:requests_total", status="503") == len(busy)
         assert total(m, "viasd:num_requests_running") == total(m, "viasd:num_requests_waiting") == 0
+    assert_clean_log(capfd)
 
 
 def wait_for(condition, seconds: float = 10.0) -> float:
@@ -78,7 +79,9 @@ def wait_for(condition, seconds: float = 10.0) -> float:
     return time.monotonic() - t0
 
 
-def test_full_queue_and_time_limits(session, viasd_home):  # noqa: F811
+def test_full_queue_and_time_limits(session, viasd_home, capfd):  # noqa: F811
+    with running(session, max_queue=0) as (base, _):  # no queue: served while the engine is free
+        assert [raw(base, "POST", CHAT, body("w1 w2"))[0] for _ in range(3)] == [200] * 3
     gate = threading.Event()
     inner = session.engine.generate
     session.engine.generate = lambda *a, **k: (gate.wait(20), inner(*a, **k))[1]  # the engine holds until released
@@ -125,9 +128,10 @@ def test_full_queue_and_time_limits(session, viasd_home):  # noqa: F811
             assert not server.worker.busy
     finally:
         undo()
+    assert_clean_log(capfd)
 
 
-def test_a_client_that_goes_away_frees_the_engine_within_a_step(session, viasd_home):  # noqa: F811
+def test_a_client_that_goes_away_frees_the_engine_within_a_step(session, viasd_home, capfd):  # noqa: F811
     step = 0.03
     undo = slow_target(session, step)  # ar: one target pass, one token per step
     try:
@@ -155,6 +159,7 @@ def test_a_client_that_goes_away_frees_the_engine_within_a_step(session, viasd_h
             assert answer.usage.completion_tokens >= 1
     finally:
         undo()
+    assert_clean_log(capfd)
 
 
 def test_ctrl_c_during_a_stream_ends_it_cleanly(tiny_dirs, tmp_path):

@@ -112,3 +112,9 @@ def metric_samples(base: str) -> dict:
 def total(samples: dict, name: str, **labels) -> float:
     """The sum of `name` over the samples whose labels include `labels`."""
     return sum(v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= set(ls))
+
+
+def assert_clean_log(capfd) -> None:
+    """Nothing the server wrote (uvicorn's log included) holds a traceback."""
+    out, err = capfd.readouterr()
+    assert "Traceback" not in out + err and "Exception" not in out + err, (out + err)[-3000:]

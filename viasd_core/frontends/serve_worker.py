@@ -84,8 +84,8 @@ class EngineWorker:
         with self._lock:
             if self._closing:
                 raise shutting_down()
-            if self._waiting >= self.max_queue:
-                raise queue_full(max(1, math.ceil(self._service_s * (self._waiting + 1))))
+            if len(self._live) > self.max_queue:  # max_queue waiting beside the running one
+                raise queue_full(max(1, math.ceil(self._service_s * len(self._live))))
             self._waiting += 1
             self._live.add(job)
             self.metrics.waiting.set(self._waiting)
@@ -177,14 +177,15 @@ class EngineWorker:
                 continue
             started = time.monotonic()
             try:
-                self._generate(job, started)
+                last = self._generate(job, started)
             finally:
-                with self._lock:
+                with self._lock:  # the job leaves before its answer goes out: the client's next request fits
                     job.state = "done"
                     self._live.discard(job)
                     self.metrics.running.set(0)
                 self._service_s = 0.8 * self._service_s + 0.2 * (time.monotonic() - started)
                 self.jobs_run += 1
+            self._post(job, *last)
 
     def _stopped_error(self, job: Job) -> ApiError:
         if job.reason == "timeout":
@@ -217,7 +218,8 @@ class EngineWorker:
             if wanted is not None:
                 wanted.reset()
 
-    def _generate(self, job: Job, started: float) -> None:
+    def _generate(self, job: Job, started: float) -> tuple[str, object]:
+        """Run the job on the engine (posting 'started' and text); returns its last event."""
         request, config = job.request, job.request.config
         first: list[float] = []
         stream = StopAwareText(self.session.tokenizer, config.stop) if request.stream else None
@@ -242,16 +244,13 @@ class EngineWorker:
             self._use_drafter(request.draft)
             gen: Generation = self.engine.generate(ids, config, on_emit=on_emit, should_stop=should_stop)
         except ApiError as e:
-            self._post(job, "error", e)
-            return
+            return "error", e
         except ViasdError as e:  # the engine's own checks
-            self._post(job, "error", bad_request(e.message))
-            return
+            return "error", bad_request(e.message)
         except Exception as e:  # a bug: one line in the log, a clean engine for the next request
             log.error("generation failed: %s: %s", type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
             self.engine.reset()
-            self._post(job, "error", internal(e))
-            return
+            return "error", internal(e)
         done = time.monotonic()
         stopped = gen.finish_reason == "cancelled"
         if config.mode == "viasd" and not stopped:
@@ -260,10 +259,9 @@ class EngineWorker:
         self.metrics.generation(gen.stats, reason, started - job.arrived, done - started,
                                 first[0] - job.arrived if first else None, done - job.arrived)
         if stopped:
-            self._post(job, "error", self._stopped_error(job))
-            return
+            return "error", self._stopped_error(job)
         if stream is not None:
             rest = stream.finish(gen.text)
             if rest:
                 self._post(job, "text", rest)
-        self._post(job, "done", gen)
+        return "done", gen
