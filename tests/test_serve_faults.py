@@ -189,3 +189,27 @@ def test_ctrl_c_during_a_stream_ends_it_cleanly(tiny_dirs, tmp_path):
     assert last.get("error", {}).get("code") == "shutting_down" or last["choices"][0]["finish_reason"] in ("stop", "length")
     assert proc.returncode == 0, err
     assert "Traceback" not in err and "stopped after 1 generation" in err, err
+
+
+def test_a_failing_generation_is_a_500_and_one_log_line(session, viasd_home, capfd, caplog):  # noqa: F811
+    inner = session.engine.generate
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    session.engine.generate = boom
+    try:
+        with running(session) as (base, _):
+            status, _, answer = raw(base, "POST", CHAT, body("w1 w2"))
+            assert status == 500 and answer["error"]["message"] == "internal error: RuntimeError: boom"
+            # A stream has sent its 200 once the prompt fitted: the error is its last event.
+            status, _, events = raw(base, "POST", CHAT, body("w1 w2", stream=True))
+            data = [line[6:] for line in events.splitlines() if line.startswith("data: ")]
+            assert status == 200 and data[-1] == "[DONE]"
+            assert json.loads(data[-2])["error"]["message"] == "internal error: RuntimeError: boom"
+            session.engine.generate = inner
+            assert raw(base, "POST", CHAT, body("w1 w2"))[0] == 200  # the next request is served
+    finally:
+        session.engine.generate = inner
+    assert [r.getMessage() for r in caplog.records if r.name == "viasd.serve"] == ["generation failed: RuntimeError: boom"] * 2
+    assert_clean_log(capfd)

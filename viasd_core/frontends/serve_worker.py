@@ -178,6 +178,10 @@ class EngineWorker:
             started = time.monotonic()
             try:
                 last = self._generate(job, started)
+            except Exception as e:  # a bug: one line in the log, a clean engine for the next request
+                log.error("generation failed: %s: %s", type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+                self.engine.reset()
+                last = "error", internal(e)
             finally:
                 with self._lock:  # the job leaves before its answer goes out: the client's next request fits
                     job.state = "done"
@@ -247,10 +251,6 @@ class EngineWorker:
             return "error", e
         except ViasdError as e:  # the engine's own checks
             return "error", bad_request(e.message)
-        except Exception as e:  # a bug: one line in the log, a clean engine for the next request
-            log.error("generation failed: %s: %s", type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
-            self.engine.reset()
-            return "error", internal(e)
         done = time.monotonic()
         stopped = gen.finish_reason == "cancelled"
         if config.mode == "viasd" and not stopped:
