@@ -44,6 +44,7 @@ def test_answers_equal_generate_streamed_or_not(session, tiny_dirs, viasd_home):
             assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
             # the stream: the role first, the finish reason and statistics last, then the usage
             assert chunks[0].choices[0].delta.role == "assistant"
+            assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content) >= 2  # step by step
             assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
             assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
             for ext in (whole.model_extra["viasd"], chunks[-2].model_extra["viasd"]):
