@@ -12,6 +12,9 @@ from typer.testing import CliRunner
 from test_serve_support import N, assert_clean_log, client, generate_texts, metric_samples, raw, running, session, total  # noqa: F401
 from viasd_cli.app import get_app
 from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.errors import ViasdError
+from viasd_core.frontends import serve_server
+from viasd_core.frontends.serve_app import ServeSettings
 from viasd_core.frontends.serve_server import is_loopback
 from viasd_core.loading.profile import Profile, profile_path, save_profile
 from viasd_core.loading.prompts import encode
@@ -248,9 +251,22 @@ def test_calibrated_modes_per_request(tiny_dirs, viasd_home):
             assert e.value.param == param and e.value.message
 
 
-def test_loopback_and_command_line_errors(tiny_dirs, viasd_home):
+def test_loopback_and_command_line_errors(session, tiny_dirs, viasd_home, monkeypatch):  # noqa: F811
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "::1", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.2", "example.com"))
+
+    def no_socket(host, port):  # stop before binding anything but loopback
+        raise ViasdError("not bound")
+
+    listen = serve_server.listen
+    monkeypatch.setattr(serve_server, "listen", no_socket)
+    monkeypatch.setattr(serve_server, "_setup_log", lambda: None)  # the test process's logging stays as it is
+    for host, key, warned in (("0.0.0.0", None, True), ("0.0.0.0", "k", False), ("127.0.0.1", None, False)):
+        notes = []
+        with pytest.raises(ViasdError):
+            serve_server.serve(session, GenerationConfig(), ServeSettings(api_key=key), host, 0, progress=notes.append)
+        assert any(n.startswith("warning: listening on 0.0.0.0 without --api-key") for n in notes) == warned, notes
+    monkeypatch.setattr(serve_server, "listen", listen)
 
     def serve(*args):
         return CliRunner().invoke(get_app(), ["serve", "-m", str(tiny_dirs["target"]), "-d", "ngram", *map(str, args)])
