@@ -86,7 +86,7 @@ def test_full_queue_and_time_limits(session, viasd_home, capfd):  # noqa: F811
     inner = session.engine.generate
     session.engine.generate = lambda *a, **k: (gate.wait(20), inner(*a, **k))[1]  # the engine holds until released
     try:
-        with running(session, max_queue=1, timeout=1.0) as (base, server):
+        with running(session, GenerationConfig(mode="ar", max_new_tokens=8), max_queue=1, timeout=1.0) as (base, server):
             worker = server.worker
             pool = ThreadPoolExecutor(2)
             first = pool.submit(raw, base, "POST", CHAT, body("w1 w2"))
@@ -99,7 +99,7 @@ def test_full_queue_and_time_limits(session, viasd_home, capfd):  # noqa: F811
             status, _, answer = second.result(10)
             assert status == 504 and answer["error"]["code"] == "timeout" and "before any token" in answer["error"]["message"]
             gate.set()
-            # The first ran past its limit too: it stops after its first step.
+            # The first ran past its limit too: it stops after its first step (ar: one token).
             status, _, answer = first.result(10)
             assert status == 504 and "after 1 new tokens" in answer["error"]["message"], answer
             m = metric_samples(base)
@@ -142,7 +142,7 @@ def test_a_client_that_goes_away_frees_the_engine_within_a_step(session, viasd_h
             assert got[-1].choices[0].delta.content
             stream.close()
             freed = wait_for(lambda: not server.worker.busy)
-            assert freed < 1.0, freed  # a few steps of 30 ms on a busy CPU, not the 300 tokens (9 s) asked
+            assert freed < 2.0, freed  # a few steps of 30 ms on a busy CPU, not the 300 tokens (9 s) asked
             # A non-streamed request whose client hangs up before its answer stops as well.
             host, port = base.removeprefix("http://").split(":")
             conn = http.client.HTTPConnection(host, int(port), timeout=10)
@@ -151,7 +151,7 @@ def test_a_client_that_goes_away_frees_the_engine_within_a_step(session, viasd_h
             time.sleep(5 * step)
             conn.close()
             freed = wait_for(lambda: not server.worker.busy)
-            assert freed < 1.0, freed
+            assert freed < 2.0, freed
             m = metric_samples(base)
             assert total(m, "viasd:request_success_total", finished_reason="abort") == 2
             assert total(m, "viasd:generation_tokens_total") < 60
