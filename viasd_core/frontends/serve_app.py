@@ -94,7 +94,7 @@ def create_app(session: Session, served: ServedModel, settings: ServeSettings) -
         worker.cancel(job, "abort")
         return None
 
-    async def stream(job: Job, reply: Reply, endpoint: str):
+    async def stream(job: Job, reply: Reply):
         finished = False
         try:
             first = reply.first_chunk()
@@ -148,7 +148,7 @@ def create_app(session: Session, served: ServedModel, settings: ServeSettings) -
                     return answer(endpoint, _error(payload))
                 if kind_ == "started" and req.stream:
                     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-                    return answer(endpoint, StreamingResponse(stream(job, reply, endpoint), media_type="text/event-stream",
+                    return answer(endpoint, StreamingResponse(stream(job, reply), media_type="text/event-stream",
                                                               headers=headers))
                 if kind_ == "done":
                     return answer(endpoint, JSONResponse(reply.whole(payload, req.draft)))
