@@ -23,7 +23,7 @@ def _register() -> None:
     # bitsandbytes logs notices on import and on every 8-bit matmul; stderr is for our statistics.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
-    for name in ("generate", "calibrate", "bench", "chat", "pull", "models", "distill", "doctor"):
+    for name in ("generate", "calibrate", "bench", "chat", "pull", "models", "distill", "doctor", "serve"):
         try:
             importlib.import_module(f"viasd_cli.{name}")
         except ModuleNotFoundError as e:  # a command not built yet

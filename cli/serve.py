@@ -1,0 +1,60 @@
+"""`viasd serve`: an OpenAI-compatible HTTP server over one loaded pair (docs/serve.md)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.errors import UsageError
+from viasd_core.session import ModelOptions
+
+from .app import app
+from .options import generation_options, handle_errors, model_options, open_session
+
+EXAMPLES = """
+EXAMPLES
+
+  viasd serve                                   (embedded model and draft on http://127.0.0.1:8000/v1)
+
+  viasd serve -m ./my-model -d ngram --port 9000
+
+  viasd serve --host 0.0.0.0 --api-key "$KEY"   (reachable from other machines: set a key)
+
+  curl http://127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+"""
+
+
+@app.command(epilog=EXAMPLES)
+@handle_errors
+@generation_options(max_new_tokens=256)
+@model_options
+def serve(
+    *,
+    opts: ModelOptions,
+    config: GenerationConfig,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on (loopback unless given; another one warns without --api-key).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="Port to listen on (0: a free one, printed).")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="VIASD_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* (also from VIASD_API_KEY).")] = None,
+    served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The model id clients use (default: the model's id).")] = None,
+    max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait beside the running one; more get 503 with Retry-After.")] = 16,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds a request may take from arrival (queueing included) to its last token.")] = 300.0,
+):
+    """Serve the model over OpenAI's HTTP API (chat and completions, streamed or not), with
+    /health and Prometheus /metrics; one request at a time on the engine, the rest queued."""
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port must be in [0, 65535], got {port}")
+    if max_queue < 0:
+        raise UsageError(f"--max-queue must be >= 0, got {max_queue}")
+    if not timeout > 0:
+        raise UsageError(f"--timeout must be > 0 seconds, got {timeout}")
+    try:
+        from viasd_core.frontends.serve_app import ServeSettings
+        from viasd_core.frontends.serve_server import serve as run
+    except ModuleNotFoundError as e:
+        raise UsageError(f"viasd serve needs '{e.name}': install the serve extra (pip install 'viasd[serve]')")
+    log = lambda msg: typer.echo(msg, err=True)  # noqa: E731
+    session = open_session(opts, config, progress=log)
+    run(session, config, ServeSettings(api_key=api_key or None, max_queue=max_queue, timeout=timeout), host, port,
+        name=served_model_name, progress=log, out=typer.echo)

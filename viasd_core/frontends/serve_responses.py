@@ -1,0 +1,99 @@
+"""OpenAI response bodies (chat.completion, text_completion and their stream chunks), with the
+token counts in `usage` and the request's speculative statistics in the extension field `viasd`:
+
+  "viasd": {"mode": "sd", "draft": "...", "tokens_per_target_pass": 3.1, "acceptance_rate": 0.62,
+            "acceptance_by_position": [0.9, 0.7, ...], "tier_counts": {...}, "tier_shares": {...},
+            "target_passes": 12, "slim_passes": 0, "draft_tokens": 40, "prefill_cached": 35,
+            "prefill_processed": 4, "time_s": 0.41, "tokens_per_s": 92.6, "fidelity": null}
+
+`fidelity` is measured (one teacher-forced target pass) in viasd mode, null elsewhere. The finish
+reason is OpenAI's: 'stop' (end of text or a stop string) or 'length'.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from viasd_core.decoding.engine import Generation
+
+EXTENSION = "viasd"
+OBJECTS = {"chat": ("chat.completion", "chat.completion.chunk", "chatcmpl-"),
+           "completion": ("text_completion", "text_completion", "cmpl-")}
+
+
+def finish_reason(gen: Generation) -> str:
+    return "stop" if gen.finish_reason in ("eos", "stop") else gen.finish_reason
+
+
+def usage(gen: Generation) -> dict:
+    s = gen.stats
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": len(gen.tokens),
+            "total_tokens": s.prompt_tokens + len(gen.tokens),
+            "prompt_tokens_details": {"cached_tokens": s.prefill_cached}}
+
+
+def statistics(gen: Generation, draft: str) -> dict:
+    s = gen.stats
+    return {
+        "mode": s.mode, "draft": draft if s.mode != "ar" else "none",
+        "tokens_per_target_pass": s.mean_accepted_length, "acceptance_rate": s.acceptance_rate,
+        "acceptance_by_position": s.acceptance_by_position, "position_attempts": list(s.position_attempts),
+        "position_accepts": list(s.position_accepts), "tier_counts": dict(s.tier_counts), "tier_shares": s.tier_shares,
+        "target_passes": s.target_passes, "slim_passes": s.slim_passes, "steps": s.steps, "draft_tokens": s.draft_tokens,
+        "prefill_cached": s.prefill_cached, "prefill_processed": s.prefill_processed,
+        "time_s": s.time_total, "tokens_per_s": s.tokens_per_s, "fidelity": s.fidelity,
+    }
+
+
+class Reply:
+    """The bodies of one answer: the whole response, or its stream's chunks."""
+
+    def __init__(self, kind: str, model: str):
+        self.kind = kind
+        self.model = model
+        self.object, self.chunk_object, prefix = OBJECTS[kind]
+        self.id = prefix + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def _choice(self, text: str | None, finish: str | None, whole: bool) -> dict:
+        if self.kind == "completion":
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if whole:
+            return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "delta": {} if text is None else {"content": text}, "logprobs": None, "finish_reason": finish}
+
+    def whole(self, gen: Generation, draft: str) -> dict:
+        return {**self._head(self.object), "choices": [self._choice(gen.text, finish_reason(gen), True)],
+                "usage": usage(gen), EXTENSION: statistics(gen, draft)}
+
+    def first_chunk(self) -> str | None:
+        """A chat stream opens with the assistant's role (a completion stream has no such chunk)."""
+        if self.kind != "chat":
+            return None
+        body = {**self._head(self.chunk_object), "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                              "logprobs": None, "finish_reason": None}]}
+        return sse(body)
+
+    def text_chunk(self, text: str) -> str:
+        return sse({**self._head(self.chunk_object), "choices": [self._choice(text, None, False)]})
+
+    def last_chunks(self, gen: Generation, draft: str, include_usage: bool) -> list[str]:
+        """The chunk with the finish reason and the statistics, the usage chunk if asked, [DONE]."""
+        out = [sse({**self._head(self.chunk_object), "choices": [self._choice(None, finish_reason(gen), False)],
+                    EXTENSION: statistics(gen, draft)})]
+        if include_usage:
+            out.append(sse({**self._head(self.chunk_object), "choices": [], "usage": usage(gen)}))
+        return out + [DONE]
+
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(body: dict) -> str:
+    """One server-sent event carrying a JSON body."""
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"

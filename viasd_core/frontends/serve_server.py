@@ -1,0 +1,134 @@
+"""From a loaded Session to a listening server, and a clean stop on Ctrl-C.
+
+`prepare` decides what the server offers: besides the modes its --mode needed at load time, the
+pair's calibration profile (when one is saved, or given with --profile) is loaded too, so that
+exact and viasd requests can run. `serve` binds the socket itself (port 0 picks a free port, and
+the printed address is the real one), then runs uvicorn until SIGINT/SIGTERM.
+
+Stopping: the first Ctrl-C stops admission (new requests get 503), ends the running generation
+after its current step and answers every queued one with 503, so each response is complete (a
+stream ends with an error event and `data: [DONE]`); uvicorn then closes the connections and the
+process exits 0. A second Ctrl-C forces the exit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import logging
+import socket
+import sys
+
+import uvicorn
+
+from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.decoding.slim_view import slim_verifier
+from viasd_core.errors import ViasdError
+from viasd_core.frontends.serve_app import ServeSettings, create_app
+from viasd_core.frontends.serve_schema import ServedModel
+from viasd_core.loading.profile import find_profile, profile_path
+from viasd_core.session import Session, thresholds_of, token_rows
+
+
+def prepare(session: Session, config: GenerationConfig, name: str | None = None) -> ServedModel:
+    """What the server offers, with the pair's profile loaded when there is one (exact, viasd)."""
+    engine, opts = session.engine, session.options
+    if session.profile is None and engine.drafter is not None:
+        device, n_layers = engine.target.device.type, engine.target.shape.n_layers
+        if opts.profile or profile_path(session.target.model_id, session.draft_id, opts.quant, device).exists():
+            session.profile = find_profile(session.target.model_id, session.draft_id, opts.quant, device, n_layers,
+                                           explicit=opts.profile)
+            engine.slim = slim_verifier(engine.target, session.profile.view)
+    thresholds = thresholds_of(session.profile)
+    config = dataclasses.replace(config, thresholds=thresholds)
+    aliases = frozenset({session.target.model_id, session.target.ref, opts.model} - {None})
+    return ServedModel(name=name or session.target.model_id, aliases=aliases, config=config, draft=session.draft_id,
+                       calibrated=engine.slim is not None and thresholds is not None, thresholds=thresholds,
+                       vocab_size=token_rows(session.target.model))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (port 0: a free one)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        return socket.create_server((host, port), family=family, backlog=128)
+    except (OSError, OverflowError) as e:
+        raise ViasdError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}")
+
+
+def address(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, whose first Ctrl-C also stops the engine's jobs (else a long stream
+    would hold the shutdown until it ends)."""
+
+    def __init__(self, config: uvicorn.Config, on_stopped=None):
+        super().__init__(config)
+        self.on_stopped = on_stopped
+
+    @property
+    def worker(self):
+        return self.config.app.state.worker
+
+    def handle_exit(self, sig, frame) -> None:
+        self.worker.shutdown()
+        super().handle_exit(sig, frame)
+
+    def stop(self) -> None:
+        """What a Ctrl-C does, for a server run in a thread (tests)."""
+        self.worker.shutdown()
+        self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets)
+        if self.on_stopped is not None:
+            self.on_stopped(self.worker.jobs_run)
+
+
+def make_server(session: Session, served: ServedModel, settings: ServeSettings, on_stopped=None) -> Server:
+    app = create_app(session, served, settings)
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=30)
+    return Server(config, on_stopped)
+
+
+def _setup_log() -> None:
+    log = logging.getLogger("viasd.serve")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("viasd serve: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def serve(session: Session, config: GenerationConfig, settings: ServeSettings, host: str, port: int,
+          name: str | None = None, progress=print, out=print) -> None:
+    """Serve until Ctrl-C: the address on `out` (stdout), everything else on `progress`."""
+    _setup_log()
+    served = prepare(session, config, name)
+    if not is_loopback(host) and not settings.api_key:
+        progress(f"warning: listening on {host} without --api-key: anyone who reaches this address can use the model")
+    sock = listen(host, port)
+    server = make_server(session, served, settings,
+                         on_stopped=lambda n: progress(f"stopped after {n} generation{'s' * (n != 1)}"))
+    progress(f"model {served.name}: mode {config.mode}, draft {served.draft}, modes {', '.join(served.modes)}; "
+             f"context {session.engine.context_len}, queue {settings.max_queue}, timeout {settings.timeout:g} s")
+    out(f"serving on {address(sock)}/v1 (Ctrl-C stops)")
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: the shutdown is done
+        pass
+    finally:
+        sock.close()

@@ -1,0 +1,267 @@
+"""One engine, one generation at a time: a worker thread fed by a bounded queue.
+
+The HTTP side (asyncio) submits a Job and reads its events; the worker thread runs the Job on
+the engine and posts the events back into the job's event loop:
+
+  ("started", prompt_tokens)  the prompt is tokenized and fits: the answer will come
+  ("text", piece)             streamed requests: text that no later token can change
+  ("done", Generation)        the generation ended by itself (eos, length, stop)
+  ("error", ApiError)         it did not: bad prompt, time limit, shutdown, internal error
+
+A job ends early when its `reason` is set, polled after every engine step (Engine.generate's
+should_stop): 'abort' (the client went away), 'timeout' (its deadline passed; the deadline
+counts from arrival, queueing included) or 'shutdown'. A job still waiting is simply skipped.
+The engine keeps its committed tokens between jobs, so a request that extends the previous
+conversation re-uses its KV cache; everything tokenizer- and engine-side runs on the worker
+thread only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from viasd_core.decoding.drafters import NgramDrafter
+from viasd_core.decoding.engine import Generation
+from viasd_core.decoding.fidelity import fidelity
+from viasd_core.errors import ViasdError
+from viasd_core.frontends.serve_errors import ApiError, bad_request, internal, queue_full, shutting_down, timed_out
+from viasd_core.frontends.serve_metrics import ServeMetrics
+from viasd_core.frontends.serve_schema import GenRequest
+from viasd_core.frontends.serve_text import StopAwareText
+from viasd_core.loading.prompts import encode
+from viasd_core.session import Session
+
+log = logging.getLogger("viasd.serve")
+
+
+@dataclass(eq=False)
+class Job:
+    request: GenRequest
+    limit: float  # seconds from arrival
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrived: float = field(default_factory=time.monotonic)
+    state: str = "waiting"  # waiting -> running -> done (or waiting -> done when skipped)
+    reason: str | None = None  # why it is stopped early: abort, timeout, shutdown
+    tokens: int = 0  # new tokens so far
+
+    @property
+    def deadline(self) -> float:
+        return self.arrived + self.limit
+
+
+class EngineWorker:
+    def __init__(self, session: Session, metrics: ServeMetrics, served_draft: str, max_queue: int):
+        self.session = session
+        self.engine = session.engine
+        self.metrics = metrics
+        self.max_queue = max_queue  # jobs waiting beside the running one
+        drafter = self.engine.drafter
+        self.drafters = {"none": None, "ngram": drafter if served_draft == "ngram" else NgramDrafter(), served_draft: drafter}
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._live: set[Job] = set()  # waiting or running
+        self._waiting = 0
+        self._closing = False
+        self._service_s = 1.0  # moving average of a job's time on the engine (for Retry-After)
+        self.jobs_run = 0
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ HTTP side
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="viasd-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: GenRequest, limit: float) -> Job:
+        """Queue a job (call from the event loop); 503 when the queue is full or the server closes."""
+        job = Job(request, limit, asyncio.get_running_loop())
+        with self._lock:
+            if self._closing:
+                raise shutting_down()
+            if len(self._live) > self.max_queue:  # max_queue waiting beside the running one
+                raise queue_full(max(1, math.ceil(self._service_s * len(self._live))))
+            self._waiting += 1
+            self._live.add(job)
+            self.metrics.waiting.set(self._waiting)
+        self._queue.put(job)
+        return job
+
+    def cancel(self, job: Job, reason: str) -> None:
+        """Stop `job`: skipped if still waiting, ended after the engine's current step if running."""
+        with self._lock:
+            if job.reason is None and job.state != "done":
+                job.reason = reason
+            if job.state == "waiting":
+                self._finish_waiting(job)
+
+    def _finish_waiting(self, job: Job) -> None:
+        job.state = "done"
+        self._waiting -= 1
+        self._live.discard(job)
+        self.metrics.waiting.set(self._waiting)
+
+    async def next_event(self, job: Job) -> tuple[str, object]:
+        """The job's next event; a job still waiting at its deadline is dropped with a 504."""
+        while True:
+            if job.state != "waiting":
+                return await job.events.get()
+            try:
+                return await asyncio.wait_for(job.events.get(), timeout=max(job.deadline - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                with self._lock:
+                    expired = job.state == "waiting"
+                    if expired:
+                        job.reason = "timeout"
+                        self._finish_waiting(job)
+                if expired:
+                    return "error", timed_out(job.limit, 0)
+                # it started meanwhile: its own deadline ends it within a step
+
+    def shutdown(self) -> None:
+        """Refuse new jobs and stop every live one (safe from a signal handler: flags only)."""
+        with self._lock:
+            self._closing = True
+            for job in list(self._live):
+                if job.reason is None:
+                    job.reason = "shutdown"
+                if job.state == "waiting":
+                    self._finish_waiting(job)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Shut down and wait for the worker thread to end (the running job ends within a step)."""
+        self.shutdown()
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    @property
+    def busy(self) -> bool:
+        """A job is waiting or running."""
+        return bool(self._live)
+
+    @property
+    def waiting(self) -> int:
+        return self._waiting
+
+    # ------------------------------------------------------------------ worker thread
+    def _post(self, job: Job, kind: str, payload) -> None:
+        try:
+            job.loop.call_soon_threadsafe(job.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                break
+            with self._lock:
+                skipped = job.state == "done"
+                if not skipped:
+                    job.state = "running"
+                    self._waiting -= 1
+                    self.metrics.waiting.set(self._waiting)
+                    self.metrics.running.set(1)
+            if skipped:
+                self._post(job, "error", self._stopped_error(job))
+                continue
+            started = time.monotonic()
+            try:
+                last = self._generate(job, started)
+            except Exception as e:  # a bug: one line in the log, a clean engine for the next request
+                log.error("generation failed: %s: %s", type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+                self.engine.reset()
+                last = "error", internal(e)
+            finally:
+                with self._lock:  # the job leaves before its answer goes out: the client's next request fits
+                    job.state = "done"
+                    self._live.discard(job)
+                    self.metrics.running.set(0)
+                self._service_s = 0.8 * self._service_s + 0.2 * (time.monotonic() - started)
+                self.jobs_run += 1
+            self._post(job, *last)
+
+    def _stopped_error(self, job: Job) -> ApiError:
+        if job.reason == "timeout":
+            return timed_out(job.limit, job.tokens)
+        if job.reason == "shutdown":
+            return shutting_down()
+        return ApiError(499, "the client closed the request", code="client_closed")  # nobody reads it
+
+    def _prompt_ids(self, request: GenRequest) -> list[int]:
+        tokenizer = self.session.tokenizer
+        if request.kind == "chat":
+            ids, param = encode(tokenizer, request.messages), "messages"
+        elif isinstance(request.prompt, str):
+            ids, param = encode(tokenizer, request.prompt, raw=True), "prompt"
+        else:
+            ids, param = list(request.prompt), "prompt"
+        context = self.engine.context_len
+        if len(ids) >= context:
+            raise bad_request(f"the prompt has {len(ids)} tokens but the context holds {context} (prompt and answer): "
+                              "shorten it, or restart the server with a larger --max-context", param,
+                              code="context_length_exceeded")
+        return ids
+
+    def _use_drafter(self, name: str) -> None:
+        """Attach the request's drafter; one taken up again starts from an empty cache (it missed
+        the tokens committed without it)."""
+        wanted = self.drafters[name]
+        if self.engine.drafter is not wanted:
+            self.engine.drafter = wanted
+            if wanted is not None:
+                wanted.reset()
+
+    def _generate(self, job: Job, started: float) -> tuple[str, object]:
+        """Run the job on the engine (posting 'started' and text); returns its last event."""
+        request, config = job.request, job.request.config
+        first: list[float] = []
+        stream = StopAwareText(self.session.tokenizer, config.stop) if request.stream else None
+
+        def on_emit(tokens, tiers):
+            job.tokens += len(tokens)
+            if not first:
+                first.append(time.monotonic())
+            if stream is not None:
+                piece = stream.feed(tokens, tiers)
+                if piece:
+                    self._post(job, "text", piece)
+
+        def should_stop() -> bool:
+            if job.reason is None and time.monotonic() >= job.deadline:
+                job.reason = "timeout"
+            return job.reason is not None
+
+        try:
+            ids = self._prompt_ids(request)
+            self._post(job, "started", len(ids))
+            self._use_drafter(request.draft)
+            gen: Generation = self.engine.generate(ids, config, on_emit=on_emit, should_stop=should_stop)
+        except ApiError as e:
+            return "error", e
+        except ViasdError as e:  # the engine's own checks
+            return "error", bad_request(e.message)
+        done = time.monotonic()
+        stopped = gen.finish_reason == "cancelled"
+        if config.mode == "viasd" and not stopped:
+            gen.stats.fidelity = fidelity(self.session.target.model, ids, gen.tokens)
+        reason = job.reason if stopped else ("stop" if gen.finish_reason in ("eos", "stop") else gen.finish_reason)
+        self.metrics.generation(gen.stats, reason, started - job.arrived, done - started,
+                                first[0] - job.arrived if first else None, done - job.arrived)
+        if stopped:
+            return "error", self._stopped_error(job)
+        if stream is not None:
+            rest = stream.finish(gen.text)
+            if rest:
+                self._post(job, "text", rest)
+        return "done", gen
