@@ -8,7 +8,7 @@ import typer
 
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.errors import UsageError
-from viasd_core.session import ModelOptions
+from viasd_core.loading.options import ModelOptions
 
 from .app import app
 from .options import generation_options, handle_errors, model_options, open_session

@@ -14,7 +14,7 @@ from viasd_core.bench.formats import combine, format_request, main, run_format, 
 from viasd_core.bench.harness import BenchConfig
 from viasd_core.bench.measure import PromptSource
 from viasd_core.errors import UsageError, ViasdError
-from viasd_core.session import ModelOptions
+from viasd_core.loading.options import ModelOptions
 
 
 def summary(tps: dict[str, float], status="ok"):

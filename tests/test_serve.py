@@ -18,7 +18,8 @@ from viasd_core.frontends.serve_app import ServeSettings
 from viasd_core.frontends.serve_server import is_loopback
 from viasd_core.loading.profile import Profile, profile_path, save_profile
 from viasd_core.loading.prompts import encode
-from viasd_core.session import ModelOptions, build_session
+from viasd_core.session import build_session
+from viasd_core.loading.options import ModelOptions
 
 PROMPTS = ["w1 w2 w3 w4 w5 w6", "w9 w8 w7"]
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}

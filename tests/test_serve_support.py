@@ -17,7 +17,8 @@ from viasd_cli.app import get_app
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.frontends.serve_app import ServeSettings
 from viasd_core.frontends.serve_server import listen, make_server, prepare
-from viasd_core.session import ModelOptions, build_session
+from viasd_core.session import build_session
+from viasd_core.loading.options import ModelOptions
 
 N = 8  # new tokens per answer: several verification passes, still fast on a busy CPU
 

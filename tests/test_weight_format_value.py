@@ -83,7 +83,8 @@ def test_auto_resolves_with_its_reason(monkeypatch):
 
 
 def test_session_carries_the_value_and_its_reason(tiny_dirs, viasd_home):
-    from viasd_core.session import ModelOptions, build_session
+    from viasd_core.session import build_session
+    from viasd_core.loading.options import ModelOptions
 
     session = build_session(ModelOptions(model=str(tiny_dirs["target"]), device="cpu", draft="none", quant="auto"), mode="ar")
     assert session.target.format is NONE and session.options.quant == "none"  # the spelling: the profiles' key

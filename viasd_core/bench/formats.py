@@ -22,7 +22,7 @@ from viasd_core.bench.measure import PromptSource, measure
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.decoding.weight_format import NAMES as QUANT_CHOICES
 from viasd_core.paths import atomic_write_json
-from viasd_core.session import ModelOptions
+from viasd_core.loading.options import ModelOptions
 
 WORKER = [sys.executable, "-m", "viasd_core.bench.formats"]  # one format's process: the request on stdin
 

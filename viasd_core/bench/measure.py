@@ -16,7 +16,8 @@ from viasd_core.bench.harness import BenchConfig
 from viasd_core.bench.summary import summarize
 from viasd_core.errors import UsageError
 from viasd_core.loading.prompts import Prompt, load_prompts
-from viasd_core.session import ModelOptions, build_session
+from viasd_core.session import build_session
+from viasd_core.loading.options import ModelOptions
 
 
 @dataclass

@@ -27,7 +27,8 @@ from viasd_core.errors import ViasdError
 from viasd_core.frontends.serve_app import ServeSettings, create_app
 from viasd_core.frontends.serve_schema import ServedModel
 from viasd_core.loading.profile import find_profile, profile_path
-from viasd_core.session import Session, thresholds_of, token_rows
+from viasd_core.session import Session, thresholds_of
+from viasd_core.loading.vocab_rows import token_rows
 
 
 def prepare(session: Session, config: GenerationConfig, name: str | None = None) -> ServedModel:
