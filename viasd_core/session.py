@@ -53,12 +53,7 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
     if need_profile is None:
         need_profile = mode in ("exact", "viasd")
     if need_profile:
-        profile = find_profile(target.model_id, draft_id, opts.quant, target_fast.device.type,
-                               target_fast.shape.n_layers, explicit=opts.profile)
-        slim = slim_verifier(target_fast, profile.view)
-        if progress and profile.view.weights != TARGET_WEIGHTS:
-            progress(f"slim view: {profile.view.describe(target_fast.shape.n_layers)} "
-                     f"({twin_bytes(target.model, profile.view.weights) / 2**20:.0f} MiB beside the target's weights)")
+        profile, slim = pair_profile(target, draft_id, opts, target_fast, progress)
     engine = Engine(target_fast, target.tokenizer, drafter=drafter, slim=slim, eos_token_ids=eos_ids(target),
                     context_len=max_context)
     session = Session(engine, target, draft_id, draft, profile, opts)
@@ -69,6 +64,25 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
         if progress:
             progress(f"compiled the decoding graphs in {session.compile_seconds:.1f} s")
     return session
+
+
+def pair_profile(target: Loaded, draft_id: str, opts: ModelOptions, target_fast: FastModel, progress=None):
+    """The calibration profile of the pair (opts.profile, else the one calibrate saved for it) and
+    the slim verifier its view describes: (Profile, FastModel). ViasdError when there is none."""
+    profile = find_profile(target.model_id, draft_id, opts.quant, target_fast.device.type, target_fast.shape.n_layers,
+                           explicit=opts.profile)
+    slim = slim_verifier(target_fast, profile.view)
+    if progress and profile.view.weights != TARGET_WEIGHTS:
+        progress(f"slim view: {profile.view.describe(target_fast.shape.n_layers)} "
+                 f"({twin_bytes(target.model, profile.view.weights) / 2**20:.0f} MiB beside the target's weights)")
+    return profile, slim
+
+
+def attach_profile(session: Session, progress=None) -> None:
+    """Give a running session its pair's profile and slim verifier (chat and the server, when a
+    calibrated mode is first asked for)."""
+    session.profile, session.engine.slim = pair_profile(session.target, session.draft_id, session.options,
+                                                        session.engine.target, progress)
 
 
 # ---------------------------------------------------------------------- context and compilation

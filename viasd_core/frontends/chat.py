@@ -22,13 +22,12 @@ from dataclasses import asdict, dataclass, field
 
 from viasd_core.decoding.engine import Generation, GenerationConfig, common_prefix
 from viasd_core.decoding.fidelity import fidelity
-from viasd_core.decoding.slim_view import slim_verifier
 from viasd_core.decoding.stats import RunStats
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.frontends.chat_meter import LiveMeter
 from viasd_core.loading.prompts import encode
 from viasd_core.loading.drafter_factory import load_drafter
-from viasd_core.session import Session
+from viasd_core.session import Session, attach_profile
 
 SAVE_VERSION = 1
 
@@ -148,8 +147,6 @@ class Chat:
     # ------------------------------------------------------------------ modes
     def ensure_mode(self, mode: str) -> None:
         """Load what `mode` needs and the session lacks: a drafter; a profile and slim verifier."""
-        from viasd_core.loading.profile import find_profile
-
         s, engine = self.session, self.engine
         if mode != "ar" and engine.drafter is None:
             drafter, s.draft_id, s.draft = load_drafter(s.options, s.target, engine.target, self.progress)
@@ -157,10 +154,7 @@ class Chat:
                 raise UsageError(f"mode '{mode}' needs a draft, and the session runs with --draft none")
             engine.drafter = drafter
         if mode in ("exact", "viasd") and engine.slim is None:
-            shape = engine.target.shape
-            s.profile = find_profile(s.target.model_id, s.draft_id, s.options.quant, engine.target.device.type,
-                                     shape.n_layers, explicit=s.options.profile)
-            engine.slim = slim_verifier(engine.target, s.profile.view)
+            attach_profile(s, self.progress)
 
     # ------------------------------------------------------------------ statistics
     def totals(self) -> RunStats:

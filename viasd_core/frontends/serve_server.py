@@ -22,12 +22,11 @@ import sys
 import uvicorn
 
 from viasd_core.decoding.engine import GenerationConfig
-from viasd_core.decoding.slim_view import slim_verifier
 from viasd_core.errors import ViasdError
 from viasd_core.frontends.serve_app import ServeSettings, create_app
 from viasd_core.frontends.serve_schema import ServedModel
-from viasd_core.loading.profile import find_profile, profile_path
-from viasd_core.session import Session, thresholds_of
+from viasd_core.loading.profile import profile_path
+from viasd_core.session import Session, attach_profile, thresholds_of
 from viasd_core.loading.vocab_rows import token_rows
 
 
@@ -35,11 +34,9 @@ def prepare(session: Session, config: GenerationConfig, name: str | None = None)
     """What the server offers, with the pair's profile loaded when there is one (exact, viasd)."""
     engine, opts = session.engine, session.options
     if session.profile is None and engine.drafter is not None:
-        device, n_layers = engine.target.device.type, engine.target.shape.n_layers
+        device = engine.target.device.type
         if opts.profile or profile_path(session.target.model_id, session.draft_id, opts.quant, device).exists():
-            session.profile = find_profile(session.target.model_id, session.draft_id, opts.quant, device, n_layers,
-                                           explicit=opts.profile)
-            engine.slim = slim_verifier(engine.target, session.profile.view)
+            attach_profile(session)
     thresholds = thresholds_of(session.profile)
     config = dataclasses.replace(config, thresholds=thresholds)
     aliases = frozenset({session.target.model_id, session.target.ref, opts.model} - {None})
