@@ -86,6 +86,7 @@ class Generation:
     text: str
     finish_reason: str  # eos, length, stop, interrupted, cancelled
     stats: RunStats = field(default_factory=RunStats)
+    clipped_to: int | None = None  # max_new_tokens cut to what the context leaves after the prompt (None: kept)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -180,9 +181,15 @@ class Engine:
         return self._models() + ([draft] if draft is not None else [])
 
     def compile(self) -> bool:
-        """torch.compile every model's pass (see FastModel.compile); False when none could be."""
+        """torch.compile every model's pass (see FastModel.compile); False when none could be
+        (`compiled_models` says which were)."""
         self.compiled = any([m.compile() for m in self.all_models()])
         return self.compiled
+
+    @property
+    def compiled_models(self) -> tuple[str, ...]:
+        """The names of the models whose passes run compiled (target, slim, draft), in that order."""
+        return tuple(m.name for m in self.all_models() if m.compiled)
 
     def warm_up(self) -> float:
         """Compile now every graph a generation can meet (none compiles mid-generation); returns
@@ -246,6 +253,8 @@ class Engine:
         stats = RunStats(mode=config.mode, prompt_tokens=len(prompt_ids))
         sampler = Sampler(config.seed, device=self.device)
         gen = Generation(list(prompt_ids), [], [], "", "length", stats)
+        if max_new < config.max_new_tokens:
+            gen.clipped_to = max_new
         t0 = self._clock()
         # Prefill every model that will run up to the last prompt token (whose logits start the
         # decode). A slim verifier the mode never runs (ar, sd, viasd with its tiers off) is not
