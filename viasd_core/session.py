@@ -158,7 +158,7 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
     target = load_model(opts.model, dtype=opts.dtype, device=opts.device, revision=opts.revision,
                         trust_remote_code=opts.trust_remote_code, allow_pickle=opts.allow_pickle,
                         quant=opts.quant, progress=progress)
-    max_context = context_size(target.model, opts.max_context)
+    max_context = context_size(target.model, opts.max_context, progress)
     target_fast = FastModel(target.model, max_len=max_context, name="target")
     cap_vocab(target_fast, token_rows(target.model))
     cap_vocab(target_fast, tokenizer_size(target.tokenizer))
@@ -184,14 +184,15 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
             progress("compiling the decoding graphs (torch.compile; cached for later runs)...")
         session.compile_seconds = engine.warm_up()
         if progress:
-            progress(f"compiled the decoding graphs in {session.compile_seconds:.1f} s")
+            progress(f"compiled the decoding graphs ({', '.join(engine.compiled_models)}) in {session.compile_seconds:.1f} s")
     return session
 
 
 # ---------------------------------------------------------------------- context and compilation
-def context_size(hf_model, requested: int | None) -> int:
+def context_size(hf_model, requested: int | None, progress=None) -> int:
     """Positions every KV cache is allocated for: --max-context, or the model's own context capped
-    at DEFAULT_CONTEXT_CAP and at what a quarter of free memory holds (target, slim and draft caches)."""
+    at DEFAULT_CONTEXT_CAP and at what a quarter of free memory holds (target, slim and draft caches).
+    A cap below the model's own context is said through `progress`, with how to raise it."""
     from viasd_core.decoding.model import model_shape
 
     shape = model_shape(hf_model)
@@ -211,7 +212,13 @@ def context_size(hf_model, requested: int | None) -> int:
             )
         return int(requested)
     fits = int(0.25 * free // per_position)
-    return max(16, min(shape.max_positions, DEFAULT_CONTEXT_CAP, fits))
+    size = max(16, min(shape.max_positions, DEFAULT_CONTEXT_CAP, fits))
+    if size < shape.max_positions and progress:
+        amount = f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.0f} MiB"
+        cap = f"what a quarter of the {amount} free on {param.device.type} holds" if fits < DEFAULT_CONTEXT_CAP else "the default cap"
+        progress(f"context: {size} positions ({cap}; the model's own is {shape.max_positions}): "
+                 "raise it with --max-context")
+    return size
 
 
 def apply_compile(engine: Engine, choice: str) -> bool:
