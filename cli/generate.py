@@ -59,7 +59,7 @@ def generate(
     raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
     system: Annotated[Optional[str], typer.Option("--system", help="System message for the chat template.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per prompt on stdout.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No statistics on stderr.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No statistics or progress on stderr (a clipped --max-new-tokens is still said).")] = False,
     fidelity_check: Annotated[Optional[bool], typer.Option("--fidelity/--no-fidelity", help="Measure fidelity with one teacher-forced target pass (default: on in viasd mode).")] = None,
 ):
     """Generate text for each prompt; text (or JSON lines) on stdout, statistics on stderr."""
@@ -79,11 +79,15 @@ def generate(
             record = {
                 "index": i, "prompt": text, "text": result.text, "mode": mode, "model": session.target.model_id,
                 "draft": session.draft_id, "prompt_tokens": len(ids), "new_tokens": len(result.tokens),
-                "finish_reason": result.finish_reason, "fidelity": result.stats.fidelity,
+                "finish_reason": result.finish_reason, "clipped_to": result.clipped_to, "fidelity": result.stats.fidelity,
                 "stats": result.stats.to_dict(),
             }
             sys.stdout.write(json.dumps(record) + "\n")
             sys.stdout.flush()
         else:
             streamer.finish(result.text)
+        if result.clipped_to is not None:
+            typer.echo(f"--max-new-tokens {config.max_new_tokens} clipped to {result.clipped_to}: the prompt's {len(ids)} "
+                       f"tokens fill the rest of the {session.engine.context_len}-position context (raise --max-context)",
+                       err=True)
         log(stats_line(result.stats, mode))

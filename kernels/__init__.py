@@ -5,11 +5,18 @@ count; see routing.py). It runs the Triton kernel when the logits are on CUDA an
 triton imports, and the PyTorch reference otherwise. triton is imported lazily, on the
 first CUDA call, so importing this package never needs it. `tiers_from_gate` is the tier
 rule on its own, for gates recorded earlier (calibration replays them).
+
+When Triton cannot run on this machine (`cannot_run_here`: it does not import, cannot build or
+compile the kernel, finds no usable GPU driver, or the GPU cannot take the compiled kernel),
+`route_block` says so once on stderr (a warning) and uses the reference from then on. Any other
+error from the kernel is a bug and is raised.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import subprocess
 
 import torch
 
@@ -27,6 +34,7 @@ __all__ = [
     "TIER_FULL",
     "TIER_SLIM",
     "RouteResult",
+    "cannot_run_here",
     "route_block",
     "route_block_reference",
     "route_block_triton",
@@ -61,9 +69,42 @@ def route_block_triton(
 
 _triton_failed = False
 
+# RuntimeError messages (triton raises plain RuntimeErrors for these) that mean "not on this machine".
+_CANNOT_RUN_MESSAGES = (
+    "Failed to find C compiler",  # triton.runtime.build: no gcc/clang to build its launcher
+    "Failed to find C++ compiler",
+    "active drivers",  # triton.runtime.driver: no (or more than one) GPU driver it can use
+    "compatible backends for target",  # triton.compiler: no backend for this GPU
+    "no kernel image is available",  # CUDA: the compiled kernel does not run on this GPU
+    "unsupported PTX version",  # CUDA: the driver is older than the toolchain that compiled it
+)
+
+
+def cannot_run_here(error: BaseException) -> bool:
+    """Whether an error from the Triton path means Triton cannot run on this machine (so the
+    reference should), rather than a bug in the kernel or its inputs (which must surface):
+    ImportError (triton or a part of it), the launcher's C build failing (CalledProcessError: no
+    Python headers...), triton's CompilationError, OutOfResources (the GPU has too little shared
+    memory or registers) and PTXASError, and the RuntimeErrors of _CANNOT_RUN_MESSAGES."""
+    if isinstance(error, (ImportError, subprocess.CalledProcessError, *_triton_error_types())):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in _CANNOT_RUN_MESSAGES)
+
+
+def _triton_error_types() -> tuple[type, ...]:
+    """triton's own error classes of `cannot_run_here` that this triton has (older ones lack some)."""
+    found = []
+    for module, name in (("triton.compiler.errors", "CompilationError"), ("triton.runtime.errors", "OutOfResources"),
+                         ("triton.runtime.errors", "PTXASError")):
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
+
 
 def _triton_fallback(error: Exception) -> None:
-    """The Triton kernel could not compile or launch here: say so once, then use the reference."""
+    """The Triton kernel cannot compile or launch here: say so once, then use the reference."""
     global _triton_failed
     _triton_failed = True
     import warnings
@@ -85,8 +126,10 @@ def route_block(
             return route_block_triton(
                 verifier_logits, draft_tokens, temperature, theta_accept, theta_slim
             )
-        except Exception as e:  # no C compiler, an unsupported GPU...: the reference still works
-            _triton_fallback(e)
+        except Exception as e:
+            if not cannot_run_here(e):
+                raise  # a bug in the kernel or its inputs: the reference must not hide it
+            _triton_fallback(e)  # no C compiler, an unsupported GPU...: the reference still works
     return route_block_reference(
         verifier_logits, draft_tokens, temperature, theta_accept, theta_slim
     )

@@ -6,9 +6,10 @@ import torch
 from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
-from viasd_core.frontends.doctor import FAIL, PASS, SKIP, run_doctor
-from viasd_core.session import build_session
+from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.frontends.doctor import FAIL, PASS, SKIP, check_exact_mode, environment, run_doctor
 from viasd_core.loading.options import ModelOptions
+from viasd_core.session import build_session
 
 
 def doctor(*args):
@@ -38,8 +39,8 @@ def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home):
     report = json.loads(r.stdout)
     assert report["ok"] is True
     env = report["environment"]
-    assert env["device"] == "cpu" and env["dtype"] == "float32" and env["compiled"] is False
-    assert env["cuda_graphs"] is False and env["torch"] == torch.__version__
+    assert env["device"] == "cpu" and env["dtype"] == "float32" and env["compiled"] == []
+    assert env["cuda_graphs"] is False and env["cuda_graphs_recorded"] == 0 and env["torch"] == torch.__version__
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status == {"compiled == eager": SKIP, "sd == ar (greedy)": PASS, "exact == ar (greedy)": PASS}
     assert report["speed"]["ar"]["tokens_per_s"] > 0 and report["speed"]["sd"]["tokens_per_target_pass"] >= 1
@@ -54,7 +55,7 @@ def test_doctor_compares_the_compiled_pass_with_eager(tiny_dirs, viasd_home):
     report = run_doctor(session, [[8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]], max_new_tokens=10, speed=False)
     checks = {c.name: c for c in report.checks}
     assert checks["compiled == eager"].status == PASS, checks["compiled == eager"].detail
-    assert report.environment["compiled"] is True and report.ok
+    assert report.environment["compiled"] == ["target", "draft"] and report.ok
 
 
 def test_doctor_fails_on_a_broken_drafter(tiny_dirs, viasd_home, monkeypatch):
@@ -81,3 +82,198 @@ def test_doctor_bad_option_is_one_line(tiny_dirs, viasd_home):
     r = doctor("-m", tiny_dirs["target"], "--prompts", 0)
     assert r.exit_code == 2 and r.stdout == ""
     assert "--prompts and --max-new-tokens must be at least 1" in r.stderr and r.stderr.count("\n") == 1
+
+
+# --- what "equal to ar" means per dtype ------------------------------------------------------
+
+def test_spacing_is_the_distance_between_neighbouring_numbers_of_the_dtype():
+    from viasd_core.frontends.doctor import spacing
+
+    assert spacing(torch.bfloat16, 9.4) == 0.0625 and spacing(torch.bfloat16, -9.4) == 0.0625
+    assert spacing(torch.bfloat16, 1.0) == 2**-7 and spacing(torch.bfloat16, 0.99) == 2**-8
+    assert spacing(torch.float16, 26.0) == 2**-6 and spacing(torch.float32, 1.0) == 2**-23
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.tensor(26.0, dtype=dtype)  # the next number up is exactly one spacing away
+        assert float(torch.nextafter(x, torch.tensor(100.0, dtype=dtype)) - x) == spacing(dtype, 26.0)
+    assert 0 < spacing(torch.bfloat16, 0.0) < 1e-30
+
+
+def test_rounding_rule_on_synthetic_logits():
+    from viasd_core.frontends.doctor import RESOLUTION_FACTOR, judge_divergence
+
+    assert RESOLUTION_FACTOR == 8
+    # Largest |logit| 26: a bf16 spacing of 0.125 there, so flips up to 8 x 0.125 = 1.0 are rounding.
+    ref = torch.tensor([26.0, 25.9375, 25.0, 24.875, 3.0, -5.0, float("-inf"), 1.0])
+    tie = judge_divergence(ref, 0, 1, torch.bfloat16)
+    assert tie == {"ar_token": 0, "token": 1, "margin": 0.0625, "limit": 1.0, "scale": 26.0, "tolerated": True}
+    assert judge_divergence(ref, 0, 2, torch.bfloat16)["tolerated"]  # margin 1.0 == limit
+    over = judge_divergence(ref, 0, 3, torch.bfloat16)
+    assert over["margin"] == 1.125 and not over["tolerated"]  # one bf16 spacing past the limit
+    clear = judge_divergence(ref, 0, 4, torch.bfloat16)
+    assert clear["margin"] == 23.0 and not clear["tolerated"]
+    # float16 is 8x finer: the same near-tie is within 8 x 2**-6 = 0.125, margin 1.0 is not.
+    assert judge_divergence(ref, 0, 1, torch.float16)["limit"] == 0.125
+    assert judge_divergence(ref, 0, 1, torch.float16)["tolerated"] and not judge_divergence(ref, 0, 2, torch.float16)["tolerated"]
+    # float32 is strict: even a tie (margin 0) fails, and there is no limit.
+    strict = judge_divergence(torch.tensor([2.0, 2.0, 1.0]), 0, 1, torch.float32)
+    assert strict["margin"] == 0.0 and strict["limit"] is None and not strict["tolerated"]
+    # The scale is the row's largest |logit|, negative ones included.
+    assert judge_divergence(torch.tensor([3.0, 2.96875, -40.0]), 0, 1, torch.bfloat16)["limit"] == 2.0
+    # A masked token (-inf) or logits that are not ar's own choice are never a rounding flip.
+    masked = judge_divergence(ref, 0, 6, torch.bfloat16)
+    assert masked["margin"] is None and not masked["tolerated"] and "rule the token out" in masked["why"]
+    assert not judge_divergence(ref, 1, 0, torch.bfloat16)["tolerated"]
+
+
+def test_doctor_bfloat16_tolerates_rounding_and_fails_a_broken_mode(tiny_dirs, viasd_home, monkeypatch):
+    args = ("-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "--dtype", "bfloat16", "--quant", "none",
+            "--prompts", 3, "-n", 16, "--no-speed", "--json")
+    sound = doctor(*args)
+    assert sound.exit_code == 0, sound.stdout + sound.stderr
+    report = json.loads(sound.stdout)
+    assert report["ok"] is True and report["environment"]["dtype"] == "bfloat16"
+    for check in report["checks"][1:]:
+        assert check["status"] == PASS and check["facts"]["rule"] == "rounding" and check["facts"]["factor"] == 8
+        for d in check["facts"]["divergences"]:  # any flip there is within the rounding limit
+            assert d["tolerated"] and 0 <= d["margin"] <= d["limit"]
+
+    import viasd_cli.doctor as cli_doctor
+
+    def broken_session(opts, **kwargs):
+        """Verification reads negated logits: sd and exact emit the target's least likely token."""
+        s = build_session(opts, **kwargs)
+        extend = s.engine.target.extend
+
+        def inverted(ids, end, n_logits=1):
+            logits = extend(ids, end, n_logits)
+            return torch.where(torch.isfinite(logits), -logits, logits) if n_logits > 1 else logits
+
+        s.engine.target.extend = inverted
+        return s
+
+    monkeypatch.setattr(cli_doctor, "build_session", broken_session)
+    r = doctor(*args)
+    assert r.exit_code == 1
+    report = json.loads(r.stdout)
+    assert report["ok"] is False
+    for check in report["checks"][1:]:
+        assert check["status"] == FAIL and "differs from ar at new token 0" in check["detail"] and " > " in check["detail"]
+        first = check["facts"]["divergences"][0]
+        assert first["prompt"] == 1 and first["new_token"] == 0 and not first["tolerated"]
+        assert first["margin"] > first["limit"] > 0 and first["scale"] > 0 and first["token"] != first["ar_token"]
+
+
+def test_doctor_float32_fails_any_divergence(tiny_dirs, viasd_home):
+    """In float32 a divergence fails even where bf16's rule would call it a near-tie."""
+    session = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=str(tiny_dirs["draft"])), mode="sd")
+    engine = session.engine
+    ids = [8, 9, 10, 11, 12, 13]
+    ar = engine.generate(ids, GenerationConfig(mode="ar", max_new_tokens=4)).tokens
+    engine.reset()
+    generate = engine.generate
+
+    def off_by_a_hair(prompt_ids, config, **kwargs):
+        """sd emits ar's runner-up as its third token."""
+        gen = generate(prompt_ids, config, **kwargs)
+        if config.mode == "sd":
+            logits = engine.target.forward(torch.tensor(prompt_ids + gen.tokens[:2]), 0, 1)[0]
+            gen.tokens[2] = int(logits.topk(2).indices[1])
+        return gen
+
+    engine.generate = off_by_a_hair
+    check = check_exact_mode(session, "sd", [ids], max_new_tokens=4)
+    d = check.facts["divergences"][0]
+    assert check.status == FAIL and check.facts["rule"] == "bit-exact" and "float32 must match exactly" in check.detail
+    assert d["new_token"] == 2 and d["ar_token"] == ar[2] and d["limit"] is None and d["margin"] > 0
+
+
+# --- measured, not assumed -------------------------------------------------------------------
+
+class FakeNode:
+    def __init__(self, *children):
+        self.children = {"f": list(children)} if children else {}
+
+
+def test_cuda_graphs_recorded_counts_the_cuda_graph_trees(monkeypatch):
+    from torch._inductor import cudagraph_trees
+
+    from viasd_core.frontends.doctor import cuda_graphs_recorded
+
+    class Manager:
+        roots = {"f": [FakeNode(FakeNode(), FakeNode(FakeNode()))], "g": [FakeNode()]}
+
+    asked = []
+
+    def get_manager(index, create_if_none_exists=True):
+        asked.append((index, create_if_none_exists))
+        return manager
+
+    monkeypatch.setattr(cudagraph_trees, "get_manager", get_manager)
+    manager = Manager()
+    assert cuda_graphs_recorded(torch.device("cuda", 0)) == 5 and asked == [(0, False)]  # never creates one
+    manager = None
+    assert cuda_graphs_recorded(torch.device("cuda", 1)) == 0
+    manager = object()  # a torch whose trees look otherwise
+    assert cuda_graphs_recorded(torch.device("cuda", 0)) is None
+    assert cuda_graphs_recorded(torch.device("cpu")) == 0 and len(asked) == 3  # CPU: nothing asked
+
+
+def test_doctor_reports_cuda_graphs_from_the_measurement(tiny_dirs, viasd_home, monkeypatch):
+    import viasd_core.frontends.doctor as core_doctor
+
+    session = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=str(tiny_dirs["draft"])), mode="sd")
+    for m in session.engine.all_models():
+        m.compile_mode = "reduce-overhead"  # the requested mode says CUDA graphs; none was recorded
+    measured = {"count": 0}
+    monkeypatch.setattr(core_doctor, "cuda_graphs_recorded", lambda device: measured["count"])
+    report = run_doctor(session, [[8, 9, 10, 11, 12, 13]], max_new_tokens=4, speed=False)
+    assert report.environment["cuda_graphs"] is False and report.environment["cuda_graphs_recorded"] == 0
+    measured["count"] = 3
+    report = run_doctor(session, [[8, 9, 10, 11, 12, 13]], max_new_tokens=4, speed=False)
+    assert report.environment["cuda_graphs"] is True and report.environment["cuda_graphs_recorded"] == 3
+    measured["count"] = None  # this torch's trees could not be read
+    report = run_doctor(session, [[8, 9, 10, 11, 12, 13]], max_new_tokens=4, speed=False)
+    assert report.environment["cuda_graphs"] is None and report.ok
+
+
+def test_compiled_names_the_models_that_compiled(tiny_dirs, viasd_home, monkeypatch):
+    session = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=str(tiny_dirs["draft"])), mode="sd")
+    engine = session.engine
+    assert engine.compiled_models == () and environment(session)["compiled"] == []
+    monkeypatch.setattr(engine.target, "compile", lambda mode="default": False)  # the target cannot compile here
+    assert engine.compile() is True  # the draft did
+    assert engine.compiled_models == ("draft",) and environment(session)["compiled"] == ["draft"]
+
+
+def test_doctor_says_the_context_cap_on_one_stderr_line(tiny_dirs, viasd_home, monkeypatch):
+    from viasd_core import session as session_module
+
+    per_position = 2 * 4 * 2 * 16 * 4 * 3  # K and V x layers x KV heads x head dim x float32 x (target, slim, draft)
+    monkeypatch.setattr(session_module, "free_memory_bytes", lambda device: 4 * 100 * per_position)
+    r = doctor("-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "--prompts", 1, "-n", 4, "--no-speed", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["environment"]["max_context"] == 100
+    assert ("context: 100 positions (what a quarter of the 1 MiB free on cpu holds; the model's own is 512): "
+            "raise it with --max-context") in r.stderr.splitlines()
+
+
+def test_compiled_against_eager_allows_rounding_only(tiny_dirs, viasd_home, monkeypatch):
+    from viasd_core.frontends.doctor import check_compiled_matches_eager, rounding_limit, spacing
+
+    session = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft="none", dtype="bfloat16",
+                                         quant="none", max_context=64), mode="ar")
+    target = session.engine.target
+    session.engine.compiled = True  # compared as if compiled: the same eager pass, then perturbed below
+    forward = target.forward
+    shift = {"by": 0.0}
+    monkeypatch.setattr(target, "forward", lambda ids, start, n=1: forward(ids, start, n) + shift["by"])
+    probe = list(range(8, 28))
+    same = check_compiled_matches_eager(session, probe)
+    passes = same.facts["passes"]
+    assert same.status == PASS and same.facts["largest_difference"] == 0.0
+    assert [(p["start"], p["length"]) for p in passes] == [(0, 14), (14, 1), (15, 1), (16, 4)]
+    want = forward(torch.tensor(probe[:14]), 0, 1)  # the first pass's logits: its limit is bf16's rule on them
+    assert passes[0]["limit"] == rounding_limit(torch.bfloat16, want) == 8 * spacing(torch.bfloat16, float(want.abs().max()))
+    low, high = min(p["limit"] for p in passes), max(p["limit"] for p in passes)
+    for by, status in ((0.5 * low, PASS), (2 * high, FAIL), (float("nan"), FAIL)):
+        shift["by"] = by
+        assert check_compiled_matches_eager(session, probe).status == status, by

@@ -17,6 +17,15 @@ from viasd_core.decoding import graph_outputs
 N = 8
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fresh_dynamo():
+    """The whole suite compiles many tiny models in one process: start from dynamo's empty cache so
+    its recompile limit (a guard for one session's ~12 graphs) counts this module's graphs only."""
+    import torch
+
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def shared_home(tmp_path_factory):
     return tmp_path_factory.mktemp("graph_home")

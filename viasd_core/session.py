@@ -41,7 +41,7 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
     # --quant parsed once by load_model (`auto` resolved): the value and its reason are target.format,
     # target.format_reason; the options keep its spelling, the key of profiles
     opts = dataclasses.replace(opts, quant=target.quant)
-    max_context = context_size(target.model, opts.max_context)
+    max_context = context_size(target.model, opts.max_context, progress)
     target_fast = FastModel(target.model, max_len=max_context, name="target")
     cap_vocab(target_fast, token_rows(target.model))
     cap_vocab(target_fast, tokenizer_size(target.tokenizer))
@@ -62,7 +62,7 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
             progress("compiling the decoding graphs (torch.compile; cached for later runs)...")
         session.compile_seconds = engine.warm_up()
         if progress:
-            progress(f"compiled the decoding graphs in {session.compile_seconds:.1f} s")
+            progress(f"compiled the decoding graphs ({', '.join(engine.compiled_models)}) in {session.compile_seconds:.1f} s")
     return session
 
 
@@ -86,9 +86,10 @@ def attach_profile(session: Session, progress=None) -> None:
 
 
 # ---------------------------------------------------------------------- context and compilation
-def context_size(hf_model, requested: int | None) -> int:
+def context_size(hf_model, requested: int | None, progress=None) -> int:
     """Positions every KV cache is allocated for: --max-context, or the model's own context capped
-    at DEFAULT_CONTEXT_CAP and at what a quarter of free memory holds (target, slim and draft caches)."""
+    at DEFAULT_CONTEXT_CAP and at what a quarter of free memory holds (target, slim and draft caches).
+    A cap below the model's own context is said through `progress`, with how to raise it."""
     from viasd_core.decoding.model import model_shape
 
     shape = model_shape(hf_model)
@@ -108,7 +109,13 @@ def context_size(hf_model, requested: int | None) -> int:
             )
         return int(requested)
     fits = int(0.25 * free // per_position)
-    return max(16, min(shape.max_positions, DEFAULT_CONTEXT_CAP, fits))
+    size = max(16, min(shape.max_positions, DEFAULT_CONTEXT_CAP, fits))
+    if size < shape.max_positions and progress:
+        amount = f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.0f} MiB"
+        cap = f"what a quarter of the {amount} free on {param.device.type} holds" if fits < DEFAULT_CONTEXT_CAP else "the default cap"
+        progress(f"context: {size} positions ({cap}; the model's own is {shape.max_positions}): "
+                 "raise it with --max-context")
+    return size
 
 
 def apply_compile(engine: Engine, choice: str) -> bool:

@@ -64,6 +64,10 @@ class Drafter(ABC):
         """torch.compile what the drafter runs per drafted token; False when nothing could be."""
         return any([m.compile() for m in self.fast_models()])
 
+    @property
+    def compiled(self) -> bool:
+        return any(m.compiled for m in self.fast_models())
+
     def warm_up(self) -> float:
         """Compile now the graphs drafting meets (1-token steps, 2-token catch-ups); seconds taken."""
         return sum(m.warm_up(max_width=1) for m in self.fast_models())
@@ -274,6 +278,10 @@ class HybridDrafter(Drafter):
 
     def compile(self) -> bool:
         return self.model_drafter.compile()
+
+    @property
+    def compiled(self) -> bool:
+        return self.model_drafter.compiled
 
     def warm_up(self) -> float:
         return self.model_drafter.warm_up()

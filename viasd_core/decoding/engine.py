@@ -88,6 +88,7 @@ class Generation:
     text: str
     finish_reason: str  # eos, length, stop, interrupted, cancelled
     stats: RunStats = field(default_factory=RunStats)
+    clipped_to: int | None = None  # max_new_tokens cut to what the context leaves after the prompt (None: kept)
 
 
 class Engine:
@@ -162,9 +163,16 @@ class Engine:
         return self._models() + (self.drafter.fast_models() if self.drafter is not None else [])
 
     def compile(self) -> bool:
-        """torch.compile every model's pass (see FastModel.compile) and the drafter's step; False when none could be."""
+        """torch.compile every model's pass (see FastModel.compile) and the drafter's step; False when
+        none could be (`compiled_models` says which were)."""
         self.compiled = any([m.compile() for m in self._models()] + [self.drafter is not None and self.drafter.compile()])
         return self.compiled
+
+    @property
+    def compiled_models(self) -> tuple[str, ...]:
+        """The names of the models whose passes run compiled (target, slim, draft), in that order."""
+        draft = ("draft",) if self.drafter is not None and self.drafter.compiled else ()
+        return tuple(m.name for m in self._models() if m.compiled) + draft
 
     def warm_up(self) -> float:
         """Compile now every graph a generation can meet (none compiles mid-generation); returns
@@ -226,6 +234,8 @@ class Engine:
                   plain_tier="ar" if plan.step is None else "full",
                   stop_below=config.min_confidence if config.adaptive else 0.0, thresholds=config.thresholds)
         gen = Generation(list(prompt_ids), [], [], "", "length", stats)
+        if max_new < config.max_new_tokens:
+            gen.clipped_to = max_new
         t0 = self.clock()
         # prefill: every model that will run, up to the last prompt token (whose logits start the
         # decode); a slim verifier that runs later catches up in its first pass anyway.

@@ -58,6 +58,10 @@ class FeatureDrafter(ChainDrafter):
     def compile(self) -> bool:
         return self.head.compile()  # its 1-token drafting step (CUDA graphs on CUDA)
 
+    @property
+    def compiled(self) -> bool:
+        return self.head.compiled
+
     def warm_up(self) -> float:
         seconds = self.head.warm_up()
         self.fed = 0  # the warm-up emptied the head's cache
