@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
+import signal
 import socket
+import threading
 import sys
 
 import uvicorn
@@ -124,9 +126,22 @@ def serve(session: Session, config: GenerationConfig, settings: ServeSettings, h
     progress(f"model {served.name}: mode {config.mode}, draft {served.draft}, modes {', '.join(served.modes)}; "
              f"context {session.engine.context_len}, queue {settings.max_queue}, timeout {settings.timeout:g} s")
     out(f"serving on {address(sock)}/v1 (Ctrl-C stops)")
+    # The engine runs in this (main) thread, HTTP in another: see EngineWorker.will_run_here.
+    server.worker.will_run_here()
+
+    def run_http() -> None:
+        try:
+            server.run(sockets=[sock])
+        finally:
+            server.worker.stop()  # however HTTP ended, the job loop below ends too
+
+    http = threading.Thread(target=run_http, name="viasd-http", daemon=True)
+    previous = signal.signal(signal.SIGINT, lambda sig, frame: server.stop())  # flags only: no exception mid-step
     try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled: the shutdown is done
-        pass
+        http.start()
+        server.worker.run_here()  # until the server's shutdown stops the worker
     finally:
+        server.stop()
+        http.join(60)
+        signal.signal(signal.SIGINT, previous)
         sock.close()

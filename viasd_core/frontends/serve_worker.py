@@ -72,11 +72,24 @@ class EngineWorker:
         self._service_s = 1.0  # moving average of a job's time on the engine (for Retry-After)
         self.jobs_run = 0
         self._thread: threading.Thread | None = None
+        self._in_caller = False  # run_here(): the caller's thread runs the jobs, start() spawns nothing
 
     # ------------------------------------------------------------------ HTTP side
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="viasd-engine", daemon=True)
-        self._thread.start()
+        if not self._in_caller:
+            self._thread = threading.Thread(target=self._run, name="viasd-engine", daemon=True)
+            self._thread.start()
+
+    def will_run_here(self) -> None:
+        """The engine will run in the thread that calls run_here() (the process's main thread):
+        PyTorch's CPU kernels measured about half as fast from a second thread on this project's
+        CPU (an SmolLM2 sd generation: 57 vs 27-32 tok/s), so `viasd serve` keeps the engine in
+        the main thread and the HTTP server in another."""
+        self._in_caller = True
+
+    def run_here(self) -> None:
+        """Run jobs in the calling thread until stop()."""
+        self._run()
 
     def submit(self, request: GenRequest, limit: float) -> Job:
         """Queue a job (call from the event loop); 503 when the queue is full or the server closes."""
@@ -136,8 +149,8 @@ class EngineWorker:
     def stop(self, timeout: float = 30.0) -> None:
         """Shut down and wait for the worker thread to end (the running job ends within a step)."""
         self.shutdown()
+        self._queue.put(None)  # ends the job loop, in its thread or in run_here's caller
         if self._thread is not None:
-            self._queue.put(None)
             self._thread.join(timeout)
 
     @property
