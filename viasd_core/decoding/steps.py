@@ -186,10 +186,12 @@ def _verify_and_accept(eng: Decoder, run: Run, proposal: Proposal, draft_tokens:
     # proposals' count and the target's choices over the block, for observers)
     eng.ids[n : n + g + 1] = emitted
     draft_valid_t = torch.minimum(prefix_length(emitted[:g] == draft_tokens), n_acc + 1)
-    proposals_t = limit if limit is not None else torch.tensor(g, device=eng.device)
-    vals = eng.read(torch.cat([n_acc.view(1), draft_valid_t.view(1), proposals_t.view(1), emitted, target_argmax]))
-    n_acc, draft_valid, proposals = vals[0], vals[1], vals[2]
-    tokens, target_choices = vals[3 : n_acc + 4], vals[g + 4 :]
+    counts = [n_acc.view(1), draft_valid_t.view(1)] + ([limit.view(1)] if limit is not None else [])
+    vals = eng.read(torch.cat(counts + [emitted, target_argmax]))
+    n_acc, draft_valid = vals[0], vals[1]
+    proposals = vals[2] if limit is not None else g  # without a device-side cut, all g are proposals
+    vals = vals[len(counts):]
+    tokens, target_choices = vals[: n_acc + 1], vals[g + 1 :]
     stats.time_verify += eng.clock() - t
     stats.target_passes += 1
     stats.steps += 1
