@@ -111,13 +111,20 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, window: int | None = None,
-                  scale: float | None = None) -> torch.Tensor:
+                  scale: float | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [B, Hq, T, D] at positions end - T .. end - 1 over a cache k, v
-    [B, Hkv, >= end, D], one position per call over exactly its keys (no mask): [B, T, Hq * D]."""
+    [B, Hkv, >= end, D], one position per call over exactly its keys (no mask): [B, T, Hq * D].
+    With `key_mask` [T, end] (a token tree's rows) row i reads the slots it marks, gathered in
+    cache order (one host read per row: an eager CPU path)."""
     T = q.shape[2]
     outs = []
     for i in range(T):
-        stop = end - T + i + 1
-        lo = 0 if window is None else max(0, stop - window)
-        outs.append(attend(q[:, :, i : i + 1], k[:, :, lo:stop], v[:, :, lo:stop], None, scale))
+        if key_mask is not None:
+            keys = key_mask[i].nonzero().squeeze(1)
+            k_i, v_i = k.index_select(2, keys), v.index_select(2, keys)
+        else:
+            stop = end - T + i + 1
+            lo = 0 if window is None else max(0, stop - window)
+            k_i, v_i = k[:, :, lo:stop], v[:, :, lo:stop]
+        outs.append(attend(q[:, :, i : i + 1], k_i, v_i, None, scale))
     return torch.cat(outs, dim=1)

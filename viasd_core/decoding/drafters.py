@@ -16,6 +16,7 @@ import torch
 
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.sampling import Sampler, SamplingParams, prefix_length, process_logits
+from viasd_core.decoding.tree import TokenTree, TreeShape
 
 
 @dataclass
@@ -76,6 +77,17 @@ class Drafter(ABC):
         """What the drafter needs from the verifiers beyond the target it was built with: the slim
         verifier, attached or replaced (a feature drafter reads its features where the target has
         not run). Called by the engine whenever its slim verifier changes."""
+
+    supports_tree: bool = False  # whether `propose_tree` can grow token trees (tree.py)
+
+    def propose_tree(self, ids: torch.Tensor, n: int, shape: TreeShape, params: SamplingParams, sampler: Sampler,
+                     host_tokens: list[int] | None = None) -> TokenTree | None:
+        """A token tree below the last committed token (tree.py), or None: draft a chain this step."""
+        return None
+
+    def warm_up_tree(self, shape: TreeShape) -> float:
+        """Compile now what growing trees of `shape` runs; seconds taken."""
+        return 0.0
 
 
 class ChainDrafter(Drafter):
@@ -288,6 +300,19 @@ class HybridDrafter(Drafter):
 
     def link_slim(self, slim: FastModel | None) -> None:
         self.model_drafter.link_slim(slim)
+
+    @property
+    def supports_tree(self) -> bool:
+        return self.model_drafter.supports_tree
+
+    def propose_tree(self, ids, n, shape, params, sampler, host_tokens=None) -> TokenTree | None:
+        """The model's tree, unless prompt lookup proposes this step (None: the chain step asks it)."""
+        if len(self.ngram.lookup(host_tokens, shape.depth)) >= self.min_match:
+            return None
+        return self.model_drafter.propose_tree(ids, n, shape, params, sampler, host_tokens)
+
+    def warm_up_tree(self, shape: TreeShape) -> float:
+        return self.model_drafter.warm_up_tree(shape)
 
     def propose(self, ids, n, gamma, params, sampler, host_tokens=None, stop_below: float = 0.0) -> Proposal:
         found = self.ngram.lookup(host_tokens, gamma)

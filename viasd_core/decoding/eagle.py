@@ -109,6 +109,7 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         self.max_len = 0
         self.seen = 0  # positions whose K/V are valid in the cache
         self._compiled_step = None  # the drafting step compiled (compile()), else eager
+        self._compiled_rows = None  # a token tree's level compiled (compile()), else eager
         self.compile_mode: str | None = None
 
     # ------------------------------------------------------------------ set-up
@@ -175,6 +176,8 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         self.compile_mode = mode
         fn = torch.compile(self._step, fullgraph=True, dynamic=False, mode=mode)
         self._compiled_step = graph_outputs.guard(fn, static=list(self.cache.buffers()))
+        rows = torch.compile(self._rows, fullgraph=True, dynamic=False, mode=mode)
+        self._compiled_rows = graph_outputs.guard(rows, static=list(self.cache.buffers()))
         return True
 
     @property
@@ -195,16 +198,45 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         self.reset()
         return time.perf_counter() - t0
 
+    def warm_up_rows(self, k: int) -> float:
+        """Compile a tree level of `k` rows now (at slots 0..k-1; the cache is emptied after)."""
+        if self._compiled_rows is None:
+            return 0.0
+        t0 = time.perf_counter()
+        device = self.fc.weight.device
+        slots = torch.arange(k, device=device)
+        mask = slots[:, None] == torch.arange(self.max_len, device=device)[None, :]
+        self._compiled_rows(torch.zeros(k, dtype=torch.long, device=device),
+                            torch.zeros(k, self.hidden_size, dtype=self.dtype, device=device), slots, slots, mask)
+        self.reset()
+        return time.perf_counter() - t0
+
     def _step(self, token_id: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor):
         """One drafted token at position pos [1] from the head's own previous feature hidden [1, H]:
         (logits [1, draft_vocab] float32, hidden [1, H]). Static shapes: every key of the cache,
         those after pos masked, so one graph serves every position."""
-        emb = self.embedding(token_id).to(self.dtype)
-        q, k, v = self.qkv(emb[None], hidden[None], self.rope_cos[pos], self.rope_sin[pos])
-        k_cache, v_cache = self.cache.update(pos, k, v)
         mask = attention.causal_mask(pos, torch.arange(self.max_len, device=pos.device))  # [1, max_len]
-        out = self.finish(hidden, attention.attend(q, k_cache, v_cache, mask)[0])
+        return self._rows(token_id, hidden, pos, pos, mask)
+
+    def _rows(self, token_ids: torch.Tensor, hidden: torch.Tensor, rope_pos: torch.Tensor, slots: torch.Tensor,
+              key_mask: torch.Tensor):
+        """K drafted rows at once: tokens [K] with the features they read hidden [K, H], at RoPE
+        positions rope_pos [K], written at cache slots slots [K], row i attending the slots
+        key_mask[i] marks ([K, max_len]). Returns (logits [K, draft_vocab] float32, hidden [K, H])."""
+        emb = self.embedding(token_ids).to(self.dtype)
+        q, k, v = self.qkv(emb[None], hidden[None], self.rope_cos[rope_pos], self.rope_sin[rope_pos])
+        k_cache, v_cache = self.cache.update(slots, k, v)
+        out = self.finish(hidden, attention.attend(q, k_cache, v_cache, key_mask)[0])
         return self.logits(out), out
+
+    @torch.inference_mode()
+    def tree_rows(self, token_ids: torch.Tensor, hidden: torch.Tensor, rope_pos: torch.Tensor, slots: torch.Tensor,
+                  key_mask: torch.Tensor):
+        """One level of a token tree (tree.py): `_rows`, compiled when the head is (one graph per K).
+        The rows' slots lie past `seen`: the cache's committed positions are untouched."""
+        fn = self._compiled_rows if self._compiled_rows is not None else self._rows
+        logits, out = fn(token_ids, hidden.to(self.dtype), rope_pos, slots, key_mask)
+        return logits, out.clone()  # a compiled call's next run may overwrite its outputs (CUDA graphs)
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, features: torch.Tensor, start: int,

@@ -30,6 +30,7 @@ from viasd_core.decoding.model import PASS_WIDTHS, FastModel
 from viasd_core.decoding.router import Thresholds
 from viasd_core.decoding.sampling import Sampler, SamplingParams
 from viasd_core.decoding.stats import RunStats
+from viasd_core.decoding.tree import TreeShape
 from viasd_core.decoding.steps import Run, StepResult, common_prefix, plain_step, plan_for
 from viasd_core.errors import UsageError, ViasdError
 
@@ -52,6 +53,7 @@ class GenerationConfig:
     # Adaptive only: a model draft stops before the token at which its own estimate that the whole
     # block is accepted (the product of its token probabilities) falls below this (0 = off).
     min_confidence: float = 0.15
+    tree: TreeShape | None = None  # sd: draft token trees of this shape (None: chains)
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -72,6 +74,8 @@ class GenerationConfig:
             raise UsageError(f"--min-confidence must be in [0, 1) (got {self.min_confidence}); 0 turns the stop rule off")
         if self.mode == "viasd" and self.temperature > 0:
             raise UsageError("viasd mode is greedy-only (its gates are calibrated for greedy decoding); use --mode sd or exact to sample")
+        if self.tree is not None and self.tree.size + 1 > PASS_WIDTHS[-1]:
+            raise UsageError(f"a draft tree holds at most {PASS_WIDTHS[-1] - 1} tokens (a verify pass covers size + 1)")
         if self.mode == "viasd" and self.thresholds is None:
             raise UsageError("viasd mode needs calibrated thresholds: run `viasd calibrate` first")
 
@@ -183,6 +187,19 @@ class Engine:
         self.reset()
         return seconds
 
+    @property
+    def supports_tree(self) -> bool:
+        """Whether sd can draft token trees here (the drafter grows them, the target verifies them)."""
+        return self.drafter is not None and self.drafter.supports_tree and self.target.supports_tree
+
+    def warm_up_tree(self, shape: TreeShape) -> float:
+        """Compile now the graphs trees of `shape` meet (the target's verify width, the head's level
+        of `topk` rows); seconds taken, 0.0 when nothing is compiled. Empties the caches."""
+        seconds = self.target.warm_up_tree(shape.size + 1)
+        seconds += self.drafter.warm_up_tree(shape) if self.drafter is not None else 0.0
+        self.reset()
+        return seconds
+
     def clock(self) -> float:
         if self.breakdown and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -221,7 +238,10 @@ class Engine:
                 "shorten the prompt or raise --max-context"
             )
         max_new = min(config.max_new_tokens, self.context_len - len(prompt_ids))
-        plan = plan_for(config.mode, config.thresholds)
+        if config.tree is not None and config.mode == "sd" and not self.supports_tree:
+            raise UsageError("draft trees need an EAGLE-3 head draft and a target without sliding-window "
+                             "attention: use --tree off")
+        plan = plan_for(config.mode, config.thresholds, config.tree)
 
         # Re-use cached positions shared with the previous call (multi-turn chat).
         keep = min(common_prefix(self.tokens, prompt_ids), len(prompt_ids) - 1)
@@ -232,7 +252,8 @@ class Engine:
         stats = RunStats(mode=config.mode, prompt_tokens=len(prompt_ids))
         run = Run(config.sampling, Sampler(config.seed, device=self.device), stats,
                   plain_tier="ar" if plan.step is None else "full",
-                  stop_below=config.min_confidence if config.adaptive else 0.0, thresholds=config.thresholds)
+                  stop_below=config.min_confidence if config.adaptive else 0.0, thresholds=config.thresholds,
+                  tree=config.tree)
         gen = Generation(list(prompt_ids), [], [], "", "length", stats)
         if max_new < config.max_new_tokens:
             gen.clipped_to = max_new

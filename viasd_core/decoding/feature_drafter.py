@@ -28,6 +28,10 @@ import torch
 from viasd_core.decoding.drafters import ChainDrafter
 from viasd_core.decoding.eagle import FeatureHead
 from viasd_core.decoding.model import FastModel
+from viasd_core.decoding.sampling import Sampler, SamplingParams, process_logits
+from viasd_core.decoding.tree import Candidates, TokenTree, TreeShape, region_mask, select_tree
+
+TREE_ROWS = 64  # head cache slots past the context for a tree's expanded rows ((depth - 1) * topk)
 
 
 class FeatureDrafter(ChainDrafter):
@@ -77,8 +81,8 @@ class FeatureDrafter(ChainDrafter):
         self.head.rollback(self.fed)
 
     def ensure_capacity(self, max_len: int) -> None:
-        if self.head.max_len < max_len + 1:
-            self.head.allocate(max_len + 1)
+        if self.head.max_len < max_len + 1 + TREE_ROWS:
+            self.head.allocate(max_len + 1 + TREE_ROWS)
             self.fed = 0
 
     def _features(self, start: int, end: int) -> torch.Tensor | None:
@@ -116,3 +120,67 @@ class FeatureDrafter(ChainDrafter):
         logits, hidden = self.head.forward(ids[n + i : n + i + 1], self._hidden, n - 1 + i, n_logits=1)
         self._hidden = hidden.clone()  # a compiled step's next call may overwrite its outputs (CUDA graphs)
         return self._mask(logits)
+
+    # ------------------------------------------------------------------ token trees (tree.py)
+    supports_tree = True
+
+    def warm_up_tree(self, shape: TreeShape) -> float:
+        seconds = self.head.warm_up_rows(shape.topk) if shape.depth > 1 else 0.0
+        self.fed = 0
+        return seconds
+
+    def _log_probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """The draft's log-probabilities [K, Vd] that rank tree nodes (after temperature/top-k/top-p when sampling)."""
+        logits = self._mask(logits[:, : self.limit])
+        if params.greedy:
+            return torch.log_softmax(logits.float(), -1)
+        return process_logits(logits, params).clamp_min(1e-30).log()
+
+    def propose_tree(self, ids: torch.Tensor, n: int, shape: TreeShape, params: SamplingParams, sampler: Sampler,
+                     host_tokens=None) -> TokenTree | None:
+        """EAGLE-2's dynamic tree: depth 1 holds the head's `topk` best tokens; each later depth expands
+        the `topk` best nodes of the one before (cumulative log-probability) by their `topk` best
+        children, all of a depth in one head pass; the `size` best nodes overall are kept.
+
+        Head rows of expanded nodes sit at slots n - 1 + (depth - 1) * topk + i (past the head's
+        committed positions, which stay as they are) and attend to the committed positions, their
+        ancestors' rows and themselves. No host read: the tree's shape is static.
+        """
+        K, D = shape.topk, shape.depth
+        if n - 1 + (D - 1) * K > self.head.max_len:
+            return None
+        logits = self._first_logits(ids, n)  # [1, Vd]; self._hidden: the root's feature [1, H]
+        if logits is None:
+            return None
+        device = logits.device
+        top = self._log_probs(logits, params).topk(K, -1)
+        scores, tokens = top.values[0], self._to_target(top.indices[0])  # [K]
+        cands = Candidates([tokens], [torch.full((K,), -1, device=device)], [scores],
+                           [torch.ones(K, dtype=torch.long, device=device)])
+        # the frontier: the nodes expanded at this depth (candidate index, token, score, feature, rows seen)
+        f_index, f_tokens, f_scores = torch.arange(K, device=device), tokens, scores
+        f_hidden = self._hidden.expand(K, -1)
+        R = max(1, (D - 1) * K)
+        f_sees = torch.zeros(K, R, dtype=torch.bool, device=device)
+        key_slots = torch.arange(self.head.max_len, device=device)
+        grown = K
+        for d in range(1, D):
+            own = torch.arange(K, device=device) + (d - 1) * K  # the frontier's row slots (relative)
+            sees = f_sees.clone()
+            sees[torch.arange(K, device=device), own] = True
+            mask = region_mask(n - 1, sees, key_slots)  # [K, max_len]
+            rope = torch.full((K,), n - 2 + d, device=device)
+            logits, hidden = self.head.tree_rows(f_tokens, f_hidden, rope, n - 1 + own, mask)
+            top = self._log_probs(logits, params).topk(K, -1)  # [K, K]
+            child_scores = (f_scores[:, None] + top.values).flatten()  # [K * K]
+            child_tokens = self._to_target(top.indices).flatten()
+            cands.tokens.append(child_tokens)
+            cands.parents.append(f_index.repeat_interleave(K))
+            cands.scores.append(child_scores)
+            cands.depths.append(torch.full((K * K,), d + 1, device=device))
+            best = child_scores.topk(K).indices  # the next frontier
+            parent_row = best // K
+            f_index, f_tokens, f_scores = grown + best, child_tokens[best], child_scores[best]
+            f_hidden, f_sees = hidden[parent_row], sees[parent_row]
+            grown += K * K
+        return select_tree(cands, shape.size, D)

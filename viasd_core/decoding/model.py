@@ -38,6 +38,7 @@ import torch
 from viasd_core.errors import ViasdError
 from viasd_core.decoding import attention, graph_outputs
 from viasd_core.decoding.rope import apply_rope, check_rope
+from viasd_core.decoding.tree import TokenTree, ancestor_matrix, slot_mask
 from viasd_core.decoding.weight_formats import has_weight_format
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
@@ -260,23 +261,28 @@ class FastModel(attention.CachedPositions):
 
     # ------------------------------------------------------------------ forward
     def _run(self, input_ids: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor, attn_len: int,
-             masked: bool = True, by_row: bool = False) -> torch.Tensor:
-        """The pass: positions `input_pos` [T] (device) of tokens `input_ids` [T]; logits of `rows` [R].
+             masked: bool = True, by_row: bool = False, rope_pos: torch.Tensor | None = None,
+             key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The pass: tokens `input_ids` [T] written at cache slots `input_pos` [T] (device); logits of `rows` [R].
 
         Attends over cache[:attn_len]; `masked=False` (a 1-token pass that may see every cached
-        position) skips the mask. `by_row` (eager, positions attn_len - T .. attn_len - 1): each
-        position attends in its own call over exactly the keys it sees (see `row_attention`).
-        Returns [R, vocab] float32. No host synchronization.
+        position) skips the mask. `by_row` (eager): each position attends in its own call over
+        exactly the keys it sees (see `row_attention`). A token tree's pass (tree.py) gives its RoPE
+        positions `rope_pos` [T] (default: the slots) and which slots each row sees, `key_mask`
+        [T, attn_len] (default: causal by slot). Returns [R, vocab] float32. No host synchronization.
         """
         s = self.shape
         T = input_ids.shape[0]
         cache = self.cache
         x = self.embed(input_ids[None])  # [1, T, H]
-        cos = cache.cos.index_select(0, input_pos)  # [T, D]
-        sin = cache.sin.index_select(0, input_pos)
+        rope_pos = input_pos if rope_pos is None else rope_pos
+        cos = cache.cos.index_select(0, rope_pos)  # [T, D]
+        sin = cache.sin.index_select(0, rope_pos)
         key_pos = cache.key_pos[:attn_len]  # [L]
         masks = {}  # window -> [T, L]; by_row slices its keys instead
-        if masked and not by_row:
+        if key_mask is not None and not by_row:
+            masks = {window: key_mask for window in set(self.windows)}  # trees: no sliding window (supports_tree)
+        elif masked and not by_row:
             masks = {window: attention.causal_mask(input_pos, key_pos, window) for window in set(self.windows)}
         captured: list = [None] * len(self.feature_layers)
         for ci, layer in enumerate(self.layers):
@@ -294,7 +300,7 @@ class FastModel(attention.CachedPositions):
             k = apply_rope(k.transpose(1, 2), cos, sin)  # [1, Hkv, T, D]
             k_cache, v_cache = cache.layers[ci].update(input_pos, k, v.transpose(1, 2))
             if by_row:
-                o = attention.attend_by_row(q, k_cache, v_cache, attn_len, self.windows[ci], attn.scaling)
+                o = attention.attend_by_row(q, k_cache, v_cache, attn_len, self.windows[ci], attn.scaling, key_mask)
             else:
                 o = attention.attend(q, k_cache[:, :, :attn_len], v_cache[:, :, :attn_len],
                                      masks.get(self.windows[ci]), attn.scaling)  # [1, T, Hq * D]
@@ -393,6 +399,86 @@ class FastModel(attention.CachedPositions):
         self.reset()
         self.passes = self.positions_run = 0
         return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ token trees (tree.py)
+    @property
+    def supports_tree(self) -> bool:
+        """Tree passes give every row its own keys: not combined with a sliding window here."""
+        return all(w is None for w in self.windows)
+
+    @torch.inference_mode()
+    def verify_tree(self, ids: torch.Tensor, n: int, tree: TokenTree) -> torch.Tensor:
+        """One pass over the root (position n - 1, after any positions not yet cached) and the tree's
+        N nodes at slots n .. n + N - 1: logits [1 + N, vocab] float32 of the root and each node.
+
+        Compiled where the pass fits a verify width (one graph per width, the slots' mask an input),
+        eager otherwise, with `row_attention` where the eager pass needs it (every row then attends
+        over exactly its own keys, in cache order: the numbers of a plain pass over its path).
+        """
+        N = tree.size
+        start = min(self.seen, n - 1)
+        end = n + N
+        if end > self.max_len:
+            raise ViasdError(f"context of {end} tokens exceeds the {self.max_len} positions allocated for "
+                             f"'{self.name}': raise --max-context or shorten the prompt")
+        tokens = torch.cat([ids[start:n], tree.tokens])  # [T]
+        T = tokens.shape[0]
+        slots = torch.arange(start, end, device=self.device)
+        rope = torch.cat([slots[: n - start], n - 1 + tree.depths])
+        self.passes += 1
+        self.positions_run += T
+        width = pass_width(T) if T <= PASS_WIDTHS[-1] else 0
+        if self._compiled is not None and (width, width) in self.graph_shapes():
+            pad = width - T  # padding rows sit after the tree, each seeing only its own slot
+            tokens = torch.cat([tokens, tokens.new_zeros(pad)])
+            slots = torch.arange(start, start + width, device=self.device)
+            rope = torch.cat([rope, slots[T:]])
+            key_mask = self._tree_mask(tree, n, start, self.cache.key_pos[: self.max_len], slots)
+            out = self._compiled(tokens, slots, torch.arange(width, device=self.device), self.max_len, True, False,
+                                 rope, key_mask)[T - 1 - N : T]
+        else:
+            key_mask = self._tree_mask(tree, n, start, self.cache.key_pos[:end], slots)
+            rows = torch.arange(T - 1 - N, T, device=self.device)
+            out = self._run(tokens, slots, rows, end, True, self.row_attention, rope, key_mask)
+        self.seen = end
+        return out
+
+    def warm_up_tree(self, size: int) -> float:
+        """Compile the tree pass of `size` tokens (root and nodes) now; seconds taken (0.0 eager)."""
+        width = pass_width(size)
+        if self._compiled is None or (width, width) not in self.graph_shapes():
+            return 0.0
+        t0 = time.perf_counter()
+        parents = torch.arange(-1, size - 2, device=self.device)  # a chain: any tree has the same graph
+        depths = torch.arange(1, size, device=self.device)
+        tree = TokenTree(torch.zeros(size - 1, dtype=torch.long, device=self.device), parents, depths,
+                         ancestor_matrix(parents, size - 1), size - 1)
+        self.reset()
+        self.verify_tree(torch.zeros(1, dtype=torch.long, device=self.device), 1, tree)
+        self.reset()
+        self.passes = self.positions_run = 0
+        return time.perf_counter() - t0
+
+    @staticmethod
+    def _tree_mask(tree: TokenTree, n: int, start: int, key_slots: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """[rows, L]: causal rows for the positions before the root, the tree's rows
+        (tree.slot_mask), and each padding row (past the tree) seeing its own slot only."""
+        before = attention.causal_mask(slots[: n - 1 - start], key_slots)
+        pads = slots[n + tree.size - start :, None] == key_slots[None, :]
+        return torch.cat([before, slot_mask(tree, n, key_slots), pads])
+
+    def keep_path(self, n: int, path: list[int]) -> None:
+        """After a tree pass at n: move the keys, values (and features) of the accepted nodes `path`
+        (node indices, root to leaf) from their slots n + j to positions n, n + 1, ..."""
+        if path == list(range(len(path))):
+            return  # already in place (a chain, or the tree's first branch)
+        src = torch.tensor([n + j for j in path], device=self.device)
+        dst = torch.arange(n, n + len(path), device=self.device)
+        for layer in self.cache.layers:
+            layer.k[:, :, dst] = layer.k[:, :, src]
+            layer.v[:, :, dst] = layer.v[:, :, src]
+        if self.cache.features is not None:
+            self.cache.features[dst] = self.cache.features[src]
 
     def extend(self, ids: torch.Tensor, end: int, n_logits: int = 1) -> torch.Tensor:
         """Feed the positions [seen, end) of the token buffer `ids` and return the last logits."""

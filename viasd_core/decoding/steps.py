@@ -2,6 +2,8 @@
 
     plain_step         ar; also any step the draft policy makes plain or the draft leaves empty
     speculative_step   sd: draft -> verify (one target pass over the block) -> accept
+    tree_step          sd with a token tree: draft a tree -> verify it in one pass -> accept the
+                       longest path the target agrees with (tree.py)
     refined_step       exact: draft -> route (the slim refines the block) -> verify -> accept
     tiered_step        viasd: draft -> route (one slim pass gives every position's tier) ->
                        verify only from the first 'full' position -> walk the tiers
@@ -31,6 +33,7 @@ from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.router import Thresholds, slim_confidence, unsure_to_full, walk_block
 from viasd_core.decoding.sampling import Sampler, SamplingParams, greedy_accept, prefix_length, process_logits, speculative_sample
 from viasd_core.decoding.stats import RunStats
+from viasd_core.decoding.tree import TreeShape, accept_path
 
 
 class Decoder(Protocol):
@@ -77,6 +80,7 @@ class Run:
     plain_tier: str  # the tier of a plain step's token: 'ar' in ar mode, else 'full'
     stop_below: float  # the draft's confidence stop rule (0 = off)
     thresholds: Thresholds | None  # tiered steps only
+    tree: TreeShape | None = None  # tree steps only
 
 
 Step = Callable[[Decoder, Run, int], StepResult]
@@ -90,13 +94,15 @@ class Plan:
     slim_runs: bool  # whether the slim verifier runs (it is prefilled only then)
 
 
-def plan_for(mode: str, thresholds: Thresholds | None) -> Plan:
+def plan_for(mode: str, thresholds: Thresholds | None, tree: TreeShape | None = None) -> Plan:
     if mode == "ar":
         return Plan(None, slim_runs=False)
     if mode == "exact":
         return Plan(refined_step, slim_runs=True)
     if mode == "viasd" and thresholds is not None and thresholds.active:
         return Plan(tiered_step, slim_runs=True)
+    if tree is not None and not tree.is_chain:
+        return Plan(tree_step, slim_runs=False)
     return Plan(speculative_step, slim_runs=False)  # sd, and viasd with both tiers off
 
 
@@ -206,6 +212,45 @@ def _verify_and_accept(eng: Decoder, run: Run, proposal: Proposal, draft_tokens:
         keep["slim"] = draft_valid  # the slim ran over the draft's tokens
     return StepResult(n, tokens, ["accept"] * n_acc + ["bonus" if bonus else "full"], drafted=proposals, kept=n_acc,
                       keep=keep, draft_tokens=draft_tokens, target_argmax=target_choices)
+
+
+def tree_step(eng: Decoder, run: Run, g: int) -> StepResult:
+    """sd over a token tree: the target verifies every branch in one pass and the longest path it
+    agrees with is emitted (tree.accept_path); exact in greedy and sampling. A drafter that
+    grows no tree this step (prompt lookup found a repeat) takes the chain step."""
+    n = len(eng.tokens)
+    t = eng.clock()
+    tree = eng.drafter.propose_tree(eng.ids, n, run.tree, run.params, run.sampler, host_tokens=eng.tokens)
+    run.stats.time_draft += eng.clock() - t
+    if tree is None:
+        return speculative_step(eng, run, g)
+    stats, D = run.stats, tree.max_depth
+    # 3. verify: one target pass over the root and every node
+    t = eng.clock()
+    target_logits = eng.target.verify_tree(eng.ids, n, tree)  # [1 + N, V]
+    if run.params.greedy:
+        choices = target_logits.argmax(-1)
+    else:  # one sample of the target's own distribution per row: the walk keeps the output's law
+        choices = run.sampler.categorical(process_logits(target_logits, run.params))
+    # 4. accept
+    n_acc, path, emitted = accept_path(tree, choices)
+    # 5. commit: the tokens into the buffer, the step's one read, the path's K/V into place
+    eng.ids[n : n + D + 1] = emitted
+    vals = eng.read(torch.cat([n_acc.view(1), path, emitted]))
+    n_acc = vals[0]
+    path, tokens = vals[1 : 1 + n_acc], vals[1 + D : 2 + D + n_acc]
+    eng.target.keep_path(n, path)
+    stats.time_verify += eng.clock() - t
+    stats.target_passes += 1
+    stats.steps += 1
+    stats.draft_tokens += D
+    bonus = n_acc == D
+    stats.tier_counts["accept"] += n_acc
+    stats.tier_counts["bonus" if bonus else "full"] += 1
+    stats.accepted_lengths.append(len(tokens))
+    stats.record_block(D, n_acc)
+    return StepResult(n, tokens, ["accept"] * n_acc + ["bonus" if bonus else "full"], drafted=D, kept=n_acc,
+                      keep={"target": n_acc, "draft": n_acc})
 
 
 # ---------------------------------------------------------------------- viasd
