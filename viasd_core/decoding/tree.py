@@ -96,7 +96,8 @@ def slot_mask(tree: TokenTree, context: int, key_slots: torch.Tensor) -> torch.T
 
 
 def accept_path(tree: TokenTree, choices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The longest path the target agrees with.
+    """The longest path the target agrees with (siblings hold distinct tokens, as top-k children do,
+    so the walk has one way down).
 
     choices: [1 + N] int64, the target's choice at the root's row and at each node's row.
     Returns (n_accepted [] int64, path [max_depth] int64 node indices (the first n_accepted are the
