@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import platform
+from pathlib import Path
 
 import torch
 
@@ -47,3 +49,16 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
     if dtype not in _DTYPES:
         raise UsageError(f"unknown dtype '{dtype}': use float32, bfloat16 or float16")
     return _DTYPES[dtype]
+
+
+def device_name(device: torch.device) -> str:
+    """The device's own name: the GPU's, or the CPU's model name (`cpu: ...`)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"cpu: {line.split(':', 1)[1].strip()}"
+    except OSError:
+        pass
+    return f"cpu: {platform.processor() or platform.machine()}"

@@ -18,6 +18,7 @@ from viasd_core.loading.profile import Profile, find_profile
 from viasd_core.loading.vocab_rows import cap_vocab, token_rows, tokenizer_size
 from viasd_core.decoding.router import Thresholds
 from viasd_core.decoding.slim_view import TARGET_WEIGHTS, slim_verifier, twin_bytes
+from viasd_core.tree_choice import TreeChoice, probe_prompts, resolve_tree
 
 @dataclass
 class Session:
@@ -28,6 +29,7 @@ class Session:
     profile: Profile | None
     options: ModelOptions
     compile_seconds: float | None = None  # time spent compiling at start-up (None: eager)
+    tree: TreeChoice | None = None  # sd's draft trees, once `choose_tree` resolved --tree
 
     @property
     def tokenizer(self):
@@ -64,6 +66,18 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
         if progress:
             progress(f"compiled the decoding graphs ({', '.join(engine.compiled_models)}) in {session.compile_seconds:.1f} s")
     return session
+
+
+def choose_tree(session: Session, progress=None, refresh: bool = False) -> TreeChoice:
+    """Resolve --tree for the session's sd steps (measured and cached for `auto`: tree_choice.py)
+    and compile the tree's graphs when the engine is compiled."""
+    key = {"target": session.target.model_id, "draft": session.draft_id, "format": session.options.quant,
+           "dtype": str(session.engine.target.dtype).replace("torch.", ""), "compiled": session.engine.compiled}
+    choice = resolve_tree(session.engine, probe_prompts(session.tokenizer), session.options.tree, key, progress, refresh)
+    if choice.shape is not None and session.engine.compiled:
+        session.engine.warm_up_tree(choice.shape)
+    session.tree = choice
+    return choice
 
 
 def pair_profile(target: Loaded, draft_id: str, opts: ModelOptions, target_fast: FastModel, progress=None):

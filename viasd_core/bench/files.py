@@ -15,21 +15,10 @@ import torch
 
 from viasd_core.bench.harness import BenchConfig, peak_memory_source
 from viasd_core.bench.plots import write_plots
+from viasd_core.devices import device_name
 from viasd_core.errors import ViasdError
 from viasd_core.paths import atomic_write_text
 from viasd_core.session import Session
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"cpu: {line.split(':', 1)[1].strip()}"
-    except OSError:
-        pass
-    return f"cpu: {platform.processor() or platform.machine()}"
 
 
 def versions() -> dict[str, str]:

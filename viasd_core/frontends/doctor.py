@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from viasd_core.bench.files import device_name, versions
+from viasd_core.bench.files import versions
+from viasd_core.devices import device_name
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.decoding.model import FastModel
 from viasd_core.session import Session

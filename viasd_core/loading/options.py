@@ -21,6 +21,7 @@ class ModelOptions:
     profile: str | None = None
     max_context: int | None = None  # positions every KV cache holds (None: sized from model and memory)
     compile: str = "auto"  # auto (on for CUDA), on, off
+    tree: str = "auto"  # sd's draft trees: auto (measured here: tree_choice.py), off, or a node count
 
 
 COMPILE_CHOICES = ("auto", "on", "off")

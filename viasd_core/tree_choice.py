@@ -1,0 +1,186 @@
+"""`--tree auto|off|N`: the draft tree a session uses, chosen by measuring this machine.
+
+`auto` measures two things once per (machine, pair, weight format) and caches them under the
+user's cache folder (`viasd doctor --refresh` measures again):
+
+    verify curve   seconds of one target pass over 1..16 tokens after a cached context, here
+    acceptance     tokens per target pass (tau) and drafting seconds per step of each candidate
+                   (a plain step, chains of 1..5, four tree shapes) on a few shipped prompts
+
+and picks the candidate of most expected tokens per second (decoding/tree_size.py). A chain or a
+plain step means no tree (chains are what `sd` drafts without one). `N` grows trees of N nodes
+without measuring; `off` never grows one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from viasd_core import paths
+from viasd_core.decoding.engine import Engine, GenerationConfig
+from viasd_core.decoding.model import PASS_WIDTHS
+from viasd_core.decoding.tree import TreeShape
+from viasd_core.decoding.tree_size import Option, choose
+from viasd_core.devices import device_name
+from viasd_core.errors import UsageError
+from viasd_core.loading.prompts import default_prompts, encode
+
+TREE_CHOICES = "auto, off or a node count 1-15"
+CANDIDATE_TREES = (TreeShape(2, 4, 5), TreeShape(2, 5, 7), TreeShape(3, 5, 10), TreeShape(4, 6, 15))
+CHAIN = 5  # the probe's chain: tau of every shorter chain comes from its per-position acceptance
+CURVE_WIDTHS = (1, 2, 3, 4, 6, 8, 11, 16)
+PROBE_PROMPTS = 2
+PROBE_TOKENS = 32
+CACHE_VERSION = 1
+
+
+def shape_for_size(size: int) -> TreeShape:
+    """The tree grown for `--tree N`: wider at the top as N grows (EAGLE-2 style)."""
+    topk = 2 if size <= 7 else 3 if size <= 11 else 4
+    return TreeShape(topk, min(size, topk + 3), size)
+
+
+def parse_tree(text: str | int | None) -> str | int:
+    """'auto' | 'off' | N (1..15) from the option's text."""
+    value = str(text if text is not None else "auto").strip().lower()
+    if value in ("auto", "off"):
+        return value
+    if value.isdigit() and 1 <= int(value) <= PASS_WIDTHS[-1] - 1:
+        return int(value)
+    raise UsageError(f"--tree must be {TREE_CHOICES} (got '{text}')")
+
+
+@dataclass
+class TreeChoice:
+    """What `--tree` resolved to and why (shown by doctor and --verbose)."""
+
+    shape: TreeShape | None
+    reason: str
+    options: list[dict]  # every candidate: name, width, tau, draft_seconds, tokens_per_s (auto only)
+    verify_seconds: dict[int, float]  # the measured curve (auto only)
+
+
+def probe_prompts(tokenizer, n: int = PROBE_PROMPTS) -> list[list[int]]:
+    """The prompts `auto` measures acceptance on: the first shipped ones, encoded."""
+    return [encode(tokenizer, p.text) for p in default_prompts()[:n]]
+
+
+def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, key: dict, progress=None,
+                 refresh: bool = False) -> TreeChoice:
+    """The tree a session's sd steps grow. `prompts` (token ids) are what `auto` measures acceptance
+    on; `key` names the pair and format (the cache key, with the machine's identity)."""
+    choice = parse_tree(choice)
+    if choice == "off":
+        return TreeChoice(None, "--tree off", [], {})
+    if not engine.supports_tree:
+        return TreeChoice(None, "the draft grows no trees (an EAGLE-3 head does) or the target uses "
+                                "sliding-window attention", [], {})
+    if isinstance(choice, int):
+        return TreeChoice(shape_for_size(choice), f"--tree {choice}", [], {})
+    path = paths.cache_dir() / "machine" / f"tree-{_digest(engine, key)}.json"
+    if path.exists() and not refresh:
+        try:
+            return _from_json(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError):
+            pass  # unreadable: measure again
+    if progress:
+        progress("measuring this machine's verify costs and the draft's acceptance for --tree auto "
+                 "(once; cached)...")
+    verify = measure_verify_curve(engine)
+    options = probe_options(engine, prompts)
+    best = choose(options, verify)
+    result = TreeChoice(best.shape, f"auto: {best.name} has the most expected tokens/s here "
+                                    f"({best.rate(verify):.1f} measured)",
+                        [{**asdict(o), "shape": asdict(o.shape) if o.shape else None,
+                          "tokens_per_s": o.rate(verify)} for o in options], verify)
+    paths.atomic_write_json(path, {"version": CACHE_VERSION, "machine": _machine(engine), **key,
+                                   **_to_json(result)})
+    return result
+
+
+def measure_verify_curve(engine: Engine, widths=CURVE_WIDTHS, context: int = 128, repeats: int = 5) -> dict[int, float]:
+    """Median seconds of a target pass over w tokens (all rows' logits: a verify pass) after
+    `context` cached positions, for each width w."""
+    target = engine.target
+    context = max(1, min(context, target.max_len - widths[-1] - 1))
+    ids = torch.randint(10, min(1000, target.shape.vocab_size), (context + widths[-1],), device=target.device)
+    curve = {}
+    with torch.inference_mode():
+        target.reset()
+        target.forward(ids[:context], 0, 1)
+        for w in widths:
+            times = []
+            for _ in range(repeats):
+                target.rollback(context)
+                t = time.perf_counter()
+                target.forward(ids[context : context + w], context, w)
+                if target.device.type == "cuda":
+                    torch.cuda.synchronize(target.device)
+                times.append(time.perf_counter() - t)
+            curve[w] = statistics.median(times)
+    engine.reset()
+    return curve
+
+
+def probe_options(engine: Engine, prompts: list[list[int]], max_new: int = PROBE_TOKENS) -> list[Option]:
+    """tau and drafting seconds per step of a plain step, chains of 1..CHAIN and the candidate
+    trees, on `prompts` (greedy, fixed blocks)."""
+
+    def run(tree: TreeShape | None):
+        tokens = passes = steps = 0
+        draft = 0.0
+        attempts = accepts = None
+        for ids in prompts:
+            engine.reset()
+            out = engine.generate(ids, GenerationConfig(mode="sd", max_new_tokens=max_new, gamma=CHAIN,
+                                                        adaptive=False, tree=tree))
+            s = out.stats
+            tokens, passes, steps, draft = tokens + s.new_tokens, passes + s.target_passes, steps + s.steps, draft + s.time_draft
+            attempts = _add(attempts, s.position_attempts)
+            accepts = _add(accepts, s.position_accepts)
+        engine.reset()
+        return tokens / max(passes, 1), draft / max(steps, 1), attempts or [], accepts or []
+
+    options = [Option("plain", None, 1, 1.0, 0.0)]
+    _, chain_draft, attempts, accepts = run(None)
+    tau = 1.0
+    for g in range(1, CHAIN + 1):
+        tau += accepts[g - 1] / attempts[g - 1] if g <= len(attempts) and attempts[g - 1] else 0.0
+        options.append(Option(f"chain of {g}", None, g + 1, tau, chain_draft * g / CHAIN))
+    for shape in CANDIDATE_TREES:
+        tau_t, draft_t, _, _ = run(shape)
+        options.append(Option(f"tree of {shape.size} (top-{shape.topk}, depth {shape.depth})", shape, shape.size + 1,
+                              tau_t, draft_t))
+    return options
+
+
+def _add(total: list[int] | None, more: list[int]) -> list[int]:
+    total = list(total or [])
+    total += [0] * (len(more) - len(total))
+    return [t + (more[i] if i < len(more) else 0) for i, t in enumerate(total)]
+
+
+def _machine(engine: Engine) -> dict:
+    return {"device": device_name(engine.device), "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def _digest(engine: Engine, key: dict) -> str:
+    blob = json.dumps({"machine": _machine(engine), **key, "version": CACHE_VERSION}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _to_json(choice: TreeChoice) -> dict:
+    return {"shape": asdict(choice.shape) if choice.shape else None, "reason": choice.reason,
+            "options": choice.options, "verify_seconds": {str(k): v for k, v in choice.verify_seconds.items()}}
+
+
+def _from_json(data: dict) -> TreeChoice:
+    shape = TreeShape(**data["shape"]) if data["shape"] else None
+    return TreeChoice(shape, data["reason"] + " (cached)", data["options"],
+                      {int(k): float(v) for k, v in data["verify_seconds"].items()})
