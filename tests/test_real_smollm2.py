@@ -61,6 +61,7 @@ def test_sd_and_exact_equal_ar_and_transformers_on_spec_bench_prompts(smollm2):
     from viasd_core.decoding.drafters import ModelDrafter, NgramDrafter
     from viasd_core.decoding.engine import Engine, GenerationConfig
     from viasd_core.decoding.model import FastModel
+    from viasd_core.decoding.tree import TreeShape
     from viasd_core.loading.prompts import encode
     from viasd_core.loading.models import eos_ids
     from viasd_core.loading.drafter_factory import load_drafter
@@ -80,7 +81,7 @@ def test_sd_and_exact_equal_ar_and_transformers_on_spec_bench_prompts(smollm2):
     skip_draft = ModelDrafter(FastModel(smollm2.model, layer_ids=kept, max_len=2048, name="draft"), target.shape.vocab_size)
     slim = FastModel(smollm2.model, layer_ids=kept, max_len=2048, name="slim")
     drafters = {"head": head, "shipped": shipped, "ngram": NgramDrafter(), "layer-skip": skip_draft}
-    per_pass = {name: [0, 0] for name in drafters}  # tokens, target passes
+    per_pass = {name: [0, 0] for name in [*drafters, "tree"]}  # tokens, target passes
     for category, text in spec_bench_prompts().items():
         ids = encode(tok, text)
         ar = Engine(target, tok, eos_token_ids=eos).generate(ids, GenerationConfig(mode="ar", max_new_tokens=NEW))
@@ -102,6 +103,12 @@ def test_sd_and_exact_equal_ar_and_transformers_on_spec_bench_prompts(smollm2):
             assert s.target_passes < len(sd.tokens), (category, name, s.target_passes)
             per_pass[name][0] += len(sd.tokens)
             per_pass[name][1] += s.target_passes
+        # the head's token trees: the same tokens, fewer target passes than its chain
+        eng = Engine(target, tok, drafter=head, eos_token_ids=eos)
+        tree = eng.generate(ids, GenerationConfig(mode="sd", max_new_tokens=NEW, adaptive=False, tree=TreeShape(3, 5, 10)))
+        assert tree.tokens == ar.tokens, (category, "tree")
+        per_pass["tree"][0] += len(tree.tokens)
+        per_pass["tree"][1] += tree.stats.target_passes
         for name in ("ngram", "head"):
             eng = Engine(target, tok, drafter=drafters[name], slim=slim, eos_token_ids=eos)
             eng.reset()
@@ -111,6 +118,7 @@ def test_sd_and_exact_equal_ar_and_transformers_on_spec_bench_prompts(smollm2):
     # The head drafts better than the distilled draft model it replaced (more tokens per target pass).
     ratio = {name: tokens / passes for name, (tokens, passes) in per_pass.items()}
     assert ratio["head"] > ratio["shipped"], ratio  # measured 1.37 vs 1.26 (fixed gamma 4, 3 dev prompts)
+    assert ratio["tree"] > ratio["head"], ratio  # trees of 10 nodes against chains of 4
 
 
 @pytest.mark.parametrize("quant", ["int4", "int8"])

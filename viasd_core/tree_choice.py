@@ -5,7 +5,7 @@ user's cache folder (`viasd doctor --refresh` measures again):
 
     verify curve   seconds of one target pass over 1..16 tokens after a cached context, here
     acceptance     tokens per target pass (tau) and drafting seconds per step of each candidate
-                   (a plain step, chains of 1..5, four tree shapes) on a few shipped prompts
+                   (a plain step, chains of 1..5, three tree shapes) on a few shipped prompts
 
 and picks the candidate of most expected tokens per second (decoding/tree_size.py). A chain or a
 plain step means no tree (chains are what `sd` drafts without one). `N` grows trees of N nodes
@@ -32,7 +32,7 @@ from viasd_core.errors import UsageError
 from viasd_core.loading.prompts import default_prompts, encode
 
 TREE_CHOICES = "auto, off or a node count 1-15"
-CANDIDATE_TREES = (TreeShape(2, 4, 5), TreeShape(2, 5, 7), TreeShape(3, 5, 10), TreeShape(4, 6, 15))
+CANDIDATE_TREES = (TreeShape(2, 4, 5), TreeShape(3, 5, 10), TreeShape(4, 6, 15))
 CHAIN = 5  # the probe's chain: tau of every shorter chain comes from its per-position acceptance
 CURVE_WIDTHS = (1, 2, 3, 4, 6, 8, 11, 16)
 PROBE_PROMPTS = 2

@@ -5,7 +5,9 @@ Methods
     hf           transformers `generate()`, greedy, same target (the baseline for `speedup_vs_hf`)
     hf-assisted  transformers assisted generation with the same draft model
     hf-pld       transformers prompt lookup (`prompt_lookup_num_tokens = gamma`)
-    sd           our engine, two tiers (exact)
+    sd           our engine, two tiers (exact), drafting chains
+    sd-tree      the same with draft token trees, of the size --tree gives (auto: chosen by
+                 measuring this machine; skipped where the draft grows no trees or auto chose none)
     exact        our engine, multi-tier exact (needs a calibration profile: the slim verifier)
     viasd        our engine, three tiers (lossy; needs a calibration profile)
     ar-slim      our engine, plain decoding by the profile's slim view alone: what a user gives up
@@ -36,12 +38,12 @@ from viasd_core.errors import UsageError, ViasdError
 from viasd_core.decoding.fidelity import fidelity
 from viasd_core.loading.models import EMBEDDED_TARGET, eos_ids, pad_token_id
 from viasd_core.loading.prompts import Prompt, encode
-from viasd_core.session import Session, thresholds_of
+from viasd_core.session import Session, choose_tree, thresholds_of
 from viasd_core.decoding.slim_view import SlimView, slim_verifier
 from viasd_core.decoding.stats import TIERS
 
-METHODS = ("ar", "hf", "hf-assisted", "hf-pld", "sd", "exact", "viasd", "ar-slim", "llama.cpp")
-NEEDS_DRAFT = ("sd", "exact", "viasd", "hf-assisted")
+METHODS = ("ar", "hf", "hf-assisted", "hf-pld", "sd", "sd-tree", "exact", "viasd", "ar-slim", "llama.cpp")
+NEEDS_DRAFT = ("sd", "sd-tree", "exact", "viasd", "hf-assisted")
 NEEDS_PROFILE = ("exact", "viasd", "ar-slim")
 PHASES = ("prefill", "draft", "slim", "verify", "other")  # where our engine's run time goes (result rows)
 
@@ -132,10 +134,10 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
     if any(m in config.methods for m in NEEDS_PROFILE):
         slim_engine, profile_error = _slim_engine(session)
 
-    def gen_config(mode, thresholds=None):
+    def gen_config(mode, thresholds=None, tree=None):
         return GenerationConfig(mode=mode, max_new_tokens=config.max_new_tokens, gamma=config.gamma,
                                 adaptive=config.adaptive, min_confidence=config.min_confidence, temperature=0.0,
-                                seed=config.seed, thresholds=thresholds)
+                                seed=config.seed, thresholds=thresholds, tree=tree)
 
     for m in config.methods:
         if m in NEEDS_DRAFT and engine.drafter is None:
@@ -144,6 +146,10 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
             runners[m] = EngineRunner(engine, gen_config("ar"))
         elif m == "sd":
             runners[m] = EngineRunner(engine, gen_config("sd"))
+        elif m == "sd-tree":
+            choice = session.tree or choose_tree(session, progress=lambda msg: print(msg, file=sys.stderr))
+            runners[m] = (EngineRunner(engine, gen_config("sd", tree=choice.shape)) if choice.shape is not None
+                          else Skip(f"no draft tree: {choice.reason}"))
         elif m in NEEDS_PROFILE:
             if slim_engine is None:
                 runners[m] = Skip(profile_error)
