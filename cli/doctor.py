@@ -78,5 +78,16 @@ def doctor(
                     out.print(f"{mode}: {s['tokens_per_s']:.1f} tokens/s, {s['tokens_per_target_pass']:.2f} tokens per target pass")
             if "sd_speedup" in report.speed:
                 out.print(f"sd / ar: {report.speed['sd_speedup']:.2f}x")
+        if report.tree and report.tree["options"]:
+            curve = Table("verify pass width", "ms", title="this machine's verify curve (target)")
+            for width, seconds in report.tree["verify_seconds"].items():
+                curve.add_row(width, f"{seconds * 1000:.1f}")
+            out.print(curve)
+            options = Table("option", "tokens per pass", "draft ms", "expected tokens/s", title="--tree auto")
+            for o in report.tree["options"]:
+                options.add_row(o["name"], f"{o['tau']:.2f}", f"{o['draft_seconds'] * 1000:.1f}", f"{o['tokens_per_s']:.1f}")
+            out.print(options)
+        if report.tree:
+            out.print(f"draft trees: {report.tree['reason']}")
     if not report.ok:
         raise typer.Exit(1)

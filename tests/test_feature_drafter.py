@@ -345,6 +345,36 @@ def test_a_head_folder_is_a_draft_for_generate_sd_equal_to_ar(tiny_dirs, head_di
         outs[mode] = json.loads(r.stdout)
     assert outs["sd"]["text"] == outs["ar"]["text"]
     assert outs["sd"]["stats"]["draft_tokens"] > 0
+    # --tree: a node count, auto (measured once, cached) and a bad value (one line, before loading)
+    for tree in ("5", "auto"):
+        r = CliRunner().invoke(get_app(), ["generate", "w1 w2 w3 w4 w5 w6", "-m", str(tiny_dirs["target"]), "-d",
+                                           str(head_dir), "-n", "16", "--tree", tree, "--json"])
+        assert r.exit_code == 0, r.stderr
+        assert json.loads(r.stdout)["text"] == outs["ar"]["text"]
+        assert tree != "5" or "draft trees of 5 tokens (--tree 5)" in r.stderr
+    assert list((viasd_home / "cache" / "machine").glob("tree-*.json"))
+    r = CliRunner().invoke(get_app(), ["generate", "x", "-m", str(tiny_dirs["target"]), "--tree", "wide"])
+    assert r.exit_code != 0 and r.stderr.count("\n") == 1 and "--tree must be" in r.stderr
+
+
+def test_doctor_checks_trees_and_shows_the_verify_curve(tiny_dirs, head_dir, viasd_home):
+    import json
+
+    from typer.testing import CliRunner
+
+    from viasd_cli.app import get_app
+    from viasd_core.tree_choice import CURVE_WIDTHS
+
+    args = ["doctor", "-m", str(tiny_dirs["target"]), "-d", str(head_dir), "--prompts", "1", "-n", "8"]
+    r = CliRunner().invoke(get_app(), args + ["--json"])
+    assert r.exit_code == 0, r.stderr
+    report = json.loads(r.stdout)
+    status = {c["name"]: c["status"] for c in report["checks"]}
+    assert status["sd with trees of 10 == ar (greedy)"] == "pass"
+    assert [int(w) for w in report["tree"]["verify_seconds"]] == list(CURVE_WIDTHS)
+    assert len(report["tree"]["options"]) == 9 and "auto:" in report["tree"]["reason"]
+    r = CliRunner().invoke(get_app(), args)
+    assert r.exit_code == 0 and "verify curve" in r.stdout and "--tree auto" in r.stdout
 
 
 @pytest.mark.parametrize("damage, message", [

@@ -65,6 +65,11 @@ class TreeChoice:
     options: list[dict]  # every candidate: name, width, tau, draft_seconds, tokens_per_s (auto only)
     verify_seconds: dict[int, float]  # the measured curve (auto only)
 
+    def to_dict(self) -> dict:
+        """JSON-ready: the cache file, bench's meta block, doctor's report."""
+        return {"shape": asdict(self.shape) if self.shape else None, "reason": self.reason, "options": self.options,
+                "verify_seconds": {str(k): v for k, v in self.verify_seconds.items()}}
+
 
 def probe_prompts(tokenizer, n: int = PROBE_PROMPTS) -> list[list[int]]:
     """The prompts `auto` measures acceptance on: the first shipped ones, encoded."""
@@ -100,7 +105,7 @@ def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, ke
                         [{**asdict(o), "shape": asdict(o.shape) if o.shape else None,
                           "tokens_per_s": o.rate(verify)} for o in options], verify)
     paths.atomic_write_json(path, {"version": CACHE_VERSION, "machine": _machine(engine), **key,
-                                   **_to_json(result)})
+                                   **result.to_dict()})
     return result
 
 
@@ -173,11 +178,6 @@ def _machine(engine: Engine) -> dict:
 def _digest(engine: Engine, key: dict) -> str:
     blob = json.dumps({"machine": _machine(engine), **key, "version": CACHE_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _to_json(choice: TreeChoice) -> dict:
-    return {"shape": asdict(choice.shape) if choice.shape else None, "reason": choice.reason,
-            "options": choice.options, "verify_seconds": {str(k): v for k, v in choice.verify_seconds.items()}}
 
 
 def _from_json(data: dict) -> TreeChoice:

@@ -71,10 +71,7 @@ def session_meta(session: Session, config: BenchConfig, prompts_source: str | No
         peak_memory=peak_memory_source(session.engine.device),
         compiled=session.engine.compiled, compile_seconds=session.compile_seconds,
         max_context=session.engine.context_len,
-        tree=(None if session.tree is None else  # sd-tree's size: the choice, why, and what it rests on
-              {"shape": None if session.tree.shape is None else vars(session.tree.shape), "reason": session.tree.reason,
-               "verify_seconds": {str(w): s for w, s in session.tree.verify_seconds.items()},
-               "options": session.tree.options}),
+        tree=None if session.tree is None else session.tree.to_dict(),  # sd-tree's size, why, what it rests on
     )
 
 

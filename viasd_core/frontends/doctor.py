@@ -34,7 +34,9 @@ from viasd_core.bench.files import versions
 from viasd_core.devices import device_name
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.decoding.model import FastModel
-from viasd_core.session import Session
+from viasd_core.decoding.tree import TreeShape
+from viasd_core.session import Session, choose_tree
+from viasd_core.tree_choice import shape_for_size
 from viasd_core.decoding.slim_view import SlimView, slim_verifier
 from viasd_core.decoding.stats import RunStats
 
@@ -56,6 +58,7 @@ class DoctorReport:
     environment: dict
     checks: list[Check] = field(default_factory=list)
     speed: dict | None = None
+    tree: dict | None = None  # the --tree auto choice, measured again (speed probe only)
 
     @property
     def ok(self) -> bool:
@@ -63,7 +66,7 @@ class DoctorReport:
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "environment": self.environment, "checks": [asdict(c) for c in self.checks],
-                "speed": self.speed}
+                "speed": self.speed, "tree": self.tree}
 
 
 def environment(session: Session) -> dict:
@@ -224,14 +227,14 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _divergence(engine, ids: list[int], mode: str, max_new_tokens: int) -> dict | None:
+def _divergence(engine, ids: list[int], mode: str, max_new_tokens: int, tree: TreeShape | None = None) -> dict | None:
     """ar and `mode` on one prompt: None when they emit the same tokens, else the first divergence
     judged against ar's logits there (judge_divergence, plus `new_token`: its index)."""
     engine.reset()
     with ScoreTap(engine.target) as tap:
         ar = engine.generate(ids, GenerationConfig(mode="ar", max_new_tokens=max_new_tokens)).tokens
     engine.reset()
-    got = engine.generate(ids, GenerationConfig(mode=mode, max_new_tokens=max_new_tokens)).tokens
+    got = engine.generate(ids, GenerationConfig(mode=mode, max_new_tokens=max_new_tokens, tree=tree)).tokens
     where = _first_difference(ar, got)
     if where is None:
         return None
@@ -255,13 +258,17 @@ def _describe(d: dict, dtype: torch.dtype) -> str:
             f"{str(dtype).replace('torch.', '')} spacings at |logit| {d['scale']:.3g}")
 
 
-def check_exact_mode(session: Session, mode: str, prompts_ids: list[list[int]], max_new_tokens: int) -> Check:
-    """`mode` must emit ar's greedy tokens on every prompt: exactly in float32; in bf16/fp16 up to
-    rounding flips of near-ties at the first divergence (see the module doc)."""
+def check_exact_mode(session: Session, mode: str, prompts_ids: list[list[int]], max_new_tokens: int,
+                     tree: TreeShape | None = None) -> Check:
+    """`mode` (sd over trees of `tree`'s shape, if given) must emit ar's greedy tokens on every
+    prompt: exactly in float32; in bf16/fp16 up to rounding flips of near-ties at the first
+    divergence (see the module doc)."""
     engine = session.engine
-    name = f"{mode} == ar (greedy)"
+    name = f"{mode} == ar (greedy)" if tree is None else f"{mode} with trees of {tree.size} == ar (greedy)"
     if engine.drafter is None:
         return Check(name, SKIP, "no draft (--draft none)")
+    if tree is not None and not engine.supports_tree:
+        return Check(name, SKIP, "the draft grows no trees")
     dtype = engine.target.dtype
     own_slim = engine.slim
     if mode == "exact" and own_slim is None:
@@ -271,7 +278,7 @@ def check_exact_mode(session: Session, mode: str, prompts_ids: list[list[int]], 
     divergences = []
     try:
         for i, ids in enumerate(prompts_ids):
-            d = _divergence(engine, ids, mode, max_new_tokens)
+            d = _divergence(engine, ids, mode, max_new_tokens, tree)
             if d is not None:
                 divergences.append({"prompt": i + 1, **d})
     finally:
@@ -320,8 +327,11 @@ def run_doctor(session: Session, prompts_ids: list[list[int]], max_new_tokens: i
     report.checks.append(check_compiled_matches_eager(session, probe))
     report.checks.append(check_exact_mode(session, "sd", prompts_ids, max_new_tokens))
     report.checks.append(check_exact_mode(session, "exact", prompts_ids, max_new_tokens))
+    report.checks.append(check_exact_mode(session, "sd", prompts_ids, max_new_tokens, shape_for_size(10)))
     if speed:
         report.speed = speed_probe(session, prompts_ids, max_new_tokens)
+        # --tree auto's measurements, taken again here (and cached for later runs)
+        report.tree = choose_tree(session, refresh=True).to_dict()
     # Counted now that generations ran: CUDA-graph trees record a graph on a pass's second run.
     recorded = cuda_graphs_recorded(session.engine.device)
     report.environment["cuda_graphs_recorded"] = recorded
