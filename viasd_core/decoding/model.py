@@ -38,11 +38,11 @@ import torch
 from viasd_core.errors import ViasdError
 from viasd_core.decoding import attention, graph_outputs
 from viasd_core.decoding.rope import apply_rope, check_rope
-from viasd_core.decoding.tree import TokenTree, ancestor_matrix, slot_mask
+from viasd_core.decoding.pass_widths import PASS_WIDTHS, pass_width
+from viasd_core.decoding.tree_pass import TreePasses
 from viasd_core.decoding.weight_formats import has_weight_format
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
-PASS_WIDTHS = (1, 2, 4, 8, 16)  # a pass of T <= 16 tokens is padded to the next width
 PREFILL_CHUNK = 256  # longer passes run in chunks of this many positions (bounded memory)
 
 
@@ -81,14 +81,6 @@ def model_shape(hf_model) -> ModelShape:
     )
 
 
-def pass_width(n: int) -> int:
-    """The padded width of a pass over n <= PASS_WIDTHS[-1] tokens."""
-    for w in PASS_WIDTHS:
-        if n <= w:
-            return w
-    raise ValueError(f"a padded pass covers at most {PASS_WIDTHS[-1]} tokens, got {n}")
-
-
 class StaticCache(torch.nn.Module):
     """Every run layer's K/V and the RoPE tables, allocated once."""
 
@@ -102,7 +94,7 @@ class StaticCache(torch.nn.Module):
         self.register_buffer("features", None, persistent=False)  # [length, n * hidden] once features are captured
 
 
-class FastModel(attention.CachedPositions):
+class FastModel(attention.CachedPositions, TreePasses):
     """Batch-1 forward with a preallocated KV cache over (a subset of) a HF model's layers.
 
     `seen` is the number of positions whose K/V are valid in the cache; `rollback(n)` keeps the
@@ -399,86 +391,6 @@ class FastModel(attention.CachedPositions):
         self.reset()
         self.passes = self.positions_run = 0
         return time.perf_counter() - t0
-
-    # ------------------------------------------------------------------ token trees (tree.py)
-    @property
-    def supports_tree(self) -> bool:
-        """Tree passes give every row its own keys: not combined with a sliding window here."""
-        return all(w is None for w in self.windows)
-
-    @torch.inference_mode()
-    def verify_tree(self, ids: torch.Tensor, n: int, tree: TokenTree) -> torch.Tensor:
-        """One pass over the root (position n - 1, after any positions not yet cached) and the tree's
-        N nodes at slots n .. n + N - 1: logits [1 + N, vocab] float32 of the root and each node.
-
-        Compiled where the pass fits a verify width (one graph per width, the slots' mask an input),
-        eager otherwise, with `row_attention` where the eager pass needs it (every row then attends
-        over exactly its own keys, in cache order: the numbers of a plain pass over its path).
-        """
-        N = tree.size
-        start = min(self.seen, n - 1)
-        end = n + N
-        if end > self.max_len:
-            raise ViasdError(f"context of {end} tokens exceeds the {self.max_len} positions allocated for "
-                             f"'{self.name}': raise --max-context or shorten the prompt")
-        tokens = torch.cat([ids[start:n], tree.tokens])  # [T]
-        T = tokens.shape[0]
-        slots = torch.arange(start, end, device=self.device)
-        rope = torch.cat([slots[: n - start], n - 1 + tree.depths])
-        self.passes += 1
-        self.positions_run += T
-        width = pass_width(T) if T <= PASS_WIDTHS[-1] else 0
-        if self._compiled is not None and (width, width) in self.graph_shapes():
-            pad = width - T  # padding rows sit after the tree, each seeing only its own slot
-            tokens = torch.cat([tokens, tokens.new_zeros(pad)])
-            slots = torch.arange(start, start + width, device=self.device)
-            rope = torch.cat([rope, slots[T:]])
-            key_mask = self._tree_mask(tree, n, start, self.cache.key_pos[: self.max_len], slots)
-            out = self._compiled(tokens, slots, torch.arange(width, device=self.device), self.max_len, True, False,
-                                 rope, key_mask)[T - 1 - N : T]
-        else:
-            key_mask = self._tree_mask(tree, n, start, self.cache.key_pos[:end], slots)
-            rows = torch.arange(T - 1 - N, T, device=self.device)
-            out = self._run(tokens, slots, rows, end, True, self.row_attention, rope, key_mask)
-        self.seen = end
-        return out
-
-    def warm_up_tree(self, size: int) -> float:
-        """Compile the tree pass of `size` tokens (root and nodes) now; seconds taken (0.0 eager)."""
-        width = pass_width(size)
-        if self._compiled is None or (width, width) not in self.graph_shapes():
-            return 0.0
-        t0 = time.perf_counter()
-        parents = torch.arange(-1, size - 2, device=self.device)  # a chain: any tree has the same graph
-        depths = torch.arange(1, size, device=self.device)
-        tree = TokenTree(torch.zeros(size - 1, dtype=torch.long, device=self.device), parents, depths,
-                         ancestor_matrix(parents, size - 1), size - 1)
-        self.reset()
-        self.verify_tree(torch.zeros(1, dtype=torch.long, device=self.device), 1, tree)
-        self.reset()
-        self.passes = self.positions_run = 0
-        return time.perf_counter() - t0
-
-    @staticmethod
-    def _tree_mask(tree: TokenTree, n: int, start: int, key_slots: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """[rows, L]: causal rows for the positions before the root, the tree's rows
-        (tree.slot_mask), and each padding row (past the tree) seeing its own slot only."""
-        before = attention.causal_mask(slots[: n - 1 - start], key_slots)
-        pads = slots[n + tree.size - start :, None] == key_slots[None, :]
-        return torch.cat([before, slot_mask(tree, n, key_slots), pads])
-
-    def keep_path(self, n: int, path: list[int]) -> None:
-        """After a tree pass at n: move the keys, values (and features) of the accepted nodes `path`
-        (node indices, root to leaf) from their slots n + j to positions n, n + 1, ..."""
-        if path == list(range(len(path))):
-            return  # already in place (a chain, or the tree's first branch)
-        src = torch.tensor([n + j for j in path], device=self.device)
-        dst = torch.arange(n, n + len(path), device=self.device)
-        for layer in self.cache.layers:
-            layer.k[:, :, dst] = layer.k[:, :, src]
-            layer.v[:, :, dst] = layer.v[:, :, src]
-        if self.cache.features is not None:
-            self.cache.features[dst] = self.cache.features[src]
 
     def extend(self, ids: torch.Tensor, end: int, n_logits: int = 1) -> torch.Tensor:
         """Feed the positions [seen, end) of the token buffer `ids` and return the last logits."""
