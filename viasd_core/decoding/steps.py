@@ -199,19 +199,25 @@ def _verify_and_accept(eng: Decoder, run: Run, proposal: Proposal, draft_tokens:
     vals = vals[len(counts):]
     tokens, target_choices = vals[: n_acc + 1], vals[g + 1 :]
     stats.time_verify += eng.clock() - t
-    stats.target_passes += 1
-    stats.steps += 1
-    stats.draft_tokens += proposals
-    bonus = n_acc == proposals
-    stats.tier_counts["accept"] += n_acc
-    stats.tier_counts["bonus" if bonus else "full"] += 1
-    stats.accepted_lengths.append(len(tokens))
-    stats.record_block(proposals, n_acc)
+    tiers = _count_verified(stats, proposals, n_acc, len(tokens))
     keep = {"target": n_acc, "draft": draft_valid}
     if refined:
         keep["slim"] = draft_valid  # the slim ran over the draft's tokens
-    return StepResult(n, tokens, ["accept"] * n_acc + ["bonus" if bonus else "full"], drafted=proposals, kept=n_acc,
-                      keep=keep, draft_tokens=draft_tokens, target_argmax=target_choices)
+    return StepResult(n, tokens, tiers, drafted=proposals, kept=n_acc, keep=keep, draft_tokens=draft_tokens,
+                      target_argmax=target_choices)
+
+
+def _count_verified(stats: RunStats, drafted: int, n_acc: int, emitted: int) -> list[str]:
+    """A verified step's statistics (one target pass; `drafted` deep, `n_acc` accepted); its tiers."""
+    stats.target_passes += 1
+    stats.steps += 1
+    stats.draft_tokens += drafted
+    bonus = n_acc == drafted
+    stats.tier_counts["accept"] += n_acc
+    stats.tier_counts["bonus" if bonus else "full"] += 1
+    stats.accepted_lengths.append(emitted)
+    stats.record_block(drafted, n_acc)
+    return ["accept"] * n_acc + ["bonus" if bonus else "full"]
 
 
 def tree_step(eng: Decoder, run: Run, g: int) -> StepResult:
@@ -241,16 +247,8 @@ def tree_step(eng: Decoder, run: Run, g: int) -> StepResult:
     path, tokens = vals[1 : 1 + n_acc], vals[1 + D : 2 + D + n_acc]
     eng.target.keep_path(n, path)
     stats.time_verify += eng.clock() - t
-    stats.target_passes += 1
-    stats.steps += 1
-    stats.draft_tokens += D
-    bonus = n_acc == D
-    stats.tier_counts["accept"] += n_acc
-    stats.tier_counts["bonus" if bonus else "full"] += 1
-    stats.accepted_lengths.append(len(tokens))
-    stats.record_block(D, n_acc)
-    return StepResult(n, tokens, ["accept"] * n_acc + ["bonus" if bonus else "full"], drafted=D, kept=n_acc,
-                      keep={"target": n_acc, "draft": n_acc})
+    tiers = _count_verified(stats, D, n_acc, len(tokens))  # a tree counts as a block as deep as it is
+    return StepResult(n, tokens, tiers, drafted=D, kept=n_acc, keep={"target": n_acc, "draft": n_acc})
 
 
 # ---------------------------------------------------------------------- viasd
