@@ -5,12 +5,13 @@ w [N, K] with one scale per output row, scale [N] -> [M, N] in x's dtype.
 
 - **Reference** (`int8_mm_reference`): `torch.mm(x, w.t().to(x.dtype)) * scale`, the gpt-fast
   form. Every call makes a [K, N] copy of the weight in x's dtype, written and then read again
-  by the matmul: 2 bytes of transient memory a weight (Llama-3.1-8B: 117 MB for an MLP
-  projection, 14336 x 4096, measured on CPU with torch.profiler's memory profile, 117,440,512
-  bytes allocated by one call; by the same arithmetic 1.05 GB for the int8 output head, 128256 x
-  4096) and about 5 bytes of memory traffic a weight where the int8 weight alone is 1. Under torch.compile on CUDA,
-  inductor's default mode keeps that copy as a kernel of its own before cuBLAS's matmul: the
-  dequantization does not fuse into it.
+  by the matmul: 2 bytes of transient memory a weight and about 5 bytes of memory traffic a
+  weight where the int8 weight alone is 1. Llama-3.1-8B's MLP projection (14336 x 4096): one
+  call allocated 117,440,512 bytes (measured on CPU, torch.profiler's memory profile); its int8
+  output head (128256 x 4096) would take 1.05 GB by the same arithmetic. Compiled on CUDA the
+  copy stays, as read in torch 2.13's inductor (not observed: no GPU here): its default mode
+  sends the matmul to cuBLAS (a matrix-vector product is decomposed only with coordinate-descent
+  tuning on), so the widening is a kernel of its own that writes the whole copy.
 - **Kernel** (`triton_int8_mm.int8_mm_triton`): one program per tile of outputs; it loads int8
   tiles of the weight, widens them in registers and accumulates in float32 (tl.dot). Memory:
   the output only; the weight is read once per 16 or 64 rows of x.
