@@ -117,6 +117,21 @@ def eager_ar(model) -> list[int]:
     return tokens
 
 
+def test_the_fast_pass_computes_transformers_logits(model):
+    """Rope scaling (llama3), grouped-query attention 4:1 and 7:1, Qwen's q/k/v biases: FastModel's
+    pass equals transformers' forward at these shapes."""
+    from viasd_core.decoding.rope import rope_types
+
+    qwen = model.config.model_type == "qwen2"
+    assert rope_types(model.config) == ["default" if qwen else "llama3"]
+    assert (model.model.layers[0].self_attn.q_proj.bias is not None) == qwen
+    ids = torch.tensor(PROMPT)
+    with torch.inference_mode():
+        want = model(ids[None]).logits[0]
+    fast = FastModel(model, max_len=CONTEXT)
+    torch.testing.assert_close(fast.forward(ids, 0, n_logits=len(PROMPT)), want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_greedy_sd_and_exact_equal_ar_and_viasd_runs(model, eager_ar, compiled):
     eng = engine(model, compiled)
