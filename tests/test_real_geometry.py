@@ -22,18 +22,16 @@ from viasd_core.decoding.drafters import ModelDrafter
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.router import Thresholds
+from viasd_core.loading.synthetic import SHAPES
 
 needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
 
+# The real sizes (bench's synthetic shapes); Llama 3.1 is Llama 3 with llama3 RoPE scaling and a longer context.
 GEOMETRY = {
-    "llama-3.1-8b": dict(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                         num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+    "llama-3.1-8b": dict(SHAPES["llama-3-8b"]["target"], family="llama", max_position_embeddings=131072,
                          rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                         max_position_embeddings=131072),
-    "qwen2.5-7b": dict(family="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                       num_attention_heads=28, num_key_value_heads=4, rope_theta=1000000.0,
-                       max_position_embeddings=32768),
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "qwen2.5-7b": dict(SHAPES["qwen2.5-7b"]["target"], family="qwen2"),
 }
 PROMPT = [1, 9000, 15, 80000, 321, 4242]
 NEW = 8
@@ -64,8 +62,8 @@ def real_shaped(name: str, seed: int = 0):
 
     spec = dict(GEOMETRY[name])
     family = spec.pop("family")
-    cfg = AutoConfig.for_model(family, num_hidden_layers=2, tie_word_embeddings=True, bos_token_id=1,
-                               eos_token_id=2, pad_token_id=0, **spec)
+    spec.update(num_hidden_layers=2, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    cfg = AutoConfig.for_model(family, **spec)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.to_empty(device="cpu")
