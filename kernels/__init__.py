@@ -1,15 +1,17 @@
 """viasd_kernels: fused kernels for the engine's hot per-step work, each with a plain reference.
 
 `route_block` routes one speculative block (row stats, gate, tiers, greedy acceptance
-count; see routing.py). It runs the Triton kernel when the logits are on CUDA and
-triton imports, and the PyTorch reference otherwise. triton is imported lazily, on the
-first CUDA call, so importing this package never needs it. `tiers_from_gate` is the tier
-rule on its own, for gates recorded earlier (calibration replays them).
+count; see routing.py). `int8_mm` multiplies activations by an int8 weight with per-row scales
+without widening the weight in memory (int8_mm.py; the CUDA path of `--quant int8`). Each runs
+its Triton kernel when its tensors are on CUDA and triton imports, and its PyTorch reference
+otherwise (`run_fused`). triton is imported lazily, on the first CUDA call, so importing this
+package never needs it. `tiers_from_gate` is the tier rule on its own, for gates recorded
+earlier (calibration replays them).
 
 When Triton cannot run on this machine (`cannot_run_here`: it does not import, cannot build or
-compile the kernel, finds no usable GPU driver, or the GPU cannot take the compiled kernel),
-`route_block` says so once on stderr (a warning) and uses the reference from then on. Any other
-error from the kernel is a bug and is raised.
+compile a kernel, finds no usable GPU driver, or the GPU cannot take the compiled kernel),
+`run_fused` says so once on stderr (a warning) and uses the references from then on. Any other
+error from a kernel is a bug and is raised.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import subprocess
 
 import torch
 
+from .int8_mm import int8_mm, int8_mm_reference
 from .routing import (
     TIER_ACCEPT,
     TIER_FULL,
@@ -35,6 +38,9 @@ __all__ = [
     "TIER_SLIM",
     "RouteResult",
     "cannot_run_here",
+    "int8_mm",
+    "int8_mm_reference",
+    "int8_mm_triton",
     "route_block",
     "route_block_reference",
     "route_block_triton",
@@ -67,7 +73,15 @@ def route_block_triton(
     return fused(verifier_logits, draft_tokens, temperature, theta_accept, theta_slim, block_v)
 
 
-_triton_failed = False
+def int8_mm_triton(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, block_n: int | None = None,
+                   block_k: int | None = None) -> torch.Tensor:
+    """The Triton int8 matmul kernel (triton_int8_mm.py). Raises ImportError without triton."""
+    from .triton_int8_mm import int8_mm_triton as fused
+
+    return fused(x, qdata, scale, block_n, block_k)
+
+
+_triton_failed = False  # Triton could not run here: every kernel uses its reference from then on
 
 # RuntimeError messages (triton raises plain RuntimeErrors for these) that mean "not on this machine".
 _CANNOT_RUN_MESSAGES = (
@@ -103,14 +117,29 @@ def _triton_error_types() -> tuple[type, ...]:
     return tuple(found)
 
 
-def _triton_fallback(error: Exception) -> None:
-    """The Triton kernel cannot compile or launch here: say so once, then use the reference."""
+def _triton_fallback(error: Exception, kernel: str) -> None:
+    """A Triton kernel cannot compile or launch here: say so once, then use the references."""
     global _triton_failed
     _triton_failed = True
     import warnings
 
-    warnings.warn(f"viasd: the Triton routing kernel is unavailable ({type(error).__name__}: "
-                  f"{str(error).splitlines()[0] if str(error) else ''}); using the PyTorch reference", stacklevel=3)
+    warnings.warn(f"viasd: the Triton {kernel} kernel is unavailable ({type(error).__name__}: "
+                  f"{str(error).splitlines()[0] if str(error) else ''}); using the PyTorch reference", stacklevel=4)
+
+
+def run_fused(kernel: str, on_cuda: bool, fused: str, reference, *args):
+    """This package's Triton entry point named `fused` on CUDA tensors (`on_cuda`) while triton
+    imports and has not failed here, else `reference`, with the same arguments. A failure that
+    means Triton cannot run here warns once (naming `kernel`) and switches to the references for
+    good; any other error is raised."""
+    if on_cuda and triton_available() and not _triton_failed:
+        try:
+            return globals()[fused](*args)
+        except Exception as e:
+            if not cannot_run_here(e):
+                raise  # a bug in the kernel or its inputs: the reference must not hide it
+            _triton_fallback(e, kernel)  # no C compiler, an unsupported GPU...: the reference still works
+    return reference(*args)
 
 
 def route_block(
@@ -121,15 +150,5 @@ def route_block(
     theta_slim: float,
 ) -> RouteResult:
     """Route one block of G drafted tokens; R = G or G + 1 rows (the last one the bonus)."""
-    if verifier_logits.is_cuda and triton_available() and not _triton_failed:
-        try:
-            return route_block_triton(
-                verifier_logits, draft_tokens, temperature, theta_accept, theta_slim
-            )
-        except Exception as e:
-            if not cannot_run_here(e):
-                raise  # a bug in the kernel or its inputs: the reference must not hide it
-            _triton_fallback(e)  # no C compiler, an unsupported GPU...: the reference still works
-    return route_block_reference(
-        verifier_logits, draft_tokens, temperature, theta_accept, theta_slim
-    )
+    return run_fused("routing", verifier_logits.is_cuda, "route_block_triton", route_block_reference,
+                     verifier_logits, draft_tokens, temperature, theta_accept, theta_slim)

@@ -93,6 +93,49 @@ def test_no_recompilation_during_generation(compiled_engine):
     assert graphs_compiled() == before
 
 
+def test_every_pass_of_up_to_16_tokens_runs_compiled(compiled_engine):
+    """Catch-ups with one logit row padded to 4, 8 and 16 run their warmed-up graphs like 1-token
+    steps (issue 22 item 7: they ran eagerly): viasd accepting every drafted token leaves the
+    target behind, and its plain step catches up over the whole stretch. Only a pass over 16
+    tokens (the prompt's prefill) runs eagerly. The eager `_run` calls are counted per model."""
+    from viasd_core.decoding.router import Thresholds
+
+    eng = compiled_engine
+    eager: list[tuple[str, int]] = []  # (model, tokens) of every eager pass
+    passes: list[tuple[str, int, int]] = []  # (model, tokens, logit rows) of every pass
+    for fm in eng.all_models():
+        run, forward = fm._run, fm.forward  # the compiled graph holds the original `_run`
+
+        def counted_run(input_ids, *args, _run=run, _name=fm.name):
+            eager.append((_name, input_ids.shape[0]))
+            return _run(input_ids, *args)
+
+        def recorded(input_ids, start, n_logits=1, _forward=forward, _name=fm.name):
+            passes.append((_name, input_ids.shape[0], n_logits))
+            return _forward(input_ids, start, n_logits)
+
+        fm._run, fm.forward = counted_run, recorded
+    before = graphs_compiled()
+    prompt = list(range(3, 24))  # 21 tokens: a prefill over 16
+    try:
+        # Blocks emit gamma + 1 tokens; once one token is left a plain step runs the target over all
+        # of them and the last prompt token: over 4, 8, 16, then 21 tokens.
+        for gamma, new in ((2, 4), (6, 8), (4, 16), (9, 21)):
+            eng.reset()
+            eng.generate(prompt, GenerationConfig(mode="viasd", max_new_tokens=new, gamma=gamma, adaptive=False,
+                                                  thresholds=Thresholds(accept=0.0, slim=0.0)))
+        eng.reset()
+        eng.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=30, gamma=3))
+    finally:
+        for fm in eng.all_models():
+            del fm._run, fm.forward
+    catch_ups = {T for name, T, rows in passes if name == "target" and rows == 1 and T > 2}
+    assert {4, 8, 16, 21} <= catch_ups, sorted(catch_ups)
+    assert eager and all(T > PASS_WIDTHS[-1] for _, T in eager), eager  # prefills and the 21-token catch-up
+    assert ("target", 21) in eager
+    assert graphs_compiled() == before  # the warm-up compiled every shape met
+
+
 class HostReads:
     """Counts every device-to-host read a tensor can make (tolist, item, int(), float(), bool(), cpu, numpy)."""
 

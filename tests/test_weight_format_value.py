@@ -150,7 +150,10 @@ def cuda_int4_layout(monkeypatch):
 
 # (hidden, intermediate) of the catalog's models: the layers read one and write the other
 WIDTHS = {"SmolLM2-135M": (576, 1536), "Qwen2.5-0.5B": (896, 4864), "Qwen2.5-7B": (3584, 18944), "Llama-3.1-8B": (4096, 14336)}
-LAYERS = [(name, n_in, n_out) for name, (h, i) in WIDTHS.items() for n_in, n_out in ((h, i), (i, h))]
+# (hidden, K/V heads x head dim) of the large catalog models: their attention projections, q/o (h, h) and k/v (h, kv)
+ATTENTION = {"Qwen2.5-7B": (3584, 512), "Llama-3.1-8B": (4096, 1024)}
+LAYERS = ([(name, n_in, n_out) for name, (h, i) in WIDTHS.items() for n_in, n_out in ((h, i), (i, h))]
+          + [(name, h, n_out) for name, (h, kv) in ATTENTION.items() for n_out in (h, kv)])
 ROWS = 60  # output rows of the large layers: the padding of the output depends only on its width mod 8
 
 

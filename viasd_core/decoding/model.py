@@ -229,7 +229,7 @@ class FastModel(attention.CachedPositions, TreePasses):
             mode = "reduce-overhead"
         self.compile_mode = mode
         # Every FastModel shares `_run`'s code, whose graphs dynamo caches together (a session holds
-        # about 12: target, slim and draft shapes); the default limit of 8 would refuse the rest.
+        # about 23: 9 shapes each for target and slim, 5 for a draft); the default limit of 8 refuses most.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # The cache's buffers are inputs mutated in place, never outputs: the output check spares them.
         self._compiled = graph_outputs.guard(torch.compile(self._run, fullgraph=True, dynamic=False, mode=mode),
@@ -369,13 +369,15 @@ class FastModel(attention.CachedPositions, TreePasses):
 
     @staticmethod
     def graph_shapes(max_width: int = PASS_WIDTHS[-1]) -> list[tuple[int, int]]:
-        """(width, logit rows) of the decode-shaped passes that run compiled: one token or a
-        catch-up of two with one logit row (plain decoding, drafting), and a verify block of every
-        width with all rows. Any other short pass (a short prompt) runs eagerly: no graph for it."""
-        return [(1, 1), (2, 1)] + [(w, w) for w in PASS_WIDTHS[1:] if w <= max_width]
+        """(width, logit rows) of the compiled passes: every pass of up to 16 tokens. One logit row:
+        a 1-token step or a catch-up padded to 2..16 (a draft after plain steps or accept tiers, the
+        target after a block it did not verify, a chat turn); all rows: a verify block up to
+        `max_width` (1 for a drafter's models). Over 16 tokens a pass stays an eager chunked prefill:
+        its cost is in its positions, not in launches, and no fixed set of graphs covers every length."""
+        return [(w, 1) for w in PASS_WIDTHS] + [(w, w) for w in PASS_WIDTHS[1:] if w <= max_width]
 
     def warm_up(self, max_width: int = PASS_WIDTHS[-1]) -> float:
-        """Compile every decode-shaped graph now (so generation never compiles); returns seconds.
+        """Compile every graph of `graph_shapes(max_width)` now (none compiles mid-generation); returns seconds.
 
         Runs each shape once at positions 0.. (their cache entries are garbage, so the cache is
         emptied after). A no-op returning 0.0 when the model is not compiled.
@@ -383,7 +385,7 @@ class FastModel(attention.CachedPositions, TreePasses):
         if self._compiled is None:
             return 0.0
         t0 = time.perf_counter()
-        ids = torch.zeros(max_width, dtype=torch.long, device=self.device)
+        ids = torch.zeros(PASS_WIDTHS[-1], dtype=torch.long, device=self.device)
         for width, n_rows in self.graph_shapes(max_width):
             self.forward(ids[:width], 0, n_rows)
         if self.device.type == "cuda":

@@ -15,7 +15,10 @@ transformers' own forward (bench's baselines, fidelity) share one copy of the pa
 Both run with bfloat16 activations (on CPU tinygemm's int4 kernel is ~10x slower on float32
 inputs); embeddings and norms stay in bfloat16. torchao chooses the quantization parameters and
 packs the weights; the pass then calls PyTorch's kernels on plain tensors (`PackedLinear`), so
-it is fast eagerly and compiles like a float model.
+it is fast eagerly and compiles like a float model. int8 on CUDA calls viasd_kernels' int8
+matmul instead (a Triton kernel in a custom op, which compiles and which CUDA graphs capture):
+the gpt-fast form it replaces, `mm(x, w.to(bf16)) * scale`, widened every weight to a bfloat16
+copy at every call, compiled or not (kernels/int8_mm.py says what that costs).
 
 int4 on CUDA: torchao's tile-packed layout pads the weight's input width to a multiple of 1024
 (and its output width to a multiple of 8), and the kernel wants the activation just as wide, in
@@ -31,6 +34,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+from viasd_kernels import int8_mm
 
 from viasd_core.decoding.weight_format import PACKED, WeightFormat
 from viasd_core.errors import UsageError, ViasdError
@@ -69,6 +73,15 @@ def _check_torchao() -> None:
         raise ViasdError("--quant int8/int4 need torchao: pip install 'viasd[quant]' (or pip install torchao)")
 
 
+def _int8_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times the int8 weight qdata [N, K] with one scale a row [N] -> [M, N]: on CUDA
+    viasd_kernels' int8 matmul (a Triton kernel that widens the weight tile by tile in registers:
+    no per-call copy of the weight, inside or outside a compiled graph); on CPU PyTorch's own."""
+    if x.is_cuda:
+        return int8_mm(x, qdata, scale)
+    return torch._weight_int8pack_mm(x, qdata, scale)
+
+
 def _int4_mm(x: torch.Tensor, qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor) -> torch.Tensor:
     """tinygemm's int4 matmul on x's device: x [M, K] with K the packed input width -> [M, N] with N
     the packed output width."""
@@ -103,10 +116,7 @@ class PackedLinear(torch.nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if self.kind == "int8":
-            if x2.device.type == "cpu":
-                y = torch._weight_int8pack_mm(x2.contiguous(), self.qdata, self.scale)
-            else:  # the gpt-fast form, which inductor fuses into one kernel
-                y = torch.mm(x2, self.qdata.t().to(x2.dtype)) * self.scale
+            y = _int8_mm(x2.contiguous(), self.qdata, self.scale)
         else:
             if self.packed_in != self.in_features:  # CUDA's tile layout: zero columns up to the packed width
                 x2 = torch.nn.functional.pad(x2, (0, self.packed_in - self.in_features))
