@@ -130,7 +130,7 @@ def status(config: CampaignConfig) -> list[str]:
     data, work = Path(config.data), Path(config.work)
     raw = raw_shards(data, config.prompts)
     lines = [f"prompts: {sum(p.exists() for p in raw)}/{len(raw)} request shards"
-             + (f", {sum(1 for _ in (data / PROMPTS).open())} prompts kept" if (data / PROMPTS).exists() else "")]
+             + (f", {len(load_prompts(data / PROMPTS))} prompts kept" if (data / PROMPTS).exists() else "")]
     if not (data / PROMPTS).exists():
         return lines
     n = len(load_prompts(data / PROMPTS))
