@@ -51,6 +51,7 @@ class FeatureRecord:
     top_logp: torch.Tensor  # [L, K] float32: their log-probabilities
     prompt_len: int
     category: str = ""
+    focus: Optional[torch.Tensor] = None  # [L, S] loss weight per head position and draft step (None: all 1)
 
     @property
     def labels(self) -> torch.Tensor:
@@ -59,7 +60,7 @@ class FeatureRecord:
 
     def to_dict(self) -> dict:
         return {"tokens": self.tokens, "features": self.features, "top_ids": self.top_ids, "top_logp": self.top_logp,
-                "prompt_len": self.prompt_len, "category": self.category}
+                "prompt_len": self.prompt_len, "category": self.category, "focus": self.focus}
 
 
 def default_feature_layers(n_layers: int) -> tuple[int, int, int]:
@@ -226,14 +227,25 @@ def make_batch(records: Sequence[FeatureRecord], max_len: int):
     return tokens, feats, T
 
 
+def focus_weights(records: Sequence[FeatureRecord], T: int, steps: int) -> torch.Tensor:
+    """[B, T, steps] loss weights: each record's `focus` (on-policy training), else 1."""
+    out = torch.ones(len(records), T, steps)
+    for b, r in enumerate(records):
+        if r.focus is not None:
+            n, s = min(r.focus.shape[0], T), min(r.focus.shape[1], steps)
+            out[b, :n, :s] = r.focus[:n, :s]
+    return out
+
+
 def ttt_loss(head: FeatureHead, records: Sequence[FeatureRecord], t2d_index: torch.Tensor, steps: int,
              decay: float = 0.8, max_len: int = 512) -> tuple[torch.Tensor, list[float]]:
-    """Soft cross-entropy of every drafting step against the target (step s weighted decay**s).
-    Returns (loss, per-step top-1 agreement on the positions with labels)."""
+    """Soft cross-entropy of every drafting step against the target (step s weighted decay**s, each
+    position by its record's focus). Returns (loss, per-step top-1 agreement on the positions with labels)."""
     device = head.fc.weight.device
     tokens, feats, T = make_batch(records, max_len)
     probs, idx = soft_targets(records, t2d_index, T)
-    tokens, feats, probs, idx = tokens.to(device), feats.to(device), probs.to(device), idx.to(device)
+    focus = focus_weights(records, T, steps)
+    tokens, feats, probs, idx, focus = tokens.to(device), feats.to(device), probs.to(device), idx.to(device), focus.to(device)
     logits = ttt_logits(head, tokens, feats, steps)
     total = 0.0
     acc = []
@@ -241,8 +253,9 @@ def ttt_loss(head: FeatureHead, records: Sequence[FeatureRecord], t2d_index: tor
         weight = probs[:, s:].sum(-1) > 0  # [B, T - s] rows with labels
         logp = torch.log_softmax(lg[:, s:].float(), dim=-1).gather(-1, idx[:, s:])
         loss_s = -(probs[:, s:] * logp).sum(-1)
+        w = weight * focus[:, s:, s]
         n = weight.sum().clamp(min=1)
-        total = total + (decay ** s) * (loss_s * weight).sum() / n
+        total = total + (decay ** s) * (loss_s * w).sum() / w.sum().clamp(min=1)
         hit = lg[:, s:].argmax(-1) == idx[:, s:, 0]
         acc.append(float((hit & weight).sum()) / float(n))
     return total, acc

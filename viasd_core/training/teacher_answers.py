@@ -44,8 +44,14 @@ def generate_batch(
     pad_id: int,
     temperature: float = 0.0,
     generator: Optional[torch.Generator] = None,
+    compact: bool = True,
 ) -> list[tuple[list[int], list[int]]]:
-    """Left-padded batched decoding with a KV cache. Returns per prompt (continuation, target argmax labels)."""
+    """Left-padded batched decoding with a KV cache. Returns per prompt (continuation, target argmax labels).
+
+    With `compact` a row that ended (end of sequence) leaves the batch and its KV cache, so the
+    passes after it run only the rows still generating; without it every row runs to the end (the
+    plain reference: greedy outputs are the same, tests/test_campaign.py).
+    """
     device = target.get_input_embeddings().weight.device
     bsz, width = len(prompt_ids), max(len(p) for p in prompt_ids)
     input_ids = torch.full((bsz, width), pad_id, dtype=torch.long)
@@ -60,7 +66,8 @@ def generate_batch(
     next_pos = position_ids[:, -1:] + 1
     tokens: list[list[int]] = [[] for _ in range(bsz)]
     labels: list[list[int]] = [[] for _ in range(bsz)]
-    done = torch.zeros(bsz, dtype=torch.bool)
+    done = [False] * bsz
+    rows = list(range(bsz))  # the prompt of each batch row
     for _ in range(max_new_tokens):
         logits = logits.float()
         argmax = logits.argmax(-1)
@@ -69,15 +76,21 @@ def generate_batch(
             chosen = torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(device)
         else:
             chosen = argmax
-        for i in range(bsz):
+        for b, (c, a) in enumerate(zip(chosen.tolist(), argmax.tolist())):
+            i = rows[b]
             if not done[i]:
-                tokens[i].append(int(chosen[i]))
-                labels[i].append(int(argmax[i]))
-                if int(chosen[i]) in eos_ids:
-                    done[i] = True
-        if bool(done.all()):
+                tokens[i].append(c)
+                labels[i].append(a)
+                done[i] = c in eos_ids
+        live = [b for b, i in enumerate(rows) if not done[i]]
+        if not live:
             break
-        mask = torch.cat([mask, torch.ones((bsz, 1), dtype=mask.dtype, device=device)], dim=-1)
+        if compact and len(live) < len(rows):
+            keep = torch.tensor(live, device=device)
+            past.batch_select_indices(keep)
+            mask, next_pos, chosen = mask[keep], next_pos[keep], chosen[keep]
+            rows = [rows[b] for b in live]
+        mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], dim=-1)
         out = target(input_ids=chosen[:, None], attention_mask=mask, position_ids=next_pos, past_key_values=past, use_cache=True)
         past, logits = out.past_key_values, out.logits[:, -1, :]
         next_pos = next_pos + 1

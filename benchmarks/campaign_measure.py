@@ -1,0 +1,89 @@
+"""Measurements behind the campaign's choices (docs/campaign.md), on the embedded target, one thread.
+
+    python benchmarks/campaign_measure.py gen-batch --prompts P.jsonl [P2.jsonl ...] --batches 32 32p 16 48 64
+        answer tokens per second of teacher_answers.build_dataset over the same 64 prompts (sampled,
+        T = 0.8, 256 new tokens) per batch size; "32p": batch 32 without dropping rows that ended
+    python benchmarks/campaign_measure.py teacher-vs-train --shard S.npz
+        one teacher pass (features + top-20) against one training step of the head (3 TTT steps,
+        bf16 autocast) on the same 8 sequences: why features are stored, not recomputed per batch
+
+One JSON line per measurement on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from viasd_core.loading.models import load_model
+from viasd_core.loading.prompts import load_prompts
+from viasd_core.training import campaign_store as store
+from viasd_core.training import eagle_train, teacher_answers
+
+
+def gen_batch(target, prompts: list[str], batches: list[str]) -> None:
+    for spec in batches:
+        bs, compact = int(spec.rstrip("p")), not spec.endswith("p")
+        plain = teacher_answers.generate_batch
+        teacher_answers.generate_batch = lambda *a, **k: plain(*a, compact=compact, **k)
+        try:
+            t0 = time.perf_counter()
+            recs = teacher_answers.build_dataset(target, prompts, 256, batch_size=bs, temperature=0.8, seed=1,
+                                                 max_prompt_tokens=1024)
+            dt = time.perf_counter() - t0
+        finally:
+            teacher_answers.generate_batch = plain
+        n = sum(r.labels.numel() for r in recs)
+        print(json.dumps({"batch": bs, "compact": compact, "seconds": round(dt, 1), "tokens": n,
+                          "tokens_per_s": round(n / dt, 1)}), flush=True)
+
+
+def teacher_vs_train(target, shard: Path) -> None:
+    layers = eagle_train.default_feature_layers(target.model.config.num_hidden_layers)
+    seqs = store.SequenceShard.load(shard)
+    batch = [(s.tolist(), p, "") for s, p in zip(seqs.sequences[:8], seqs.prompt_lens[:8])]
+    for _ in range(2):  # the second one is timed
+        t0 = time.perf_counter()
+        recs = eagle_train.teacher_pass(target.model, batch, layers, batch_size=8)
+        teacher = time.perf_counter() - t0
+    head = eagle_train.init_head(target.model, layers, torch.arange(8192))
+    index = eagle_train.draft_index(head)
+    opt = torch.optim.AdamW([p for n, p in head.named_parameters() if not n.startswith("embed_tokens.")], lr=1e-4)
+    for _ in range(3):  # the last one is timed
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = eagle_train.ttt_loss(head, recs, index, 3)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step = time.perf_counter() - t0
+    positions = sum(len(s) for s, _, _ in batch)
+    print(json.dumps({"positions": positions, "padded": 8 * max(len(s) for s, _, _ in batch),
+                      "teacher_s": round(teacher, 2), "train_step_s": round(step, 2)}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["gen-batch", "teacher-vs-train"])
+    ap.add_argument("--prompts", nargs="*", default=[], help="gen-batch: prompt files, the first 64 prompts are used")
+    ap.add_argument("--every", type=int, default=1, help="gen-batch: every k-th prompt of the files after the first")
+    ap.add_argument("--batches", nargs="*", default=["32", "32p", "16", "48", "64"])
+    ap.add_argument("--shard", type=Path, help="teacher-vs-train: an answer shard")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    target = load_model("smollm2-135m", dtype="float32")
+    if args.what == "gen-batch":
+        prompts = [p.text for p in load_prompts(args.prompts[0])]
+        for f in args.prompts[1:]:
+            prompts += [p.text for p in load_prompts(f)][:: args.every]
+        gen_batch(target, prompts[:64], args.batches)
+    else:
+        teacher_vs_train(target, args.shard)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The EAGLE-3 head's training campaign for the embedded target (viasd_core/training/campaign.py).
+
+    python benchmarks/eagle_campaign.py run      # run or resume every stage (hours on a CPU)
+    python benchmarks/eagle_campaign.py run --until answers
+    python benchmarks/eagle_campaign.py status   # how far it got, from the files alone
+    python benchmarks/eagle_campaign.py run --slice --data out/slice/data --work out/slice/work   # a small end-to-end run
+
+Committed data goes to --data (default data/campaign-smollm2-135m: prompts, answer and on-policy
+token ids, the evaluation report); features, checkpoints and heads go to --work (default
+out/campaign, not committed). Run it niced, one thread, in the background:
+
+    nohup nice -n 19 env OMP_NUM_THREADS=1 python3 benchmarks/eagle_campaign.py run >> out/campaign.log 2>&1 &
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from viasd_core.training.campaign import STAGES, CampaignConfig, run_campaign, status
+from viasd_core.training.campaign_answers import AnswerConfig
+from viasd_core.training.campaign_eval import EvalConfig
+from viasd_core.training.campaign_prompts import PromptConfig
+from viasd_core.training.campaign_train import TrainConfig
+from viasd_core.training.on_policy import OnPolicyConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+EVALUATION = [ROOT / "benchmarks/data/spec_bench_dev.jsonl", ROOT / "docs/results/cpu-prompts.jsonl",
+              ROOT / "viasd_core/data/prompts.jsonl"]  # never trained on: nothing near them is kept
+
+
+def log(msg: str) -> None:
+    print(time.strftime("%Y-%m-%d %H:%M:%S"), msg, file=sys.stderr, flush=True)
+
+
+def config(args) -> CampaignConfig:
+    cfg = CampaignConfig(
+        target=args.target, data=Path(args.data), work=Path(args.work), threads=args.threads,
+        prompts=PromptConfig(extra=[ROOT / "viasd_core/data/distill_prompts.jsonl"], evaluation=EVALUATION),
+        evaluation=EvalConfig(prompts=ROOT / "docs/results/cpu-prompts.jsonl"),
+        ship_to=None if args.slice else ROOT / "viasd_core/data/drafts/smollm2-135m-eagle3")
+    if args.slice:  # every stage on a few prompts: checks the pipeline end to end in minutes
+        t = TrainConfig()
+        cfg = replace(cfg, prompts=replace(cfg.prompts, requests=48, shard_size=24, extra=[]),
+                      answers=AnswerConfig(max_new_tokens=48, shard_size=12),
+                      train=replace(t, data=replace(t.data, steps=20, eval_every=10, checkpoint_every=5),
+                                    on_policy=replace(t.on_policy, steps=10, eval_every=5, checkpoint_every=5)),
+                      on_policy=OnPolicyConfig(prompts=6, shard_size=3, max_new_tokens=48),
+                      evaluation=replace(cfg.evaluation, answer_tokens=48, tau_tokens=32))
+    return cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("action", choices=["run", "status"])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--data", default=str(ROOT / "data/campaign-smollm2-135m"))
+    ap.add_argument("--work", default=str(ROOT / "out/campaign"))
+    ap.add_argument("--until", choices=STAGES, default=None, help="stop after this stage")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--slice", action="store_true", help="a small run of every stage (use other --data/--work)")
+    args = ap.parse_args()
+    cfg = config(args)
+    if args.action == "status":
+        print("\n".join(status(cfg)))
+        return
+    report = run_campaign(cfg, until=args.until, log=log)
+    if report.get("decision"):
+        log(report["decision"])
+
+
+if __name__ == "__main__":
+    main()

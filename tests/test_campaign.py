@@ -1,0 +1,230 @@
+"""The head's training campaign (viasd_core/training/campaign.py) on a tiny random target: every stage
+resumes after a kill and ends as an uninterrupted run does; the prompt filters; the stored data
+round-trips; compacted batched generation equals the plain one; on-policy rejections weight the loss
+where they happened."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import save_tiny_model_dir, tiny_model
+from transformers import AutoModelForCausalLM
+
+from viasd_core.decoding.eagle_files import save_feature_head
+from viasd_core.training import campaign_store as store
+from viasd_core.training import eagle_train, teacher_answers
+from viasd_core.training.campaign import CampaignConfig, run_campaign, status
+from viasd_core.training.campaign_answers import AnswerConfig
+from viasd_core.training.campaign_eval import EvalConfig, better
+from viasd_core.training.campaign_prompts import PromptConfig
+from viasd_core.training.campaign_train import TrainConfig, rejection_focus
+from viasd_core.training.on_policy import OnPolicyConfig
+from viasd_core.training.prompt_filter import evaluation_index, normalise, select
+from viasd_core.training.prompt_requests import Request, build_requests, parse_reply
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ["What", "Why", "How", "is", "the", "a", "of", "?", ".", "bees", "water", "Translate", "text"] + \
+        [f"w{i}" for i in range(235)]
+
+
+# ---------------------------------------------------------------------- prompts
+def test_near_duplicates_go_and_the_first_of_each_stays():
+    long = "Write a short blog post about urban gardening for beginners who live in small flats in big cities"
+    candidates = [
+        long,
+        long.upper() + "!!",  # the same text, normalised
+        long.replace("beginners", "newcomers"),  # one word changed: near
+        "Write a short blog post about jazz music for beginners who play the piano",  # same template, new topic
+        "Translate German to English: Das Wetter ist heute schön.",
+        "Translate German to English: Der Zug fährt um acht Uhr ab.",
+    ]
+    kept, dropped = select(candidates, evaluation_index([]))
+    assert kept == [0, 3, 4, 5]
+    assert dropped == {"evaluation": 0, "duplicate": 2}
+
+
+def test_nothing_near_an_evaluation_prompt_is_kept():
+    dev = [json.loads(line)["turns"][0] for line in (ROOT / "docs/results/cpu-prompts.jsonl").read_text().splitlines()]
+    index = evaluation_index(dev)
+    assert all(index.near(p) for p in dev)
+    quoted = "Please help me with this: " + dev[0]
+    words = dev[18].split()  # a summarization article: a copied sentence of it is enough
+    copied = "Summarize: " + " ".join(words[40:52]) + " and then the bridge opened."
+    reworded = normalise(dev[0]).upper()
+    unrelated = ["Write a haiku about bees.", "What is 12 times 7?", "Translate French to English: Je suis ici."]
+    kept, dropped = select([quoted, copied, reworded] + unrelated, index)
+    assert kept == [3, 4, 5] and dropped["evaluation"] == 3
+
+
+def test_replies_become_prompts_or_are_refused():
+    q = Request("qa", "{text}", meta="m", parse="question")
+    assert parse_reply(q, 'A curious student might ask, "How does a volcano create magma?"') == "How does a volcano create magma?"
+    assert parse_reply(q, "The answer: Variety of sports, Fashion") is None  # no question
+    p = Request("summarization", "Summarize: {text}", meta="m", parse="passage")
+    text = ("Honeybees live in large colonies inside hollow trees or wooden hives kept by farmers. Each colony has "
+            "one queen, a few hundred drones and thousands of workers. Workers collect nectar and pollen from "
+            "flowers within a few kilometres and turn the nectar into honey! In winter the bees cluster together "
+            "to stay warm. The queen lays")
+    assert parse_reply(p, text) == "Summarize: " + text[: text.rindex(".") + 1].strip()  # cut to whole sentences
+    assert parse_reply(p, "amix" * 200) is None  # a loop
+    c = Request("coding", "{text}\n\nExplain what this code does.", meta="m", parse="code")
+    code = "```python\ndef f(x):\n    return x[::-1]\n```\nExample: f('ab')"
+    assert parse_reply(c, code) == "def f(x):\n    return x[::-1]\n\nExplain what this code does."
+    first = build_requests(50, seed=3)
+    assert first == build_requests(50, seed=3) and first != build_requests(50, seed=4)
+    assert len({r.category for r in build_requests(400)}) == 13
+
+
+# ---------------------------------------------------------------------- stored data
+@pytest.mark.parametrize("vocab", [49152, 100_000])
+def test_sequence_shards_round_trip(tmp_path, vocab):
+    g = np.random.default_rng(0)
+    seqs = [g.integers(0, vocab, n) for n in (5, 1, 17)]
+    shard = store.SequenceShard(seqs, [2, 1, 9], [10, 11, 12], {"rej_pos": np.array([3, 4])})
+    shard.save(tmp_path / "s.npz", vocab)
+    back = store.SequenceShard.load(tmp_path / "s.npz")
+    assert [s.tolist() for s in back.sequences] == [s.tolist() for s in seqs]
+    assert back.prompt_lens == [2, 1, 9] and back.prompt_index == [10, 11, 12]
+    assert back.extra["rej_pos"].tolist() == [3, 4] and back.generated == 3 + 0 + 8
+    assert store.load_npz(tmp_path / "s.npz")["tokens"].dtype == (np.uint16 if vocab <= 65536 else np.int32)
+
+
+def test_feature_shards_round_trip_bit_exact(tmp_path):
+    feats = torch.randn(7, 12).to(torch.bfloat16)
+    ids, logp = torch.randint(0, 300, (7, 4)), torch.randn(7, 4)
+    store.save_feature_shard(tmp_path / "f", feats, ids, logp)
+    f, i, lp = store.FeatureShard(tmp_path / "f").rows(2, 6)
+    assert f.dtype == torch.bfloat16 and torch.equal(f, feats[2:6]) and torch.equal(i, ids[2:6]) and torch.equal(lp, logp[2:6])
+    assert [p.name for p in tmp_path.iterdir()] == ["f"]  # no temporary folder left
+
+
+# ---------------------------------------------------------------------- generation and loss
+def test_compacted_generation_equals_the_plain_one():
+    """Rows that end leave the batch (the fast path); the greedy outputs stay those of the plain loop."""
+    target = tiny_model("llama", seed=4)
+    prompts = [[1, 5, 6, 7, 8, 9], [1, 11, 12], [1, 40, 41, 42, 43], [1, 90]]
+    plain = teacher_answers.generate_batch(target, prompts, 12, eos_ids=set(), pad_id=0, compact=False)
+    eos = {plain[0][0][3], plain[2][0][7]}  # rows 0 and 2 end early
+    fast = teacher_answers.generate_batch(target, prompts, 12, eos_ids=eos, pad_id=0)
+    ref = teacher_answers.generate_batch(target, prompts, 12, eos_ids=eos, pad_id=0, compact=False)
+    assert fast == ref
+    assert min(len(t) for t, _ in fast) < 12 and max(len(t) for t, _ in fast) == 12
+
+
+def test_rejections_weight_the_loss_where_the_draft_failed():
+    focus = rejection_focus({"sd-00000": [(0, 7, 0), (0, 9, 2), (1, 4, 5)]}, steps=3, boost=4.0)
+    w = focus("sd-00000", 0, 12)
+    assert w[5, 0] == 5 and w[7, 2] == 5 and w.sum() == 12 * 3 + 8  # token t, draft j -> head position t - 2, step j
+    assert torch.equal(focus("sd-00000", 1, 6), torch.ones(6, 3))  # draft 5 is past the trained steps
+    target = tiny_model("llama", n_layers=4, seed=2)
+    seqs = [(torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(i)).tolist(), 6, "") for i in range(2)]
+    recs = eagle_train.teacher_pass(target, seqs, (1, 2, 3))
+    head = eagle_train.init_head(target, (1, 2, 3), torch.arange(256))
+    index = eagle_train.draft_index(head)
+    plain, _ = eagle_train.ttt_loss(head, recs, index, 3)
+    ones, _ = eagle_train.ttt_loss(head, [replace(r, focus=torch.ones(20, 3)) for r in recs], index, 3)
+    torch.testing.assert_close(plain, ones)
+    only = torch.zeros(20, 3)
+    only[10, 0] = 1.0  # one position of step 0 alone: its soft cross-entropy, and nothing from steps 1-2
+    one, _ = eagle_train.ttt_loss(head, [replace(recs[0], focus=only)], index, 3)
+    logp = torch.log_softmax(eagle_train.ttt_logits(head, recs[0].tokens[None, :20], recs[0].features[None, :19], 1)[0][0, 10], -1)
+    probs, idx = eagle_train.soft_targets([recs[0]], index, 19)
+    torch.testing.assert_close(one, -(probs[0, 10] * logp[idx[0, 10]]).sum())
+
+
+# ---------------------------------------------------------------------- the campaign, killed and resumed
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    return save_tiny_model_dir(tmp_path_factory.mktemp("campaign") / "target", words=WORDS, seed=5)
+
+
+def tiny_config(target: Path, root: Path, files: Path) -> CampaignConfig:
+    t = TrainConfig(draft_vocab=64, held_out_eval=4)
+    fast = dict(batch_size=4, lr=3e-3, warmup=2, bf16=False, checkpoint_every=3, ttt_steps=2)
+    return CampaignConfig(
+        target=str(target), data=root / "data", work=root / "work", held_out_every=5, teacher_batch_size=4,
+        prompts=PromptConfig(requests=16, shard_size=8, batch_size=8, extra=[files / "extra.jsonl"],
+                             evaluation=[files / "dev.jsonl"]),
+        answers=AnswerConfig(max_new_tokens=10, shard_size=5, batch_size=4),
+        train=replace(t, data=eagle_train.HeadTrainConfig(steps=8, eval_every=4, **fast),
+                      on_policy=eagle_train.HeadTrainConfig(steps=5, eval_every=4, **fast)),
+        on_policy=OnPolicyConfig(prompts=4, shard_size=2, max_new_tokens=10, max_context=256),
+        evaluation=EvalConfig(prompts=files / "dev.jsonl", answer_tokens=8, tau_tokens=8, max_context=256, positions=2),
+        ship_to=root / "shipped")
+
+
+KILLS = [  # one kill at the first log line matching each, in order: mid-shard, between shards, mid-training
+    r"^prompts shard 1/2: \d+/\d+ replies", r"^prompts shard 2/2: \d+/8 usable", r"^answers greedy shard 2/\d+: \d+/5$",
+    r"^answers sampled shard 1/\d+: \d+ tokens in", r"^features greedy-00001: \d+/5 sequences", r"^features sampled-00000 ",
+    r"^step 4: held-out", r"^on-policy shard 1/2", r"^features sd-00000: ", r"^step 4: held-out", r"^eval data",
+]
+
+
+def _files(folder: Path) -> dict[str, object]:
+    """Every file under `folder`: arrays for .npz (their zip headers hold a time), bytes otherwise."""
+    out: dict[str, object] = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file():
+            out[str(p.relative_to(folder))] = ({k: v.tolist() for k, v in store.load_npz(p).items()}
+                                               if p.suffix == ".npz" else p.read_bytes())
+    return out
+
+
+def test_every_stage_resumes_after_a_kill_and_ends_as_an_uninterrupted_run(tiny_target, tmp_path, viasd_home):
+    (tmp_path / "dev.jsonl").write_text("".join(json.dumps({"category": c, "prompt": p}) + "\n" for c, p in
+                                               [("qa", "What is the w3 of w4 ?"), ("writing", "Write a haiku about bees .")]))
+    (tmp_path / "extra.jsonl").write_text("".join(json.dumps({"category": "text", "prompt": f"w{i} w{i + 1} w{2 * i} ?"}) + "\n"
+                                                 for i in range(10, 20)))
+    straight = tiny_config(tiny_target, tmp_path / "a", tmp_path)
+    killed = tiny_config(tiny_target, tmp_path / "b", tmp_path)
+    target = AutoModelForCausalLM.from_pretrained(tiny_target)
+    for cfg in (straight, killed):  # the shipped head: the same fresh one in both
+        save_feature_head(eagle_train.init_head(target, (1, 2, 3), torch.arange(0, 256, 4), seed=9), cfg.ship_to)
+    report = run_campaign(straight)
+
+    pending = list(KILLS)
+
+    def log(msg: str) -> None:
+        if pending and re.search(pending[0], msg):
+            pending.pop(0)
+            raise KeyboardInterrupt(msg)
+
+    kills = 0
+    while True:
+        try:
+            resumed = run_campaign(killed, log=log)
+            break
+        except KeyboardInterrupt:
+            kills += 1
+    assert pending == [] and kills == len(KILLS), pending
+    files = _files(straight.data)
+    assert files.keys() == _files(killed.data).keys()
+    for name, content in _files(killed.data).items():  # prompts, answers, on-policy runs
+        if name != "eval-report.json":  # its default-policy tau follows wall times
+            assert content == files[name], name
+    for name in ("data", "on_policy"):  # the same weights (config.json also holds wall times)
+        a, b = (cfg.work / "heads" / name / "model.safetensors" for cfg in (straight, killed))
+        assert a.read_bytes() == b.read_bytes(), name
+    for name in ("data", "on_policy", "shipped"):
+        one = report["candidates"].get(name) or report["shipped"]
+        other = resumed["candidates"].get(name) or resumed["shipped"]
+        assert one["agreement"] == other["agreement"] and one["tau_fixed"] == other["tau_fixed"], name
+        assert one["tau_fixed"]["target_passes"] > 0
+    assert set(report["candidates"]) == {"data", "on_policy"} and "shipped" in report
+    assert report["decision"] in ("ship data", "ship on_policy", "keep the shipped head")
+    lines = status(killed)
+    assert lines[0].startswith("prompts: 2/2 request shards") and lines[-1] == "eval: done", lines
+
+
+def test_the_ship_rule_needs_both_figures_better():
+    shipped = {"agreement": [0.35], "tau_default": {"tau": 1.5}}
+    assert better({"agreement": [0.5], "tau_default": {"tau": 1.6}}, shipped)
+    assert not better({"agreement": [0.5], "tau_default": {"tau": 1.5}}, shipped)
+    assert not better({"agreement": [0.3], "tau_default": {"tau": 2.0}}, shipped)

@@ -1,0 +1,152 @@
+"""The training campaign of an EAGLE-3 head: ten times the data, made by the target, then its own mistakes.
+
+Stages, in order; each one resumes after a kill at any point (its progress is in files written
+atomically) and is skipped once done:
+
+    prompts     the target writes prompts; near-duplicates and anything near an evaluation prompt go
+                (campaign_prompts)                                              data/prompts.jsonl
+    answers     the target's greedy and sampled answers, token ids in shards   data/answers/*.npz
+    features    one teacher pass per shard: features and top-k soft labels     work/features/*
+    train       a head trained on the training prompts' sequences              work/heads/data
+    on_policy   `sd` with that head on training prompts: where it was rejected data/on_policy/*.npz
+                (on_policy), then a fine-tune weighted there                   work/heads/on_policy
+    eval        agreement and tau of the shipped and the new heads on the evaluation prompts, and the
+                ship rule (campaign_eval)                                       data/eval-report.json
+
+`data` is committed (prompts and token ids are costly to make: hours of generation on a CPU);
+`work` is not (features take gigabytes; checkpoints and heads are rebuilt from `data`). Prompts with
+index % held_out_every == 0 are held out: never trained on, their greedy answers pick the best weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from viasd_core import paths
+from viasd_core.errors import UsageError
+from viasd_core.loading.models import load_model
+from viasd_core.loading.prompts import load_prompts
+from viasd_core.training import campaign_store as store
+from viasd_core.training.campaign_answers import SPLITS, AnswerConfig, answer_shards, run_answer_stage
+from viasd_core.training.campaign_eval import EvalConfig, better, eval_records, measure, ship
+from viasd_core.training.campaign_features import CampaignRecords, run_feature_stage
+from viasd_core.training.campaign_prompts import PROMPTS, PromptConfig, raw_shards, run_prompt_stage
+from viasd_core.training.campaign_train import TrainConfig, rejection_focus, train_on_data, train_on_policy
+from viasd_core.training.eagle_train import default_feature_layers
+from viasd_core.training.on_policy import OnPolicyConfig, chosen_prompts, on_policy_shards, rejections, run_on_policy_stage
+
+STAGES = ("prompts", "answers", "features", "train", "on_policy", "eval")
+
+
+@dataclass
+class CampaignConfig:
+    target: str
+    data: Path
+    work: Path
+    prompts: PromptConfig = field(default_factory=PromptConfig)
+    answers: AnswerConfig = field(default_factory=AnswerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    on_policy: OnPolicyConfig = field(default_factory=OnPolicyConfig)
+    on_policy_boost: float = 4.0  # extra loss weight where the head's draft was rejected
+    evaluation: EvalConfig = field(default_factory=EvalConfig)
+    held_out_every: int = 20
+    teacher_batch_size: int = 8
+    threads: int = 1
+    ship_to: Optional[Path] = None  # the shipped head: measured, and replaced only by a better one
+
+    def held_out(self, prompt_index: int) -> bool:
+        return prompt_index % self.held_out_every == 0
+
+
+def run_campaign(config: CampaignConfig, until: Optional[str] = None, log: Callable[[str], None] = lambda m: None) -> dict:
+    """Run (or resume) the stages up to `until` (all by default). Returns the evaluation report when it ran."""
+    if until is not None and until not in STAGES:
+        raise UsageError(f"unknown stage '{until}': use one of {', '.join(STAGES)}")
+    stop = STAGES.index(until) if until else len(STAGES) - 1
+    torch.set_num_threads(config.threads)
+    data, work = Path(config.data), Path(config.work)
+    target = load_model(config.target, dtype="float32")
+    model = target.model
+    layers = default_feature_layers(model.config.num_hidden_layers)
+    prompts_file = run_prompt_stage(target, data, config.prompts, log)
+    if stop < 1:
+        return {}
+    run_answer_stage(target, data, prompts_file, config.answers, log)
+    if stop < 2:
+        return {}
+    prompts = load_prompts(prompts_file)
+    shards = [p for split in SPLITS for p in answer_shards(data, split, len(prompts), config.answers)]
+    features = work / "features"
+    run_feature_stage(model, layers, shards, features, config.teacher_batch_size, log)
+    if stop < 3:
+        return {}
+    categories = [p.category for p in prompts]
+    train = CampaignRecords(shards, features, keep=lambda i: not config.held_out(i), categories=categories)
+    held = CampaignRecords(answer_shards(data, "greedy", len(prompts), config.answers), features,
+                           keep=config.held_out, categories=categories)
+    eos = target.tokenizer.eos_token_id
+    data_head = train_on_data(model, layers, train, held, config.train, work, eos, log)
+    if stop < 4:
+        return {}
+    op_shards = run_on_policy_stage(config.target, data_head, prompts_file, data, config.on_policy,
+                                    keep=lambda i: not config.held_out(i), log=log)
+    run_feature_stage(model, layers, op_shards, features, config.teacher_batch_size, log)
+    focus = rejection_focus(rejections(op_shards), config.train.on_policy.ttt_steps, config.on_policy_boost)
+    on_policy = CampaignRecords(op_shards, features, categories=categories, focus=focus)
+    op_head = train_on_policy(model, data_head, on_policy, train, held, config.train, work, log)
+    if stop < 5:
+        return {}
+    return evaluate(config, target, layers, {"data": data_head, "on_policy": op_head}, log)
+
+
+def evaluate(config: CampaignConfig, target, layers, heads: dict[str, Path], log: Callable[[str], None]) -> dict:
+    """Measure the shipped head and the candidates; ship the best candidate when it beats the shipped one."""
+    if config.evaluation.prompts is None:
+        raise UsageError("the campaign needs evaluation prompts (EvalConfig.prompts)")
+    work = Path(config.work)
+    records = eval_records(target, layers, config.evaluation, work)
+    results = {name: measure(name, folder, target, config.target, records, config.evaluation, work, log)
+               for name, folder in heads.items()}
+    report: dict = {"candidates": results}
+    if config.ship_to is not None and (Path(config.ship_to) / "config.json").exists():
+        shipped = measure("shipped", Path(config.ship_to), target, config.target, records, config.evaluation, work, log)
+        report["shipped"] = shipped
+        winners = [n for n in results if better(results[n], shipped)]
+        best = max(winners, key=lambda n: (results[n]["tau_default"]["tau"], results[n]["agreement"][0]), default=None)
+        report["decision"] = f"ship {best}" if best else "keep the shipped head"
+        if best:
+            ship(heads[best], Path(config.ship_to))
+    paths.atomic_write_json(Path(config.data) / "eval-report.json", report)
+    log(f"eval: {report.get('decision', 'no shipped head to compare with')}")
+    return report
+
+
+def status(config: CampaignConfig) -> list[str]:
+    """One line per stage: how far it got (read from the files alone, nothing is loaded)."""
+    data, work = Path(config.data), Path(config.work)
+    raw = raw_shards(data, config.prompts)
+    lines = [f"prompts: {sum(p.exists() for p in raw)}/{len(raw)} request shards"
+             + (f", {len(load_prompts(data / PROMPTS))} prompts kept" if (data / PROMPTS).exists() else "")]
+    if not (data / PROMPTS).exists():
+        return lines
+    n = len(load_prompts(data / PROMPTS))
+    shards = {split: answer_shards(data, split, n, config.answers) for split in SPLITS}
+    done = [p for split in SPLITS for p in shards[split] if p.exists()]
+    gen = sum(store.SequenceShard.load(p).generated for p in done)
+    lines.append("answers: " + ", ".join(f"{split} {sum(p.exists() for p in shards[split])}/{len(shards[split])} shards"
+                                         for split in SPLITS) + f" ({gen} generated tokens)")
+    all_shards = [p for split in SPLITS for p in shards[split]]
+    lines.append(f"features: {sum((work / 'features' / p.stem).exists() for p in all_shards)}/{len(all_shards)} shards")
+    ckpt = work / "train" / "head.ckpt"
+    step = torch.load(ckpt, weights_only=True)["state"]["step"] if ckpt.exists() else 0
+    lines.append(f"train: step {step}/{config.train.data.steps}" + (", head saved" if (work / "heads" / "data").exists() else ""))
+    chosen = chosen_prompts(n, config.on_policy.prompts, lambda i: not config.held_out(i))
+    ops = on_policy_shards(data, len(chosen), config.on_policy)
+    lines.append(f"on_policy: {sum(p.exists() for p in ops)}/{len(ops)} sd shards"
+                 + (", head saved" if (work / "heads" / "on_policy").exists() else ""))
+    lines.append("eval: " + ("done" if (data / "eval-report.json").exists() else "not yet"))
+    return lines

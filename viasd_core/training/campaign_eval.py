@@ -1,0 +1,123 @@
+"""Stage 7 of the campaign: each head measured on prompts no stage trained on, and the ship rule.
+
+Two figures per head, on the evaluation prompts (the 26-prompt dev set; the prompt stage drops
+everything near them, and they are never answered for training):
+
+- first-position agreement (and positions 2-8), teacher-forced on the target's greedy answers: the
+  same measure as `viasd distill --kind feature` (192 new tokens, prompts cut to their last 384
+  tokens), so the shipped head scores what docs/distill.md reports;
+- tau, tokens per target pass of `sd` (greedy, 128 new tokens, context 1024): the default `sd` (the
+  head plus prompt lookup, the adaptive policy, as `viasd bench` runs it; on a CPU its plain-step
+  choices follow measured wall times, so it varies a little from run to run), and the head alone
+  in blocks of a fixed 4 drafts (no policy: a figure of the head only, the same on any machine).
+
+Each head's figures are written once (`eval/<name>.json`), so a killed run measures only what is
+missing. `ship` replaces the shipped head with the best candidate only when it beats it on both
+agreement and default-draft tau.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from viasd_core import paths
+from viasd_core.decoding.eagle_files import load_feature_head
+from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.decoding.stats import RunStats
+from viasd_core.loading.models import Loaded
+from viasd_core.loading.prompts import encode, load_prompts
+from viasd_core.training import eagle_train
+from viasd_core.training.on_policy import head_session
+from viasd_core.training.teacher_answers import build_dataset
+
+
+@dataclass
+class EvalConfig:
+    prompts: Optional[Path] = None  # the evaluation prompts (docs/results/cpu-prompts.jsonl)
+    answer_tokens: int = 192
+    tau_tokens: int = 128
+    max_context: int = 1024
+    positions: int = 8  # draft positions whose agreement is reported
+    fixed_gamma: int = 4  # the head alone, blocks of this many drafts
+
+
+def eval_records(target: Loaded, layers, config: EvalConfig, work: Path) -> list[eagle_train.FeatureRecord]:
+    """The target's greedy answers to the evaluation prompts, teacher-forced (cached in `work/eval`)."""
+    path = work / "eval" / "features.pt"
+    if path.exists():
+        return eagle_train.load_records(path)
+    prompts = load_prompts(config.prompts)
+    recs = build_dataset(target, [p.text for p in prompts], config.answer_tokens, batch_size=32,
+                         categories=[p.category for p in prompts])
+    feats = eagle_train.teacher_pass(target.model, [(r.input_ids.tolist(), r.prompt_len, r.category) for r in recs], layers)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    eagle_train.save_records(feats, path)
+    return feats
+
+
+def tau(target_ref: str, head: Path, config: EvalConfig, hybrid: bool, fixed: Optional[int] = None) -> dict:
+    """Tokens per target pass of greedy `sd` with `head` over the evaluation prompts (one run each): the
+    default policy, or blocks of `fixed` drafts (no policy: a figure of the head alone, machine-independent)."""
+    session = head_session(target_ref, head, config.max_context, hybrid=hybrid)
+    total = RunStats(mode="sd")
+    gen = GenerationConfig(mode="sd", max_new_tokens=config.tau_tokens)
+    if fixed:
+        gen = GenerationConfig(mode="sd", max_new_tokens=config.tau_tokens, gamma=fixed, adaptive=False)
+    for p in load_prompts(config.prompts):
+        ids = encode(session.tokenizer, p.text)[-(config.max_context - config.tau_tokens - 1) :]
+        session.engine.reset()
+        total.merge(session.engine.generate(ids, gen).stats)
+    return {"tau": total.mean_accepted_length, "new_tokens": total.new_tokens, "target_passes": total.target_passes,
+            "acceptance_by_position": total.acceptance_by_position[:8]}
+
+
+def measure(name: str, head: Path, target: Loaded, target_ref: str, records, config: EvalConfig, work: Path,
+            log: Callable[[str], None]) -> dict:
+    """Agreement and tau of the head in folder `head` (cached in `work/eval/<name>.json`)."""
+    path = work / "eval" / f"{name}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    model = target.model
+    h = load_feature_head(head, model.config, embed=model.get_input_embeddings(), dtype=torch.float32)
+    scores = eagle_train.evaluate_head(h, records, steps=config.positions)
+    by_cat = {c: eagle_train.evaluate_head(h, [r for r in records if r.category == c])["agreement"][0]
+              for c in sorted({r.category for r in records})}
+    result = {"head": name, "agreement": scores["agreement"], "tokens": scores["tokens"], "first_by_category": by_cat,
+              "tau_default": tau(target_ref, head, config, hybrid=True),
+              "tau_fixed": tau(target_ref, head, config, hybrid=False, fixed=config.fixed_gamma)}
+    paths.atomic_write_json(path, result)
+    log(f"eval {name}: first-position agreement {scores['agreement'][0]:.3f}, tau {result['tau_default']['tau']:.3f} "
+        f"(head alone, {config.fixed_gamma} drafts a block: {result['tau_fixed']['tau']:.3f})")
+    return result
+
+
+def better(candidate: dict, shipped: dict) -> bool:
+    """The ship rule: higher first-position agreement and higher default-draft tau, both."""
+    return (candidate["agreement"][0] > shipped["agreement"][0]
+            and candidate["tau_default"]["tau"] > shipped["tau_default"]["tau"])
+
+
+def ship(folder: Path, to: Path) -> None:
+    """Copy the head folder over `to` atomically (a temporary folder beside it, then renames)."""
+    to.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{to.name}.", dir=to.parent))
+    old = to.with_name(f".{to.name}.old")
+    try:
+        for f in folder.iterdir():
+            shutil.copy2(f, tmp / f.name)
+        tmp.chmod(0o755)
+        if to.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            to.rename(old)
+        tmp.rename(to)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

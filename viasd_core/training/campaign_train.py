@@ -1,0 +1,135 @@
+"""Stages 4 and 6 of the campaign: the head trained on the campaign's data, then fine-tuned on-policy.
+
+Both run eagle_train.train_head, which writes a checkpoint (weights, optimizer state, step, the best
+weights so far) every `checkpoint_every` steps and resumes from it, so a killed run loses at most
+that many steps and ends with the same weights as an uninterrupted one. A stage is done when its
+head folder exists (published layout, bfloat16, recipe and figures in config.json).
+
+- `train_on_data`: a new head (eagle_train.init_head) over the 8192 ids the target emits most in the
+  training sequences (chosen once, kept in the work folder), trained on them; the held-out
+  prompts' greedy answers pick the best weights.
+- `train_on_policy`: the data head, fine-tuned on a mix of the on-policy sequences (loss weighted
+  towards the draft positions where its drafts were rejected) and as many training sequences.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from viasd_core.decoding.eagle import FeatureHead
+from viasd_core.decoding.eagle_files import load_feature_head, save_feature_head
+from viasd_core.training import eagle_train
+from viasd_core.training.campaign_features import CampaignRecords
+from viasd_core.training.teacher_answers import choose_vocab
+
+
+@dataclass
+class TrainConfig:
+    draft_vocab: int = 8192
+    held_out_eval: int = 120  # held-out sequences scored at each evaluation (the first ones)
+    data: eagle_train.HeadTrainConfig = field(default_factory=lambda: eagle_train.HeadTrainConfig(
+        steps=6000, batch_size=8, lr=1e-3, warmup=100, ttt_steps=3, eval_every=500, checkpoint_every=50))
+    on_policy: eagle_train.HeadTrainConfig = field(default_factory=lambda: eagle_train.HeadTrainConfig(
+        steps=1200, batch_size=8, lr=3e-4, warmup=20, ttt_steps=3, eval_every=200, checkpoint_every=50))
+    seed: int = 0
+
+
+def _vocab(records: CampaignRecords, size: int, eos: Optional[int], path: Path) -> torch.Tensor:
+    """The draft vocabulary, chosen from the training labels once and kept at `path` (a resumed run reuses it)."""
+    if path.exists():
+        return torch.from_numpy(np.load(path)).long()
+    labels = [SimpleNamespace(labels=records.labels(n)) for n in range(len(records))]
+    vocab = choose_vocab(labels, size, always=[eos] if eos is not None else [])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.npy")
+    np.save(tmp, vocab.numpy())
+    tmp.replace(path)
+    return vocab
+
+
+def _held_score(held: Sequence[eagle_train.FeatureRecord]) -> Callable[[FeatureHead], float]:
+    return lambda h: eagle_train.evaluate_head(h, held)["agreement"][0]
+
+
+def _save(head: FeatureHead, folder: Path, info: dict) -> Path:
+    head.config_dict["viasd_training"] = info
+    return save_feature_head(head.to(torch.bfloat16), folder)
+
+
+def train_on_data(model, layers: Sequence[int], train: CampaignRecords, held: CampaignRecords, config: TrainConfig,
+                  work: Path, eos: Optional[int], log: Callable[[str], None]) -> Path:
+    """Train (or resume) the head on `train`; returns its folder (`work/heads/data`)."""
+    folder = work / "heads" / "data"
+    if folder.exists():
+        log(f"train: {folder} exists")
+        return folder
+    vocab = _vocab(train, config.draft_vocab, eos, work / "train" / "vocab.npy")
+    head = eagle_train.init_head(model, layers, vocab, seed=config.seed)
+    held_few = [held[n] for n in range(min(config.held_out_eval, len(held)))]
+    all_pos, gen_pos = train.positions()
+    log(f"train: {len(train)} sequences ({all_pos} positions, {gen_pos} generated), {len(held)} held out")
+    result = eagle_train.train_head(head, train, config.data, checkpoint=work / "train" / "head.ckpt",
+                                    eval_fn=_held_score(held_few) if held_few else None, log=log)
+    info = {"recipe": "viasd training campaign: data", "sequences": len(train), "positions": all_pos,
+            "generated_positions": gen_pos, "held_out_sequences": len(held), "feature_layers": list(layers),
+            "train": {k: v for k, v in result.items() if k != "losses"}, "config": asdict(config.data)}
+    return _save(head, folder, info)
+
+
+def rejection_focus(rejections: dict[str, list[tuple[int, int, int]]], steps: int, boost: float):
+    """focus(shard, i, L) for CampaignRecords: 1 everywhere, 1 + boost at head position t - 2 and step j
+    for each rejection (sequence i, token position t, draft index j < steps)."""
+    by_seq: dict[tuple[str, int], list[tuple[int, int]]] = {}
+    for name, rows in rejections.items():
+        for i, t, j in rows:
+            if j < steps and t >= 2:
+                by_seq.setdefault((name, i), []).append((t - 2, j))
+
+    def focus(name: str, i: int, length: int) -> torch.Tensor:
+        w = torch.ones(length, steps)
+        for q, j in by_seq.get((name, i), ()):
+            if q < length:
+                w[q, j] += boost
+        return w
+    return focus
+
+
+class Mixed(Sequence[eagle_train.FeatureRecord]):
+    """The on-policy sequences followed by as many training sequences (drawn once, seeded)."""
+
+    def __init__(self, on_policy: CampaignRecords, train: CampaignRecords, seed: int):
+        self.a, self.b = on_policy, train
+        self.pick = random.Random(seed).sample(range(len(train)), min(len(on_policy), len(train)))
+
+    def __len__(self) -> int:
+        return len(self.a) + len(self.pick)
+
+    def __getitem__(self, n: int) -> eagle_train.FeatureRecord:  # type: ignore[override]
+        return self.a[n] if n < len(self.a) else self.b[self.pick[n - len(self.a)]]
+
+
+def train_on_policy(model, data_head: Path, on_policy: CampaignRecords, train: CampaignRecords,
+                    held: CampaignRecords, config: TrainConfig, work: Path, log: Callable[[str], None]) -> Path:
+    """Fine-tune the data head on its own rejected positions (mixed with training data); returns
+    `work/heads/on_policy`."""
+    folder = work / "heads" / "on_policy"
+    if folder.exists():
+        log(f"on-policy training: {folder} exists")
+        return folder
+    head = load_feature_head(data_head, model.config, embed=model.get_input_embeddings(), dtype=torch.float32)
+    info = dict(head.config_dict.get("viasd_training", {}))
+    held_few = [held[n] for n in range(min(config.held_out_eval, len(held)))]
+    mixed = Mixed(on_policy, train, config.seed)
+    log(f"on-policy training: {len(on_policy)} on-policy sequences + {len(mixed) - len(on_policy)} training sequences")
+    result = eagle_train.train_head(head, mixed, config.on_policy, checkpoint=work / "train" / "on_policy.ckpt",
+                                    eval_fn=_held_score(held_few) if held_few else None, log=log)
+    info["on_policy"] = {"sequences": len(on_policy), "mixed_with": len(mixed) - len(on_policy),
+                         "train": {k: v for k, v in result.items() if k != "losses"}, "config": asdict(config.on_policy)}
+    return _save(head, folder, info)
