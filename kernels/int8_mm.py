@@ -48,8 +48,7 @@ def int8_mm_reference(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor)
     return torch.mm(x, qdata.t().to(x.dtype)) * scale.to(x.dtype)
 
 
-@torch.library.custom_op("viasd::int8_mm", mutates_args=())
-def int8_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _int8_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """y = (x @ qdata.T) * scale: x [M, K] bf16/fp16, qdata [N, K] int8, scale [N] -> [M, N] in x's
     dtype. The Triton kernel on CUDA (no copy of the weight), else the reference."""
     from . import run_fused  # the package's dispatch: kernel on CUDA, reference elsewhere or on failure
@@ -58,6 +57,21 @@ def int8_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.
     return run_fused("int8 matmul", x.is_cuda, "int8_mm_triton", int8_mm_reference, x, qdata, scale)
 
 
-@int8_mm.register_fake
-def _(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _int8_mm_fake(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], qdata.shape[0])
+
+
+def _define_op():
+    """`torch.ops.viasd.int8_mm`, defined once a process. This file can be imported under a second
+    name: run from a source checkout, transformers' probe for the hub's `kernels` package imports
+    this repository's `kernels/` folder as `kernels`, and a second definition would replace the
+    op's implementation with that copy's (whose dispatch state is not viasd_kernels')."""
+    try:
+        return torch.ops.viasd.int8_mm  # defined already, by viasd_kernels
+    except AttributeError:
+        op = torch.library.custom_op("viasd::int8_mm", _int8_mm, mutates_args=())
+        op.register_fake(_int8_mm_fake)
+        return op
+
+
+int8_mm = _define_op()

@@ -14,6 +14,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # One thread: tiny models gain nothing from more, and the test machine is usually shared.
 torch.set_num_threads(1)
 
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_dynamo_caches():
+    """dynamo's caches cleared after each test module: one process compiles hundreds of models'
+    graphs over the suite, and every graph of FastModel's shared pass counts against dynamo's
+    recompile limit (a real session compiles one target, its draft and slim views)."""
+    yield
+    import sys
+
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+
+
 VOCAB = 256
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
 

@@ -186,3 +186,26 @@ def test_packed_int8_layers_on_cuda_call_the_kernel_without_a_weight_copy(fused,
     assert torch.equal(got.reshape(-1, 80), fused(flat, layer.qdata, layer.scale) + layer.bias)
     ref = (vk.int8_mm_reference(flat, layer.qdata, layer.scale) + layer.bias).double()
     assert ((got.reshape(-1, 80).double() - ref).abs() <= 4 * ULP[torch.bfloat16] * ref.abs() + 1e-2).all()
+
+
+def test_a_second_import_of_the_folder_leaves_the_op_to_viasd_kernels(monkeypatch):
+    """Run from a source checkout, transformers' probe for the hub's `kernels` package imports the
+    repository's kernels/ folder as `kernels`. That copy must not take the op over: calls keep going
+    through viasd_kernels' dispatch (here: its fallback state, patched)."""
+    import pathlib
+    import sys
+
+    folder = pathlib.Path(vk.__file__).resolve().parent
+    spec = importlib.util.spec_from_file_location("kernels_alias", folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    alias = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "kernels_alias", alias)
+    spec.loader.exec_module(alias)
+    assert alias.int8_mm is not None and alias is not vk
+
+    calls = []
+    monkeypatch.setattr(vk, "run_fused", lambda *args: calls.append(args[0]) or vk.int8_mm_reference(*args[4:]))
+    x, w, scale = operands(2, 32, 64, torch.bfloat16, seed=8)
+    got = torch.ops.viasd.int8_mm(x, w, scale)
+    assert calls == ["int8 matmul"]
+    assert torch.equal(got, vk.int8_mm_reference(x, w, scale))

@@ -228,9 +228,11 @@ class FastModel(attention.CachedPositions, TreePasses):
         if mode == "default" and self.device.type == "cuda":
             mode = "reduce-overhead"
         self.compile_mode = mode
-        # Every FastModel shares `_run`'s code, whose graphs dynamo caches together (a session holds
-        # about 23: 9 shapes each for target and slim, 5 for a draft); the default limit of 8 refuses most.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        # Every FastModel shares `_run`'s code, whose graphs dynamo caches together: a session holds
+        # up to 14 a model (the widths x one or all logit rows, token trees' masked passes), and a
+        # calibration compiles a slim model per candidate view; the default limit of 8 refuses most.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
         # The cache's buffers are inputs mutated in place, never outputs: the output check spares them.
         self._compiled = graph_outputs.guard(torch.compile(self._run, fullgraph=True, dynamic=False, mode=mode),
                                              static=list(self.cache.buffers()))
