@@ -8,6 +8,7 @@ deadline, and the interrupted answer is far too long (NEW tokens) to finish befo
 import os
 import re
 import select
+import signal
 import shutil
 import struct
 import subprocess
@@ -56,11 +57,19 @@ class Terminal:
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
         self.proc = subprocess.Popen(
             argv, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True, start_new_session=True,
-            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+            preexec_fn=self._session_child,
         )
         os.close(slave)
         self.fd = master
         self.raw = b""
+
+    @staticmethod
+    def _session_child() -> None:
+        """In the child: the terminal becomes its controlling terminal, and Ctrl-C's signal gets its
+        default action back, as in a login shell (a suite started in the background by a
+        non-interactive shell inherits SIGINT ignored, and Python then installs no handler)."""
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     def read(self, seconds: float) -> None:
         end = time.monotonic() + seconds
