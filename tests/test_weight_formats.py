@@ -65,6 +65,36 @@ def test_int8_packs_symmetric_rows_and_the_kernel_applies_them():
     assert torch.allclose(packed(x).float(), x.float() @ w.T, atol=0.05)  # and it is the layer, approximately
 
 
+def test_cpu_int8_prefill_rows_take_one_dense_product_close_to_the_kernel(monkeypatch):
+    """Passes of up to 16 rows (decode, every verify block) run PyTorch's int8 kernel, bit for bit;
+    longer ones (prefill chunks) widen the weight once and run one dense product, which rounds
+    differently but stays within bf16 accumulation error of the kernel."""
+    from viasd_core.decoding import weight_formats as wf
+
+    packed, _ = pack_one("int8", n_in=256, n_out=192)
+    kernel_rows = []
+    reference = wf._int8_mm_reference
+    monkeypatch.setattr(wf, "_int8_mm_reference", lambda x, *a: kernel_rows.append(x.shape[0]) or reference(x, *a))
+    torch.manual_seed(3)
+    for rows in (1, 6, 16, 17, 40, 256):
+        x = torch.randn(rows, 256, dtype=torch.bfloat16)
+        got = packed(x)
+        want = reference(x, packed.qdata, packed.scale)
+        if rows < wf.INT8_DENSE_ROWS:
+            assert torch.equal(got, want), rows
+        else:
+            exact = x.double() @ (packed.qdata.double() * packed.scale.double()[:, None]).T
+            assert (got.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max() + 1e-2, rows
+    assert kernel_rows == [1, 6, 16]  # the layer ran the plain kernel only for the short passes
+
+
+def test_int8_sd_and_exact_equal_ar_after_a_long_prompt():
+    """A prompt longer than 16 tokens goes through the dense int8 prefill in every mode alike."""
+    prompt = torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    ar = greedy_modes_equal_ar(engine(quantized("llama", "int8")), prompt)
+    assert len(ar.tokens) == 40
+
+
 def test_int4_kernel_computes_the_formats_weight():
     # Groups of 32 inputs at very different scales: a grouping other than 32 along the input
     # would round the small groups with the large groups' step.

@@ -73,12 +73,27 @@ def _check_torchao() -> None:
         raise ViasdError("--quant int8/int4 need torchao: pip install 'viasd[quant]' (or pip install torchao)")
 
 
+INT8_DENSE_ROWS = 17  # on CPU, a pass of this many rows or more (a prefill chunk) widens the weight once
+
+
 def _int8_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] times the int8 weight qdata [N, K] with one scale a row [N] -> [M, N]: on CUDA
     viasd_kernels' int8 matmul (a Triton kernel that widens the weight tile by tile in registers:
-    no per-call copy of the weight, inside or outside a compiled graph); on CPU PyTorch's own."""
+    no per-call copy of the weight, inside or outside a compiled graph); on CPU PyTorch's own for
+    decode-sized passes (up to 16 rows: every verify pass, so `sd` stays exact), and for longer
+    ones (prompt prefill chunks, which every mode runs alike) the weight widened once to x's dtype
+    and one dense matmul: PyTorch's int8 kernel does not block over rows, so at 256 rows it ran
+    ~3x slower than the dense product on this project's AVX2 CPU (docs/benchmarks.md section 13).
+    `_int8_mm_reference` is the kernel for every size, compared in tests/test_weight_formats.py."""
     if x.is_cuda:
         return int8_mm(x, qdata, scale)
+    if x.shape[0] >= INT8_DENSE_ROWS:
+        return torch.nn.functional.linear(x, qdata.to(x.dtype) * scale[:, None])
+    return _int8_mm_reference(x, qdata, scale)
+
+
+def _int8_mm_reference(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """PyTorch's CPU int8 weight-only kernel, at any number of rows."""
     return torch._weight_int8pack_mm(x, qdata, scale)
 
 
