@@ -82,8 +82,9 @@ def _int8_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch
     no per-call copy of the weight, inside or outside a compiled graph); on CPU PyTorch's own for
     decode-sized passes (up to 16 rows: every verify pass, so `sd` stays exact), and for longer
     ones (prompt prefill chunks, which every mode runs alike) the weight widened once to x's dtype
-    and one dense matmul: PyTorch's int8 kernel does not block over rows, so at 256 rows it ran
-    ~3x slower than the dense product on this project's AVX2 CPU (docs/benchmarks.md section 13).
+    and one dense matmul: PyTorch's int8 kernel is built for few rows, and on this project's CPU a
+    768-token prefill of SmolLM2 took 1546 ms with it and 1064 ms this way (docs/benchmarks.md
+    section 14).
     `_int8_mm_reference` is the kernel for every size, compared in tests/test_weight_formats.py."""
     if x.is_cuda:
         return int8_mm(x, qdata, scale)
