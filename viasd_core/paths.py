@@ -6,8 +6,10 @@ variables and their defaults are used.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -57,3 +59,25 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_write_json(path: Path, obj) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_folder(folder: Path):
+    """Yield a temporary folder beside `folder` to fill; when the block ends normally it takes
+    `folder`'s place by renames (an older one moved aside, then removed); on any error it is
+    removed and `folder` is left as it was."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    old = folder.with_name(f".{folder.name}.old")
+    try:
+        yield tmp
+        tmp.chmod(0o755)  # mkdtemp makes it private
+        if folder.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            folder.rename(old)
+        tmp.rename(folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)

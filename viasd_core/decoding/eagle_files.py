@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -16,6 +14,7 @@ from torch import nn
 from viasd_core.decoding.eagle import CONFIG, EMBED, LAYER_IDS_KEY, PICKLE, SAFETENSORS, FeatureHead, head_llama_config
 from viasd_core.decoding.rope import check_rope
 from viasd_core.errors import ViasdError
+from viasd_core.paths import atomic_folder
 
 
 # ---------------------------------------------------------------------- checks
@@ -200,19 +199,7 @@ def save_feature_head(head: FeatureHead, folder: str | os.PathLike) -> Path:
 
     folder = Path(folder)
     tensors = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    old = folder.with_name(f".{folder.name}.old")
-    try:
+    with atomic_folder(folder) as tmp:
         save_file(tensors, str(tmp / SAFETENSORS))
         (tmp / CONFIG).write_text(json.dumps(head.config_dict, indent=2) + "\n", encoding="utf-8")
-        tmp.chmod(0o755)  # mkdtemp makes it private
-        if folder.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            folder.rename(old)
-        tmp.rename(folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
     return folder

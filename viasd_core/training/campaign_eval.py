@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
@@ -106,18 +105,6 @@ def better(candidate: dict, shipped: dict) -> bool:
 
 def ship(folder: Path, to: Path) -> None:
     """Copy the head folder over `to` atomically (a temporary folder beside it, then renames)."""
-    to.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{to.name}.", dir=to.parent))
-    old = to.with_name(f".{to.name}.old")
-    try:
+    with paths.atomic_folder(to) as tmp:
         for f in folder.iterdir():
             shutil.copy2(f, tmp / f.name)
-        tmp.chmod(0o755)
-        if to.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            to.rename(old)
-        tmp.rename(to)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
