@@ -11,6 +11,20 @@ import pytest
 import torch
 
 
+def pretend_cuda_without_a_c_compiler(monkeypatch, kernel: str) -> None:
+    """Every tensor claims CUDA, triton imports and has not failed yet, and viasd_kernels' Triton
+    entry point `kernel` fails as triton does on a machine with no C compiler."""
+    import viasd_kernels as vk
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Failed to find C compiler")
+
+    monkeypatch.setattr(vk, "_triton_failed", False)
+    monkeypatch.setattr(vk, "triton_available", lambda: True)
+    monkeypatch.setattr(vk, kernel, no_compiler)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+
+
 def test_route_block_falls_back_to_the_reference_when_triton_cannot_run(monkeypatch):
     """A GPU without a C compiler (or any Triton failure) degrades to the reference, with one warning."""
     import viasd_kernels as vk
@@ -19,13 +33,7 @@ def test_route_block_falls_back_to_the_reference_when_triton_cannot_run(monkeypa
     draft = torch.tensor([1, 2, 3])
     want = vk.route_block_reference(logits, draft, 0.0, 0.9, 0.5)
 
-    def no_compiler(*args, **kwargs):
-        raise RuntimeError("Failed to find C compiler")
-
-    monkeypatch.setattr(vk, "_triton_failed", False)
-    monkeypatch.setattr(vk, "triton_available", lambda: True)
-    monkeypatch.setattr(vk, "route_block_triton", no_compiler)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    pretend_cuda_without_a_c_compiler(monkeypatch, "route_block_triton")
     with pytest.warns(UserWarning, match="Triton routing kernel is unavailable"):
         got = vk.route_block(logits, draft, 0.0, 0.9, 0.5)
     assert vk._triton_failed

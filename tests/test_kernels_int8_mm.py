@@ -18,6 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import viasd_kernels as vk
+from test_kernels_fallback import pretend_cuda_without_a_c_compiler
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
@@ -139,13 +140,7 @@ def test_int8_mm_runs_the_reference_on_cpu_and_the_kernel_on_cuda(fused, monkeyp
 def test_int8_mm_falls_back_to_the_reference_once_triton_cannot_run(monkeypatch):
     x, w, scale = operands(2, 32, 64, torch.bfloat16, seed=6)
 
-    def no_compiler(*args):
-        raise RuntimeError("Failed to find C compiler")
-
-    monkeypatch.setattr(vk, "_triton_failed", False)
-    monkeypatch.setattr(vk, "triton_available", lambda: True)
-    monkeypatch.setattr(vk, "int8_mm_triton", no_compiler)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    pretend_cuda_without_a_c_compiler(monkeypatch, "int8_mm_triton")
     with pytest.warns(UserWarning, match="Triton int8 matmul kernel is unavailable"):
         got = vk.int8_mm(x, w, scale)
     assert vk._triton_failed
