@@ -32,7 +32,10 @@ EXAMPLES
 
 
 def read_prompts(prompts: list[str], lines: bool) -> list[str]:
+    """The prompts to run, checked before any model loads (an empty one is refused here)."""
     if prompts and prompts != ["-"]:
+        if any(not p.strip() for p in prompts):
+            raise UsageError("the prompt is empty: give some text")
         return prompts
     if sys.stdin is None or sys.stdin.isatty():
         raise UsageError("no prompt: give it as an argument or pipe it on stdin")

@@ -15,6 +15,7 @@ from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.errors import ViasdError
 from viasd_core.loading.models import EMBEDDED_TARGET
 from viasd_core.session import Session, build_session, choose_tree, thresholds_of
+from viasd_core.threads import parse_threads
 from viasd_core.tree_choice import parse_tree
 from viasd_core.loading.options import ModelOptions
 
@@ -50,6 +51,7 @@ StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop strin
 ProfileOpt = Annotated[Optional[str], typer.Option("--profile", help="Calibration profile file (default: the one saved for this pair).")]
 MaxContextOpt = Annotated[Optional[int], typer.Option("--max-context", help="Positions every KV cache holds, allocated once (default: the model's context, at most 4096, within a quarter of free memory).")]
 CompileOpt = Annotated[str, typer.Option("--compile", help="torch.compile the decoding passes: auto (on CUDA, with CUDA graphs), on, off (eager; for debugging).")]
+ThreadsOpt = Annotated[str, typer.Option("--threads", help="CPU threads for the passes: auto (the fastest of a few counts, timed at start-up: a busy machine gets fewer) or a count.")]
 TreeOpt = Annotated[str, typer.Option("--tree", help="sd's draft token trees (an EAGLE-3 head draft): auto (the size that measures fastest on this machine, measured once and cached), off (chains), or a node count 1-15.")]
 
 
@@ -85,6 +87,7 @@ MODEL_OPTIONS = {
     "draft_quant": (DraftQuantOpt, "none"), "trust_remote_code": (TrustOpt, False),
     "allow_pickle": (AllowPickleOpt, False), "profile": (ProfileOpt, None),
     "max_context": (MaxContextOpt, None), "compile": (CompileOpt, "auto"), "tree": (TreeOpt, "auto"),
+    "threads": (ThreadsOpt, "auto"),
 }
 
 
@@ -116,6 +119,7 @@ def generation_options(max_new_tokens: int):
 def open_session(opts: ModelOptions, config: GenerationConfig, progress) -> Session:
     """The session for `config.mode`; the config then gets the profile's thresholds and is validated."""
     parse_tree(opts.tree)  # fail fast, before loading models
+    parse_threads(opts.threads)
     session = build_session(opts, mode=config.mode, progress=progress)
     config.thresholds = thresholds_of(session.profile)
     if config.mode == "sd":

@@ -15,6 +15,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread_again():
+    """Sessions resolve --threads (auto by default: threads.py) and set torch's count; the next test
+    starts from one thread again."""
+    yield
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _fresh_dynamo_caches():

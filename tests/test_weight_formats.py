@@ -95,6 +95,45 @@ def test_int8_sd_and_exact_equal_ar_after_a_long_prompt():
     assert len(ar.tokens) == 40
 
 
+def test_cpu_int4_prefill_rows_read_the_packed_layout_back_and_take_one_dense_product(monkeypatch):
+    """Passes of up to 16 rows run tinygemm's int4 kernel, bit for bit; longer ones (prefill chunks)
+    unpack the weight once from PyTorch's CPU layout, which must be the weight the kernel applies,
+    and run one dense product within bf16 accumulation error of the kernel. A layout that does not
+    read back (a partial last block of rows) keeps the kernel at every size."""
+    from viasd_core.decoding import weight_formats as wf
+
+    packed, _ = pack_one("int4", n_in=256, n_out=192)
+    eye = torch.eye(256, dtype=torch.bfloat16)
+    kernel_weight = wf._int4_mm_reference(eye, packed.qdata, packed.group, packed.scale).T  # [192, 256]
+    dense = wf._int4_dense_cpu(packed.qdata, packed.group, packed.scale, torch.float32)
+    assert dense is not None and torch.equal(dense.to(torch.bfloat16), kernel_weight)
+    kernel_rows = []
+    reference = wf._int4_mm_reference
+    monkeypatch.setattr(wf, "_int4_mm_reference", lambda x, *a: kernel_rows.append(x.shape[0]) or reference(x, *a))
+    torch.manual_seed(3)
+    for rows in (1, 6, 16, 17, 40, 256):
+        x = torch.randn(rows, 256, dtype=torch.bfloat16)
+        got = packed(x)
+        want = reference(x, packed.qdata, packed.group, packed.scale)
+        if rows < wf.INT8_DENSE_ROWS:
+            assert torch.equal(got, want), rows
+        else:
+            exact = x.double() @ kernel_weight.double().T
+            assert (got.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max() + 1e-2, rows
+    assert kernel_rows == [1, 6, 16]
+    odd, _ = pack_one("int4", n_in=64, n_out=80)  # 80 rows: a partial block of 64
+    assert wf._int4_dense_cpu(odd.qdata, odd.group, odd.scale, torch.bfloat16) is None
+    x = torch.randn(40, 64, dtype=torch.bfloat16)
+    assert torch.equal(odd(x), reference(x, odd.qdata, odd.group, odd.scale)) and kernel_rows[-1] == 40
+
+
+def test_int4_sd_and_exact_equal_ar_after_a_long_prompt():
+    """A prompt longer than 16 tokens goes through the dense int4 prefill in every mode alike."""
+    prompt = torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    ar = greedy_modes_equal_ar(engine(quantized("llama", "int4")), prompt)
+    assert len(ar.tokens) == 40
+
+
 def test_int4_kernel_computes_the_formats_weight():
     # Groups of 32 inputs at very different scales: a grouping other than 32 along the input
     # would round the small groups with the large groups' step.

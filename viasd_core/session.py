@@ -6,6 +6,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+import torch
+
 from viasd_core import paths
 from viasd_core.decoding.engine import Engine
 from viasd_core.errors import UsageError, ViasdError
@@ -18,7 +20,8 @@ from viasd_core.loading.profile import Profile, find_profile
 from viasd_core.loading.vocab_rows import cap_vocab, token_rows, tokenizer_size
 from viasd_core.decoding.router import Thresholds
 from viasd_core.decoding.slim_view import TARGET_WEIGHTS, slim_verifier, twin_bytes
-from viasd_core.tree_choice import TreeChoice, probe_prompts, resolve_tree
+from viasd_core.threads import ThreadChoice, resolve_threads, usable_cores
+from viasd_core.tree_choice import TreeChoice, measure_verify_curve, probe_prompts, resolve_tree
 
 @dataclass
 class Session:
@@ -30,6 +33,7 @@ class Session:
     options: ModelOptions
     compile_seconds: float | None = None  # time spent compiling at start-up (None: eager)
     tree: TreeChoice | None = None  # sd's draft trees, once `choose_tree` resolved --tree
+    threads: ThreadChoice | None = None  # --threads as resolved at start-up (threads.py)
 
     @property
     def tokenizer(self):
@@ -59,6 +63,12 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
     engine = Engine(target_fast, target.tokenizer, drafter=drafter, slim=slim, eos_token_ids=eos_ids(target),
                     context_len=max_context)
     session = Session(engine, target, draft_id, draft, profile, opts)
+    # before compiling (inductor's CPU kernels keep the thread count they were built with) and before
+    # --tree auto measures anything
+    session.threads = resolve_threads(opts.threads, engine.device, lambda repeats: sum(measure_verify_curve(
+        engine, widths=(1, 4), context=16, repeats=repeats).values()))
+    if progress and session.threads.busy:  # said when a busy machine made auto use fewer than its cores
+        progress(f"CPU threads: {session.threads.threads} of {usable_cores()} ({session.threads.reason})")
     if apply_compile(engine, opts.compile):
         if progress:
             progress("compiling the decoding graphs (torch.compile; cached for later runs)...")
@@ -72,7 +82,8 @@ def choose_tree(session: Session, progress=None, refresh: bool = False) -> TreeC
     """Resolve --tree for the session's sd steps (measured and cached for `auto`: tree_choice.py)
     and compile the tree's graphs when the engine is compiled."""
     key = {"target": session.target.model_id, "draft": session.draft_id, "format": session.options.quant,
-           "dtype": str(session.engine.target.dtype).replace("torch.", ""), "compiled": session.engine.compiled}
+           "dtype": str(session.engine.target.dtype).replace("torch.", ""), "compiled": session.engine.compiled,
+           "threads": torch.get_num_threads()}
     choice = resolve_tree(session.engine, probe_prompts(session.tokenizer), session.options.tree, key, progress, refresh)
     if choice.shape is not None and session.engine.compiled:
         session.engine.warm_up_tree(choice.shape)

@@ -72,6 +72,7 @@ def session_meta(session: Session, config: BenchConfig, prompts_source: str | No
         compiled=session.engine.compiled, compile_seconds=session.compile_seconds,
         max_context=session.engine.context_len,
         tree=None if session.tree is None else session.tree.to_dict(),  # sd-tree's size, why, what it rests on
+        threads=None if session.threads is None else session.threads.to_dict(),  # every method runs with this count
     )
 
 

@@ -99,11 +99,69 @@ def _int8_mm_reference(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor
 
 
 def _int4_mm(x: torch.Tensor, qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor) -> torch.Tensor:
-    """tinygemm's int4 matmul on x's device: x [M, K] with K the packed input width -> [M, N] with N
-    the packed output width."""
+    """x [M, K] (K the packed input width) times an int4 weight -> [M, N] (N the packed output width):
+    tinygemm's kernel, except for CPU passes of INT8_DENSE_ROWS rows or more (prefill chunks, which
+    every mode runs alike), which widen the weight once (`_int4_dense_cpu`) and take one dense
+    product, as int8 does: tinygemm streams the whole weight again for every 4 rows.
+    `_int4_mm_reference` is the kernel for every size, compared in tests/test_weight_formats.py."""
+    if x.device.type == "cpu" and x.shape[0] >= INT8_DENSE_ROWS:
+        dense = _int4_dense_cpu(qdata, group, scale_and_zero, x.dtype)
+        if dense is not None:
+            return torch.nn.functional.linear(x, dense)
+    return _int4_mm_reference(x, qdata, group, scale_and_zero)
+
+
+def _int4_mm_reference(x: torch.Tensor, qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor) -> torch.Tensor:
+    """tinygemm's int4 matmul on x's device, at any number of rows."""
     if x.device.type == "cpu":
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qdata, group, scale_and_zero)
     return torch.ops.aten._weight_int4pack_mm(x, qdata, group, scale_and_zero)
+
+
+# ---------------------------------------------------------------------- tinygemm's CPU layout, read back
+# PyTorch packs a CPU int4 weight [N, K] for its vector width: blocks of BLOCK_N rows (64 with
+# AVX-512, 32 with AVX2), each stored K-major as [K, BLOCK_N / 2] bytes whose low nibble is row j of
+# the block and high nibble row j + BLOCK_N / 2 (aten/src/ATen/native/cpu/int4mm_kernel.cpp). Which
+# block size this build and CPU use is found by packing a probe and reading it back; where neither
+# reads back (another layout, a partial last block) the kernel is used at every size.
+_INT4_CPU_BLOCKS = (64, 32)
+_int4_cpu_block_of: dict[tuple[int, int], int | None] = {}
+
+
+def _int4_unpack_cpu(qdata: torch.Tensor, n: int, k: int, block: int, dtype=torch.uint8) -> torch.Tensor:
+    """The 4-bit values [n, k] (0..15, in `dtype`) of a CPU-packed weight in blocks of `block` rows:
+    each half of a block is copied (and converted) in one pass from its nibbles."""
+    b = qdata.reshape(n // block, k, block // 2)
+    out = torch.empty(n // block, 2, block // 2, k, dtype=dtype, device=qdata.device)
+    out[:, 0].copy_((b & 0xF).transpose(1, 2))
+    out[:, 1].copy_((b >> 4).transpose(1, 2))
+    return out.view(n, k)
+
+
+def _int4_cpu_block(n: int, k: int) -> int | None:
+    """The block size PyTorch packs an [n, k] int4 weight with here (None: not this layout)."""
+    key = (n, k)
+    if key not in _int4_cpu_block_of:
+        rows = 128 if n % 128 == 0 else n  # every full block is laid out alike: two of the largest suffice
+        probe = torch.randint(0, 16, (rows, k), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1)
+        _int4_cpu_block_of[key] = next(
+            (b for b in _INT4_CPU_BLOCKS if rows % b == 0 and packed.shape == (rows, k // 2)
+             and torch.equal(_int4_unpack_cpu(packed, rows, k, b), probe.to(torch.uint8))), None)
+    return _int4_cpu_block_of[key]
+
+
+def _int4_dense_cpu(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """The weight [N, K] in `dtype` that tinygemm's CPU kernel applies: q * scale + (zero - 8 * scale)
+    per group of `group` inputs, in float32 in place, rounded once; None where the layout is unknown."""
+    n, k = qdata.shape[0], qdata.shape[1] * 2
+    block = _int4_cpu_block(n, k)
+    if block is None:
+        return None
+    scale, zero = scale_and_zero.float().permute(2, 1, 0)  # each [N, K / group]
+    w = _int4_unpack_cpu(qdata, n, k, block, torch.float32).view(n, k // group, group)
+    w.mul_(scale[..., None]).add_((zero - 8 * scale)[..., None])
+    return w.view(n, k).to(dtype)
 
 
 class PackedLinear(torch.nn.Module):

@@ -85,6 +85,8 @@ def environment(session: Session) -> dict:
         "cuda_graphs": None,
         "cuda_graphs_recorded": None,
         "compile_seconds": session.compile_seconds,
+        "threads": torch.get_num_threads(),
+        "threads_reason": session.threads.reason if session.threads else None,
         "cuda_available": torch.cuda.is_available(),
         "bf16_supported": bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()),
         **versions(),
