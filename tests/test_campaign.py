@@ -18,12 +18,14 @@ from conftest import save_tiny_model_dir, tiny_model
 from transformers import AutoModelForCausalLM
 
 from viasd_core.decoding.eagle_files import save_feature_head
+from viasd_core.errors import UsageError
+from viasd_core.loading.models import load_model
 from viasd_core.training import campaign_store as store
 from viasd_core.training import eagle_train, teacher_answers
 from viasd_core.training.campaign import CampaignConfig, run_campaign, status
 from viasd_core.training.campaign_answers import AnswerConfig
 from viasd_core.training.campaign_eval import EvalConfig, better
-from viasd_core.training.campaign_prompts import PromptConfig
+from viasd_core.training.campaign_prompts import PromptConfig, RequestRound, run_prompt_stage
 from viasd_core.training.campaign_train import TrainConfig, rejection_focus
 from viasd_core.training.on_policy import OnPolicyConfig
 from viasd_core.training.prompt_filter import evaluation_index, normalise, select
@@ -161,7 +163,7 @@ def tiny_config(target: Path, root: Path, files: Path) -> CampaignConfig:
 
 
 KILLS = [  # one kill at the first log line matching each, in order: mid-shard, between shards, mid-training
-    r"^prompts shard 1/2: \d+/\d+ replies", r"^prompts shard 2/2: \d+/8 usable", r"^answers greedy shard 2/\d+: \d+/5$",
+    r"^prompts raw shard 1/2: \d+/\d+ replies", r"^prompts raw shard 2/2: \d+/8 usable", r"^answers greedy shard 2/\d+: \d+/5$",
     r"^answers sampled shard 1/\d+: \d+ tokens in", r"^features greedy-00001: \d+/5 sequences", r"^features sampled-00000 ",
     r"^step 4: held-out", r"^on-policy shard 1/2", r"^features sd-00000: ", r"^step 4: held-out", r"^eval data",
 ]
@@ -221,6 +223,36 @@ def test_every_stage_resumes_after_a_kill_and_ends_as_an_uninterrupted_run(tiny_
     assert report["decision"] in ("ship data", "ship on_policy", "keep the shipped head")
     lines = status(killed)
     assert lines[0].startswith("prompts: 2/2 request shards") and lines[-1] == "eval: done", lines
+
+
+def test_a_later_request_round_appends_prompts_and_keeps_their_ids(tiny_target, tmp_path):
+    """Adding a round after prompts.jsonl exists keeps every kept prompt on its line (answers made for
+    them stay valid) and appends the new ones; a change that would move a kept prompt is refused."""
+    target, data = load_model(str(tiny_target), dtype="float32"), tmp_path / "data"
+    first = PromptConfig(requests=12, shard_size=6, batch_size=6)
+    before = run_prompt_stage(target, data, first, lambda m: None).read_text()
+    more = replace(first, more=[RequestRound("thin", 8, seed=1, mix="thin")])
+    logs: list[str] = []
+    after = run_prompt_stage(target, data, more, logs.append).read_text()
+    assert after.startswith(before) and len(after.splitlines()) >= len(before.splitlines())
+    assert any(m.startswith("prompts thin shard 2/2:") for m in logs) and not any(m.startswith("prompts raw") for m in logs)
+    report = json.loads((data / "prompts-report.json").read_text())
+    assert report["requests"] == 20 and [r["name"] for r in report["rounds"]] == ["raw", "thin"]
+    assert run_prompt_stage(target, data, more, logs.append) and logs[-1].endswith("exists")  # up to date: nothing redone
+    raw = data / "prompts" / "raw-00000.jsonl"  # an earlier shard changed under the kept prompts
+    rows = [json.loads(line) for line in raw.read_text().splitlines()]
+    kept = [r for r in rows if r["prompt"]]
+    kept[0]["prompt"] = "Completely different words that nobody wrote before ?"
+    raw.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UsageError, match="would change prompts already kept"):
+        run_prompt_stage(target, data, replace(more, more=[*more.more, RequestRound("late", 2, seed=2)]), logs.append)
+    assert (data / "prompts.jsonl").read_text() == after
+
+
+def test_the_thin_mix_asks_for_writing_and_reasoning():
+    cats = [r.category for r in build_requests(400, seed=1, mix="thin")]
+    assert cats.count("writing") + cats.count("reasoning") >= 0.8 * len(cats)
+    assert build_requests(50, seed=3) == build_requests(50, seed=3, mix="all")  # the first round is unchanged
 
 
 def test_the_ship_rule_needs_both_figures_better():

@@ -137,6 +137,17 @@ def _reasoning(r: random.Random) -> Request:
     return Request("reasoning", r.choice(puzzles))
 
 
+def _self_writing(r: random.Random) -> Request:
+    return Request("writing", "{text}", parse="text", max_new_tokens=64,
+                   meta=f"Write one creative writing task that {r.choice(ASKERS)} might give about {r.choice(TOPICS)}, "
+                        f"asking for {r.choice(FORMS)}. Reply with the task only.")
+
+
+def _self_reasoning(r: random.Random) -> Request:
+    return Request("reasoning", "{text}\nExplain your reasoning.", parse="text", max_new_tokens=96,
+                   meta=f"Write a short logic puzzle about {r.choice(NAMES)} and {r.choice(ITEMS)}. End with the question.")
+
+
 def _coding(r: random.Random) -> Request:
     lang, job = r.choice(CODE_LANGS), r.choice(CODE_JOBS)
     if r.random() < 0.5:
@@ -199,11 +210,19 @@ KINDS = [  # (weight, maker): the long-context and translation kinds, where the 
 ]
 
 
-def build_requests(count: int, seed: int = 0) -> list[Request]:
-    """`count` requests drawn by weight from the kinds; the same (count, seed) gives the same list."""
+THIN = [  # a later round for the categories the first one left thin (its templates collapse as near-duplicates)
+    (4, lambda r: _self_writing(r)), (3, lambda r: _self_reasoning(r)), (1, lambda r: _writing(r)),
+    (1, lambda r: _reasoning(r)), (1, lambda r: _roleplay(r)),
+]
+MIXES = {"all": KINDS, "thin": THIN}
+
+
+def build_requests(count: int, seed: int = 0, mix: str = "all") -> list[Request]:
+    """`count` requests drawn by weight from the kinds of `mix`; the same arguments give the same list."""
+    kinds = MIXES[mix]
     r = random.Random(seed)
-    weights = [w for w, _ in KINDS]
-    return [r.choices(KINDS, weights)[0][1](r) for _ in range(count)]
+    weights = [w for w, _ in kinds]
+    return [r.choices(kinds, weights)[0][1](r) for _ in range(count)]
 
 
 # ---------------------------------------------------------------------- replies into prompts
