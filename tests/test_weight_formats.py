@@ -65,27 +65,36 @@ def test_int8_packs_symmetric_rows_and_the_kernel_applies_them():
     assert torch.allclose(packed(x).float(), x.float() @ w.T, atol=0.05)  # and it is the layer, approximately
 
 
+def check_dense_prefill_rows(monkeypatch, packed, name: str, weight: torch.Tensor, *args) -> list[int]:
+    """Through `packed`: passes of up to 16 rows equal the kernel `name` (weight_formats) bit for
+    bit; longer ones stay within twice the kernel's own error against `weight` [out, in] (plus bf16
+    rounding). Returns the row counts the kernel ran (it is wrapped to count them)."""
+    from viasd_core.decoding import weight_formats as wf
+
+    kernel_rows = []
+    reference = getattr(wf, name)
+    monkeypatch.setattr(wf, name, lambda x, *a: kernel_rows.append(x.shape[0]) or reference(x, *a))
+    torch.manual_seed(3)
+    for rows in (1, 6, 16, 17, 40, 256):
+        x = torch.randn(rows, weight.shape[1], dtype=torch.bfloat16)
+        got = packed(x)
+        want = reference(x, *args)
+        if rows < wf.INT8_DENSE_ROWS:
+            assert torch.equal(got, want), rows
+        else:
+            exact = x.double() @ weight.double().T
+            assert (got.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max() + 1e-2, rows
+    return kernel_rows
+
+
 def test_cpu_int8_prefill_rows_take_one_dense_product_close_to_the_kernel(monkeypatch):
     """Passes of up to 16 rows (decode, every verify block) run PyTorch's int8 kernel, bit for bit;
     longer ones (prefill chunks) widen the weight once and run one dense product, which rounds
     differently but stays within bf16 accumulation error of the kernel."""
-    from viasd_core.decoding import weight_formats as wf
-
     packed, _ = pack_one("int8", n_in=256, n_out=192)
-    kernel_rows = []
-    reference = wf._int8_mm_reference
-    monkeypatch.setattr(wf, "_int8_mm_reference", lambda x, *a: kernel_rows.append(x.shape[0]) or reference(x, *a))
-    torch.manual_seed(3)
-    for rows in (1, 6, 16, 17, 40, 256):
-        x = torch.randn(rows, 256, dtype=torch.bfloat16)
-        got = packed(x)
-        want = reference(x, packed.qdata, packed.scale)
-        if rows < wf.INT8_DENSE_ROWS:
-            assert torch.equal(got, want), rows
-        else:
-            exact = x.double() @ (packed.qdata.double() * packed.scale.double()[:, None]).T
-            assert (got.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max() + 1e-2, rows
-    assert kernel_rows == [1, 6, 16]  # the layer ran the plain kernel only for the short passes
+    weight = packed.qdata.double() * packed.scale.double()[:, None]
+    rows = check_dense_prefill_rows(monkeypatch, packed, "_int8_mm_reference", weight, packed.qdata, packed.scale)
+    assert rows == [1, 6, 16]  # the layer ran the plain kernel only for the short passes
 
 
 def test_int8_sd_and_exact_equal_ar_after_a_long_prompt():
@@ -107,24 +116,15 @@ def test_cpu_int4_prefill_rows_read_the_packed_layout_back_and_take_one_dense_pr
     kernel_weight = wf._int4_mm_reference(eye, packed.qdata, packed.group, packed.scale).T  # [192, 256]
     dense = wf._int4_dense_cpu(packed.qdata, packed.group, packed.scale, torch.float32)
     assert dense is not None and torch.equal(dense.to(torch.bfloat16), kernel_weight)
+    args = (packed.qdata, packed.group, packed.scale)
+    assert check_dense_prefill_rows(monkeypatch, packed, "_int4_mm_reference", kernel_weight, *args) == [1, 6, 16]
     kernel_rows = []
     reference = wf._int4_mm_reference
     monkeypatch.setattr(wf, "_int4_mm_reference", lambda x, *a: kernel_rows.append(x.shape[0]) or reference(x, *a))
-    torch.manual_seed(3)
-    for rows in (1, 6, 16, 17, 40, 256):
-        x = torch.randn(rows, 256, dtype=torch.bfloat16)
-        got = packed(x)
-        want = reference(x, packed.qdata, packed.group, packed.scale)
-        if rows < wf.INT8_DENSE_ROWS:
-            assert torch.equal(got, want), rows
-        else:
-            exact = x.double() @ kernel_weight.double().T
-            assert (got.double() - exact).abs().max() <= 2 * (want.double() - exact).abs().max() + 1e-2, rows
-    assert kernel_rows == [1, 6, 16]
     odd, _ = pack_one("int4", n_in=64, n_out=80)  # 80 rows: a partial block of 64
     assert wf._int4_dense_cpu(odd.qdata, odd.group, odd.scale, torch.bfloat16) is None
     x = torch.randn(40, 64, dtype=torch.bfloat16)
-    assert torch.equal(odd(x), reference(x, odd.qdata, odd.group, odd.scale)) and kernel_rows[-1] == 40
+    assert torch.equal(odd(x), reference(x, odd.qdata, odd.group, odd.scale)) and kernel_rows == [40]
 
 
 def test_int4_sd_and_exact_equal_ar_after_a_long_prompt():
