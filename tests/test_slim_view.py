@@ -177,8 +177,13 @@ def test_the_fit_keeps_a_margin_below_the_budget():
 def assert_greedy_choices(model, prompt_ids, tokens, positions):
     """tokens[i] is `model`'s greedy choice at every i in `positions`, up to bf16 rounding:
     transformers' forward over the whole text rounds bf16 attention differently from our short
-    passes, so a near tie (2 bf16 steps at the top logit) may go either way; no more than 2 do."""
-    with torch.no_grad():
+    passes, so a near tie (2 bf16 steps at the top logit) may go either way; no more than 2 do. The
+    forward runs the packed formats' decode kernels at every row (not the dense prefill product)."""
+    from unittest import mock
+
+    from viasd_core.decoding import weight_formats
+
+    with torch.no_grad(), mock.patch.object(weight_formats, "INT8_DENSE_ROWS", 1 << 30):
         logits = model(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1 : -1].float()
     ties = 0
     for i in positions:
