@@ -62,3 +62,22 @@ def device_name(device: torch.device) -> str:
     except OSError:
         pass
     return f"cpu: {platform.processor() or platform.machine()}"
+
+
+def machine_identity(device: torch.device) -> dict:
+    """What a cached measurement of this machine is keyed by: the device's name, on a CPU the
+    instruction set PyTorch's kernels use here (AVX512, AVX2, ...) and the usable cores, and
+    PyTorch's version. A cached choice is measured again when any of them changes."""
+    identity = {"device": device_name(device), "torch": torch.__version__}
+    if device.type == "cpu":
+        identity["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        identity["cores"] = usable_cores()
+    return identity
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. a container's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

@@ -13,12 +13,12 @@ the cores to other work for the same speed). On a GPU the count is left as torch
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from viasd_core.devices import usable_cores
 from viasd_core.errors import UsageError
 
 THREAD_CHOICES = "auto or a thread count (1 or more)"
@@ -35,14 +35,6 @@ def parse_threads(text: str | int | None) -> str | int:
     if value.isdigit() and int(value) >= 1:
         return int(value)
     raise UsageError(f"--threads must be {THREAD_CHOICES} (got '{text}')")
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity, e.g. a container's share)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def candidates(cores: int) -> list[int]:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -25,9 +23,10 @@ import torch
 from viasd_core import paths
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.decoding.model import PASS_WIDTHS
+from viasd_core.decoding.pass_timing import time_passes
 from viasd_core.decoding.tree import TreeShape
 from viasd_core.decoding.tree_size import Option, choose
-from viasd_core.devices import device_name
+from viasd_core.devices import machine_identity
 from viasd_core.errors import UsageError
 from viasd_core.loading.prompts import default_prompts, encode
 
@@ -111,24 +110,8 @@ def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, ke
 
 def measure_verify_curve(engine: Engine, widths=CURVE_WIDTHS, context: int = 128, repeats: int = 5) -> dict[int, float]:
     """Median seconds of a target pass over w tokens (all rows' logits: a verify pass) after
-    `context` cached positions, for each width w."""
-    target = engine.target
-    context = max(1, min(context, target.max_len - widths[-1] - 1))
-    ids = torch.randint(10, min(1000, target.shape.vocab_size), (context + widths[-1],), device=target.device)
-    curve = {}
-    with torch.inference_mode():
-        target.reset()
-        target.forward(ids[:context], 0, 1)
-        for w in widths:
-            times = []
-            for _ in range(repeats):
-                target.rollback(context)
-                t = time.perf_counter()
-                target.forward(ids[context : context + w], context, w)
-                if target.device.type == "cuda":
-                    torch.cuda.synchronize(target.device)
-                times.append(time.perf_counter() - t)
-            curve[w] = statistics.median(times)
+    `context` cached positions, for each width w (decoding/pass_timing.py)."""
+    curve = time_passes(engine.target, widths, context, repeats)
     engine.reset()
     return curve
 
@@ -172,7 +155,7 @@ def _add(total: list[int] | None, more: list[int]) -> list[int]:
 
 
 def _machine(engine: Engine) -> dict:
-    return {"device": device_name(engine.device), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    return {**machine_identity(engine.device), "threads": torch.get_num_threads()}
 
 
 def _digest(engine: Engine, key: dict) -> str:

@@ -7,43 +7,16 @@ over a block after a cached context). docs/algorithm.md section 5.
 
 from __future__ import annotations
 
-import statistics
-import time
-
-import torch
-
 from viasd_core.decoding.model import FastModel
+from viasd_core.decoding.pass_timing import time_passes
 from viasd_core.decoding.router import OFF, BlockRecord, ReplayOutcome, Thresholds, replay
 
 
-@torch.inference_mode()
 def pass_costs(model: FastModel, name: str, block: int, context: int = 256, repeats: int = 7) -> dict:
     """Median seconds of `model`'s pass over `block` tokens and over 1 token after `context`
-    cached positions (fewer where its cache holds fewer: --max-context is never exceeded):
-    {name: block pass, name_1: 1-token pass}. Each pass has the shape generation gives it (a
-    block verify returns every row's logits), so a compiled model is timed on its compiled graphs."""
-    device = model.device
-    context = max(1, min(context, model.max_len - block - 1))
-    ids = torch.randint(10, min(1000, model.shape.vocab_size), (context + block,), device=device)
-    model.allocate(context + block + 1)
-
-    def timed(n: int) -> float:
-        model.reset()
-        model.forward(ids[:context], 0, 1)
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t = time.perf_counter()
-            model.forward(ids[context : context + n], context, n)  # the verify shape: n rows of logits
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t)
-        model.reset()
-        return statistics.median(times)
-
-    one = timed(1)
-    return {name: one if block == 1 else timed(block), f"{name}_1": one}
+    cached positions (decoding/pass_timing.py): {name: block pass, name_1: 1-token pass}."""
+    seconds = time_passes(model, sorted({1, block}), context, repeats)
+    return {name: seconds[block], f"{name}_1": seconds[1]}
 
 
 def measure_costs(target: FastModel, draft: FastModel | None, context: int = 256, block: int = 6, repeats: int = 7) -> dict:
