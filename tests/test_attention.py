@@ -68,16 +68,22 @@ def test_a_pass_over_a_static_cache_ignores_the_stale_positions_past_it():
 
 @pytest.mark.parametrize("ratio", [1, 2, 4, 7])
 @pytest.mark.parametrize("window", [None, 3])
-def test_attend_by_row_is_the_masked_pass_and_each_row_is_its_own_one_row_pass(ratio, window):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_by_row_is_the_masked_pass_and_each_row_is_its_own_one_row_pass(ratio, window, dtype):
     T, end, D = 5, 11, 24
-    q, k, v = qkv(1, 2 * ratio, 2, T, end + 4, D, torch.float32, seed=ratio)  # 4 positions of slack past the pass
+    q, k, v = qkv(1, 2 * ratio, 2, T, end + 4, D, dtype, seed=ratio)  # 4 positions of slack past the pass
     by_row = attention.attend_by_row(q, k, v, end, window, 0.3)
     mask = attention.causal_mask(torch.arange(end - T, end), torch.arange(end), window)
-    torch.testing.assert_close(by_row, attention.attend(q, k[:, :, :end], v[:, :, :end], mask, 0.3), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(by_row.double(), reference(q, k[:, :, :end], v[:, :, :end], mask, 0.3), rtol=1e-5, atol=1e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(by_row, attention.attend(q, k[:, :, :end], v[:, :, :end], mask, 0.3), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(by_row.double(), reference(q, k[:, :, :end], v[:, :, :end], mask, 0.3), rtol=1e-5, atol=1e-5)
     for i in range(T):  # batch invariance: row i's numbers are those of a pass holding only row i
-        alone = attention.attend_by_row(q[:, :, i : i + 1], k, v, end - T + i + 1, window, 0.3)
+        stop = end - T + i + 1
+        alone = attention.attend_by_row(q[:, :, i : i + 1], k, v, stop, window, 0.3)
         assert torch.equal(by_row[:, i], alone[:, 0])
+        lo = 0 if window is None else max(0, stop - window)  # and of the plain call over exactly its keys
+        plain = attention.attend(q[:, :, i : i + 1], k[:, :, lo:stop], v[:, :, lo:stop], None, 0.3)
+        assert torch.equal(by_row[:, i], plain[:, 0])
 
 
 def test_masks_follow_their_definitions():
