@@ -12,6 +12,7 @@ from rich.table import Table
 from viasd_core.frontends.doctor import FAIL, PASS, run_doctor
 from viasd_core.errors import UsageError
 from viasd_core.loading.prompts import default_prompts, encode
+from viasd_core.loading.models import forget_format
 from viasd_core.session import build_session
 from viasd_core.loading.options import ModelOptions
 
@@ -48,13 +49,15 @@ def doctor(
     opts: ModelOptions,
     prompts: Annotated[int, typer.Option("--prompts", help="How many shipped prompts the checks run on.")] = 3,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="New tokens per prompt and check.")] = 32,
-    speed: Annotated[bool, typer.Option("--speed/--no-speed", help="Run the short ar vs sd speed probe.")] = True,
+    speed: Annotated[bool, typer.Option("--speed/--no-speed", help="Run the short ar vs sd speed probe, and measure --quant auto and --tree auto again.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="The report as one JSON object on stdout.")] = False,
 ):
     """Check that viasd runs right on this machine, and how fast."""
     if prompts < 1 or max_new_tokens < 1:
         raise UsageError("--prompts and --max-new-tokens must be at least 1")
     err = Console(stderr=True)
+    if speed and opts.quant.strip().lower() == "auto":  # measured again: the cached choice is dropped
+        forget_format(opts.model, opts.device)
     session = build_session(opts, mode="sd", progress=lambda msg: err.print(msg, style="dim", soft_wrap=True))
     ids = [encode(session.tokenizer, p.text) for p in default_prompts()[:prompts]]
     report = run_doctor(session, ids, max_new_tokens=max_new_tokens, speed=speed)

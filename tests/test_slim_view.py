@@ -183,7 +183,7 @@ def assert_greedy_choices(model, prompt_ids, tokens, positions):
 
     from viasd_core.decoding import weight_formats
 
-    with torch.no_grad(), mock.patch.object(weight_formats, "INT8_DENSE_ROWS", 1 << 30):
+    with torch.no_grad(), mock.patch.object(weight_formats, "DENSE_PREFILL_ROWS", 1 << 30):
         logits = model(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1 : -1].float()
     ties = 0
     for i in positions:

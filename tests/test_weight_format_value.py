@@ -59,27 +59,17 @@ def test_only_int4_asks_for_a_gpu_generation(monkeypatch):
     assert "use --quant int8 or --quant 4bit" in e.value.message
 
 
-# ---------------------------------------------------------------------- auto, in one place, with its reason
-def test_auto_resolves_with_its_reason(monkeypatch):
+# ---------------------------------------------------------------------- resolved in one place, with its reason
+# (auto's timing: tests/test_format_choice.py)
+def test_an_asked_format_resolves_with_its_reason():
     from viasd_core.loading.models import resolve_format
 
-    assert resolve_format("auto", "smollm2-135m", CPU, None) == (
-        INT4, "int4: the embedded target on a CPU with torchao installed (docs/benchmarks.md section 10)")
-    assert resolve_format(" AUTO", "embedded", CPU, None)[0] is INT4  # every alias of the embedded model
-    assert resolve_format("auto", "smollm2-135m", CUDA, None) == (NONE, "none: not measured on cuda")
-    fmt, why = resolve_format("auto", "smollm2-135m", CPU, "float32")
-    assert fmt is NONE and why.startswith("none: ") and "--dtype float32" in why
-    fmt, why = resolve_format("auto", "org/other-model", CPU, None)
-    assert fmt is NONE and why.startswith("none: ") and "embedded target" in why
     assert resolve_format("8bit", "smollm2-135m", CPU, None) == (BNB_8BIT, "8bit: asked for")
     assert resolve_format("none", "smollm2-135m", CPU, None) == (NONE, "none: asked for")
+    assert resolve_format(" INT4", "smollm2-135m", CUDA, None) == (INT4, "int4: asked for")
     assert resolve_format(INT8, "smollm2-135m", CPU, None) == (INT8, "int8: asked for")  # a value passes through
     with pytest.raises(UsageError, match=r"unknown quantization 'int3': use auto, none, int8, int4"):
         resolve_format("int3", "smollm2-135m", CPU, None)
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
-    fmt, why = resolve_format("auto", "smollm2-135m", CPU, None)
-    assert fmt is NONE and why.startswith("none: torchao is not installed")
 
 
 def test_session_carries_the_value_and_its_reason(tiny_dirs, viasd_home):

@@ -39,6 +39,22 @@ class Session:
     def tokenizer(self):
         return self.target.tokenizer
 
+    def choices(self) -> list[tuple[str, str, str]]:
+        """What the session chose where the user left it to viasd, and why: (setting, value, reason)
+        for the weight format, the CPU threads, compilation and sd's draft trees (once chosen)."""
+        engine = self.engine
+        compiled = ", ".join(engine.compiled_models)
+        fmt = str(self.target.format)
+        out = [("weights", fmt, self.target.format_reason.removeprefix(f"{fmt}: "))]
+        if self.threads is not None:
+            out.append(("threads", str(self.threads.threads), self.threads.reason))
+        out.append(("compile", "on" if compiled else "off",
+                    f"compiled: {compiled}" if compiled else f"--compile {self.options.compile}"
+                    + (" (compiles on CUDA only)" if self.options.compile == "auto" else "")))
+        if self.tree is not None:
+            out.append(("tree", f"{self.tree.shape.size} tokens" if self.tree.shape else "chains", self.tree.reason))
+        return out
+
 
 def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_profile: bool | None = None) -> Session:
     target = load_model(opts.model, dtype=opts.dtype, device=opts.device, revision=opts.revision,

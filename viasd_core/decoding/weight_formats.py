@@ -73,7 +73,7 @@ def _check_torchao() -> None:
         raise ViasdError("--quant int8/int4 need torchao: pip install 'viasd[quant]' (or pip install torchao)")
 
 
-INT8_DENSE_ROWS = 17  # on CPU, a pass of this many rows or more (a prefill chunk) widens the weight once
+DENSE_PREFILL_ROWS = 17  # on CPU, a pass of this many rows or more (a prefill chunk) widens the weight once
 
 
 def _int8_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -88,7 +88,7 @@ def _int8_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch
     `_int8_mm_reference` is the kernel for every size, compared in tests/test_weight_formats.py."""
     if x.is_cuda:
         return int8_mm(x, qdata, scale)
-    if x.shape[0] >= INT8_DENSE_ROWS:
+    if x.shape[0] >= DENSE_PREFILL_ROWS:
         return torch.nn.functional.linear(x, qdata.to(x.dtype) * scale[:, None])
     return _int8_mm_reference(x, qdata, scale)
 
@@ -100,11 +100,11 @@ def _int8_mm_reference(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor
 
 def _int4_mm(x: torch.Tensor, qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor) -> torch.Tensor:
     """x [M, K] (K the packed input width) times an int4 weight -> [M, N] (N the packed output width):
-    tinygemm's kernel, except for CPU passes of INT8_DENSE_ROWS rows or more (prefill chunks, which
+    tinygemm's kernel, except for CPU passes of DENSE_PREFILL_ROWS rows or more (prefill chunks, which
     every mode runs alike), which widen the weight once (`_int4_dense_cpu`) and take one dense
     product, as int8 does: tinygemm streams the whole weight again for every 4 rows.
     `_int4_mm_reference` is the kernel for every size, compared in tests/test_weight_formats.py."""
-    if x.device.type == "cpu" and x.shape[0] >= INT8_DENSE_ROWS:
+    if x.device.type == "cpu" and x.shape[0] >= DENSE_PREFILL_ROWS:
         dense = _int4_dense_cpu(qdata, group, scale_and_zero, x.dtype)
         if dense is not None:
             return torch.nn.functional.linear(x, dense)

@@ -78,6 +78,7 @@ def environment(session: Session) -> dict:
         "device_name": device_name(device),
         "dtype": str(engine.target.dtype).replace("torch.", ""),
         "quantization": session.options.quant,
+        "quantization_reason": session.target.format_reason,
         "target": session.target.model_id,
         "draft": session.draft_id,
         "max_context": engine.context_len,

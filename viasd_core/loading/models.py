@@ -24,8 +24,9 @@ from viasd_core import paths
 from viasd_core.devices import resolve_device, resolve_dtype
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.decoding.rope import check_rope
-from viasd_core.decoding.weight_format import AUTO, BITSANDBYTES, INT4, NONE, WeightFormat
+from viasd_core.decoding.weight_format import AUTO, BITSANDBYTES, NONE, TORCHAO, WeightFormat
 from viasd_core.decoding.weight_formats import activation_dtype, apply_weight_format
+from viasd_core.loading.format_choice import QUALITY_MEASURED, choose_format, forget
 
 EMBEDDED_TARGET = "smollm2-135m"
 EMBEDDED_ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "embedded"}
@@ -176,26 +177,39 @@ def _check_weights(folder: Path, allow_pickle: bool) -> bool:
 
 # ---------------------------------------------------------------------- weight formats
 def resolve_format(text: str | WeightFormat, model_ref: str | None, device: torch.device,
-                   dtype: str | None) -> tuple[WeightFormat, str]:
-    """`--quant text` for the model `model_ref` -> (its format, why). `auto`: int4 for the embedded
-    target on CPU where torchao is installed and no --dtype was given (on this project's CPU the
-    fastest format whose measured agreement with fp32 meets 0.97: docs/benchmarks.md section 10),
-    none elsewhere (not measured there). Any other spelling is parsed as that format; a format
-    already parsed is kept."""
+                   dtype: str | None, progress=None) -> tuple[WeightFormat, str]:
+    """`--quant text` for the model `model_ref` -> (its format, why). `auto`: on a CPU, for a model
+    whose formats' quality was measured (the embedded target), the fastest of them on this machine,
+    timed once and cached (format_choice.py); none elsewhere (not measured there) and where --dtype
+    was given. Any other spelling is parsed as that format; a format already parsed is kept."""
     if isinstance(text, WeightFormat):
         return text, f"{text}: asked for"
     if (text or "").strip().lower() != AUTO:
         fmt = WeightFormat.parse(text, also=(AUTO,))
         return fmt, f"{fmt}: asked for"
-    if (model_ref or "").lower() not in EMBEDDED_ALIASES:
+    name = _canonical(model_ref)
+    if name not in QUALITY_MEASURED:
         return NONE, "none: auto picks a low-bit format only for the embedded target (not measured on other models)"
     if device.type != "cpu":
         return NONE, f"none: not measured on {device.type}"
     if dtype is not None:
         return NONE, f"none: --dtype {dtype} was asked for (int4 runs bfloat16 activations)"
+    candidates = QUALITY_MEASURED[name]
     if importlib.util.find_spec("torchao") is None:
-        return NONE, "none: torchao is not installed (pip install 'viasd[quant]' for int4)"
-    return INT4, f"{INT4}: the embedded target on a CPU with torchao installed (docs/benchmarks.md section 10)"
+        candidates = tuple(fmt for fmt in candidates if fmt.backend != TORCHAO)
+        if candidates == (NONE,):
+            return NONE, "none: torchao is not installed (pip install 'viasd[quant]' for int8 and int4)"
+    choice = choose_format(name, device, candidates, progress)
+    return choice.format, choice.reason
+
+
+def forget_format(model_ref: str | None, device: str | None) -> None:
+    """Drop `--quant auto`'s cached choice for this model and machine: the next load measures again."""
+    forget(_canonical(model_ref), resolve_device(device))
+
+
+def _canonical(model_ref: str | None) -> str:
+    return EMBEDDED_TARGET if (model_ref or "").lower() in EMBEDDED_ALIASES else (model_ref or "")
 
 
 def quantization_config(fmt: WeightFormat, compute_dtype: torch.dtype, device: torch.device | None = None):
@@ -229,7 +243,7 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
     quiet_transformers()
 
     dev = resolve_device(device)
-    fmt, reason = resolve_format(quant, ref, dev, dtype)
+    fmt, reason = resolve_format(quant, ref, dev, dtype, progress)
     torch_dtype = activation_dtype(fmt, dtype, dev) if fmt.packed else resolve_dtype(dtype, dev)
     folder, model_id = resolve_ref(ref, revision, progress)
     use_safetensors = _check_weights(folder, allow_pickle)

@@ -1,0 +1,113 @@
+"""`--quant auto` on a CPU: the weight format a model runs, chosen by timing it on this machine.
+
+Which formats may be chosen is a question of quality, answered once per model by measuring it
+(`QUALITY_MEASURED`): for the embedded target, fp32 and the int8 and int4 copies agree with fp32's
+greedy token at 0.971 (int8) and 0.978 (int4) teacher-forced, over the 0.97 bar (docs/benchmarks.md
+section 10). Which of those is fastest is a question of the machine: on a CPU whose int4 kernel is
+slow (no AVX-512, an older PyTorch) int8 or fp32 can win. So each candidate is loaded and timed once,
+a 1-token pass (plain decoding) and a 4-token pass (a verify pass) after 64 cached positions
+(decoding/pass_timing.py; the best of three interleaved rounds), and the smallest sum wins; a more precise format within TIE of it wins
+instead. Prefill is not in the sum.
+
+The choice is cached under the user's cache folder per model and machine (devices.machine_identity,
+and the thread count it was timed at); `viasd doctor` measures again (`forget`).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from viasd_core import paths
+from viasd_core.decoding.weight_format import INT4, INT8, NONE, WeightFormat
+from viasd_core.devices import machine_identity
+
+# Formats whose quality was measured on the model (greedy agreement with fp32 >= 0.97), most
+# precise first; models missing here get none from auto.
+QUALITY_MEASURED = {"smollm2-135m": (NONE, INT8, INT4)}
+TIE = 0.05  # a more precise format within 5% of the fastest is chosen instead
+WIDTHS = (1, 4)
+CONTEXT = 64
+REPEATS = 5
+ROUNDS = 3
+CACHE_VERSION = 1
+
+
+@dataclass
+class FormatChoice:
+    format: WeightFormat
+    reason: str
+    seconds: dict[str, float]  # format name -> seconds of a 1-token and a 4-token pass, summed
+
+
+def pick(seconds: dict[WeightFormat, float]) -> tuple[WeightFormat, str]:
+    """The format to run from each candidate's measured seconds (in preference order, most
+    precise first): the fastest, or a more precise one within TIE of it."""
+    fastest = min(seconds.values())
+    best = next(fmt for fmt, s in seconds.items() if s <= fastest * (1 + TIE))
+    shown = ", ".join(f"{fmt} {s * 1e3:.1f} ms" for fmt, s in seconds.items())
+    ground = "the fastest" if seconds[best] == fastest else f"within {TIE:.0%} of the fastest and more precise"
+    return best, f"{best}: {ground} here ({shown} for a 1-token plus a 4-token pass)"
+
+
+def measure(ref: str, candidates: tuple[WeightFormat, ...], device: torch.device) -> dict[WeightFormat, float]:
+    """Seconds of a 1-token plus a 4-token pass of model `ref` at each format on `device`. All are
+    loaded, then timed in turn for ROUNDS rounds, and each keeps its best round: a neighbour's burst
+    of load on a shared machine then slows one round, not one format."""
+    from viasd_core.decoding.model import FastModel
+    from viasd_core.decoding.pass_timing import time_passes
+    from viasd_core.loading.models import load_model
+
+    models = {fmt: FastModel(load_model(ref, device=str(device), quant=fmt, with_tokenizer=False).model,
+                             max_len=CONTEXT + max(WIDTHS) + 1) for fmt in candidates}
+    for model in models.values():
+        time_passes(model, WIDTHS, CONTEXT, repeats=1)  # warm-up: first-call allocations and probes
+    best = {fmt: float("inf") for fmt in candidates}
+    for _ in range(ROUNDS):
+        for fmt, model in models.items():
+            best[fmt] = min(best[fmt], sum(time_passes(model, WIDTHS, CONTEXT, REPEATS).values()))
+    del models
+    gc.collect()
+    return best
+
+
+def cache_path(ref: str, device: torch.device) -> Path:
+    key = {"model": ref.lower(), **machine_identity(device), "threads": torch.get_num_threads(),
+           "version": CACHE_VERSION}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return paths.cache_dir() / "machine" / f"format-{digest}.json"
+
+
+def choose_format(ref: str, device: torch.device, candidates: tuple[WeightFormat, ...], progress=None,
+                  timer: Callable[..., dict[WeightFormat, float]] | None = None) -> FormatChoice:
+    """The fastest of `candidates` for model `ref` on this machine: cached, else timed (`timer`)."""
+    path = cache_path(ref, device)
+    names = [fmt.name for fmt in candidates]
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+            if sorted(data["seconds"]) == sorted(names):
+                chosen = next(fmt for fmt in candidates if fmt.name == data["format"])
+                return FormatChoice(chosen, data["reason"] + " (cached)", data["seconds"])
+        except (ValueError, KeyError, TypeError, StopIteration):
+            pass  # unreadable or for other candidates: measure again
+    if progress:
+        progress(f"timing {', '.join(names)} passes on this machine for --quant auto (once; cached)...")
+    seconds = (timer or measure)(ref, candidates, device)
+    chosen, reason = pick(seconds)
+    named = {fmt.name: s for fmt, s in seconds.items()}
+    paths.atomic_write_json(path, {"version": CACHE_VERSION, "model": ref, "machine": machine_identity(device),
+                                   "threads": torch.get_num_threads(), "format": chosen.name, "reason": reason,
+                                   "seconds": named})
+    return FormatChoice(chosen, reason, named)
+
+
+def forget(ref: str, device: torch.device) -> None:
+    """Drop the cached choice for model `ref` on this machine: the next `auto` measures again."""
+    cache_path(ref, device).unlink(missing_ok=True)
