@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
 from viasd_core.decoding.model import FastModel
+from viasd_core.decoding.pass_timing import call_seconds
 from viasd_core.decoding.weight_format import WeightFormat
 from viasd_core.decoding import weight_formats as wf
 from viasd_core.decoding.weight_formats import packed_copy
@@ -25,13 +25,7 @@ from viasd_core.loading.models import load_model
 
 
 def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return statistics.median(call_seconds(fn, repeats)) * 1e3
 
 
 def main() -> None:

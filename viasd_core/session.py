@@ -14,6 +14,7 @@ from viasd_core.errors import UsageError, ViasdError
 from viasd_core.loading.models import Loaded, eos_ids, load_model
 from viasd_core.devices import free_memory_bytes
 from viasd_core.decoding.model import FastModel
+from viasd_core.decoding.short_products import choose_rows
 from viasd_core.loading.drafter_factory import load_drafter
 from viasd_core.loading.options import COMPILE_CHOICES, DEFAULT_CONTEXT_CAP, ModelOptions
 from viasd_core.loading.profile import Profile, find_profile
@@ -34,6 +35,7 @@ class Session:
     compile_seconds: float | None = None  # time spent compiling at start-up (None: eager)
     tree: TreeChoice | None = None  # sd's draft trees, once `choose_tree` resolved --tree
     threads: ThreadChoice | None = None  # --threads as resolved at start-up (threads.py)
+    short_rows_reason: str = ""  # why short float32 passes take the blocked product or not (short_products.py)
 
     @property
     def tokenizer(self):
@@ -48,6 +50,8 @@ class Session:
         out = [("weights", fmt, self.target.format_reason.removeprefix(f"{fmt}: "))]
         if self.threads is not None:
             out.append(("threads", str(self.threads.threads), self.threads.reason))
+        rows = engine.target.short_rows
+        out.append(("short passes", f"blocked up to {rows} rows" if rows else "F.linear", self.short_rows_reason))
         out.append(("compile", "on" if compiled else "off",
                     f"compiled: {compiled}" if compiled else f"--compile {self.options.compile}"
                     + (" (compiles on CUDA only)" if self.options.compile == "auto" else "")))
@@ -85,6 +89,8 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
         engine, widths=(1, 4), context=16, repeats=repeats).values()))
     if progress and session.threads.busy:  # said when a busy machine made auto use fewer than its cores
         progress(f"CPU threads: {session.threads.threads} of {usable_cores()} ({session.threads.reason})")
+    # at the thread count just chosen: the blocked float32 product pays with two threads and more
+    _, session.short_rows_reason = choose_rows(engine)
     if apply_compile(engine, opts.compile):
         if progress:
             progress("compiling the decoding graphs (torch.compile; cached for later runs)...")

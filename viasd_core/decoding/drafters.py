@@ -65,6 +65,11 @@ class Drafter(ABC):
         """torch.compile what the drafter runs per drafted token; False when nothing could be."""
         return any([m.compile() for m in self.fast_models()])
 
+    def set_short_rows(self, rows: int) -> None:
+        """Passes of up to `rows` rows take the blocked float32 product (short_products.py)."""
+        for m in self.fast_models():
+            m.short_rows = rows
+
     @property
     def compiled(self) -> bool:
         return any(m.compiled for m in self.fast_models())
@@ -287,6 +292,9 @@ class HybridDrafter(Drafter):
 
     def fast_models(self) -> list[FastModel]:
         return self.model_drafter.fast_models()
+
+    def set_short_rows(self, rows: int) -> None:
+        self.model_drafter.set_short_rows(rows)
 
     def compile(self) -> bool:
         return self.model_drafter.compile()

@@ -44,6 +44,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from viasd_core.errors import ViasdError
 from viasd_core.decoding import attention, graph_outputs
 from viasd_core.decoding.rope import apply_rope
+from viasd_core.decoding.short_products import linear, mlp
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -104,6 +105,7 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         self.midlayer = _MidLayer(cfg)
         self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, self.draft_vocab_size, bias=False)
+        self.short_rows = 1  # float32 passes of up to this many rows take the blocked product (short_products.py)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
         self.max_len = 0
@@ -139,7 +141,7 @@ class FeatureHead(nn.Module, attention.CachedPositions):
     # ------------------------------------------------------------------ forward
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's three layer states [T, 3H] -> one feature [T, H]."""
-        return self.fc(features.to(self.dtype))
+        return linear(features.to(self.dtype), self.fc, self.short_rows)
 
     def to_target_ids(self, draft_idx: torch.Tensor) -> torch.Tensor:
         """Draft vocabulary indices -> target token ids (same shape)."""
@@ -152,20 +154,20 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         B, T = emb.shape[:2]
         layer, attn = self.midlayer, self.midlayer.self_attn
         x = torch.cat((layer.input_layernorm(emb), layer.hidden_norm(fused)), dim=-1)  # [B, T, 2H]
-        q = attn.q_proj(x).view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        q = linear(x, attn.q_proj, self.short_rows).view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+        k = linear(x, attn.k_proj, self.short_rows).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        v = linear(x, attn.v_proj, self.short_rows).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def finish(self, fused: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """The residual and MLP after attention: the head's output feature [..., H]."""
         layer = self.midlayer
-        h = fused + layer.self_attn.o_proj(attn_out)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = fused + linear(attn_out, layer.self_attn.o_proj, self.short_rows)
+        return h + mlp(layer.post_attention_layernorm(h), layer.mlp, self.short_rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits (float32) of output features."""
-        return self.lm_head(self.norm(hidden)).float()
+        return linear(self.norm(hidden), self.lm_head, self.short_rows).float()
 
     # ------------------------------------------------------------------ the compiled drafting step
     def compile(self, mode: str | None = "default") -> bool:

@@ -166,6 +166,13 @@ class Engine:
         """Every FastModel the engine runs: target, slim verifier, the drafter's models."""
         return self._models() + (self.drafter.fast_models() if self.drafter is not None else [])
 
+    def set_short_rows(self, rows: int) -> None:
+        """Every model's passes of up to `rows` rows take the blocked float32 product (short_products.py)."""
+        for m in self._models():
+            m.short_rows = rows
+        if self.drafter is not None:
+            self.drafter.set_short_rows(rows)
+
     def compile(self) -> bool:
         """torch.compile every model's pass (see FastModel.compile) and the drafter's step; False when
         none could be (`compiled_models` says which were)."""

@@ -39,6 +39,7 @@ from viasd_core.errors import ViasdError
 from viasd_core.decoding import attention, graph_outputs
 from viasd_core.decoding.rope import apply_rope, check_rope
 from viasd_core.decoding.pass_widths import PASS_WIDTHS, pass_width
+from viasd_core.decoding.short_products import linear, mlp
 from viasd_core.decoding.tree_pass import TreePasses
 from viasd_core.decoding.weight_formats import has_weight_format
 
@@ -138,6 +139,10 @@ class FastModel(attention.CachedPositions, TreePasses):
         # block verification compute the same numbers (sd == ar). A model whose tokens need not
         # match another pass's (a slim view: slim_view.slim_verifier) may turn it off.
         self.row_attention = self.weight_format and self.device.type != "cuda"
+        # Float32 layers on CPU: passes of up to `short_rows` rows multiply through short_products.linear
+        # (the weights read at the memory's speed). 1 until a session measures it (choose_rows); 0:
+        # every product through the layers themselves (F.linear).
+        self.short_rows = 1
         self.vocab_limit: int | None = None  # logits at columns >= vocab_limit are -inf (None: no mask)
         self.max_len = 0
         self.seen = 0
@@ -267,6 +272,7 @@ class FastModel(attention.CachedPositions, TreePasses):
         """
         s = self.shape
         T = input_ids.shape[0]
+        up_to = self.short_rows  # float32 short passes on CPU: short_products.py
         cache = self.cache
         x = self.embed(input_ids[None])  # [1, T, H]
         rope_pos = input_pos if rope_pos is None else rope_pos
@@ -284,9 +290,9 @@ class FastModel(attention.CachedPositions, TreePasses):
                 captured[slot] = x[0]
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(1, T, s.n_heads, s.head_dim)
-            k = attn.k_proj(h).view(1, T, s.n_kv_heads, s.head_dim)
-            v = attn.v_proj(h).view(1, T, s.n_kv_heads, s.head_dim)
+            q = linear(h, attn.q_proj, up_to).view(1, T, s.n_heads, s.head_dim)
+            k = linear(h, attn.k_proj, up_to).view(1, T, s.n_kv_heads, s.head_dim)
+            v = linear(h, attn.v_proj, up_to).view(1, T, s.n_kv_heads, s.head_dim)
             if hasattr(attn, "q_norm"):  # Qwen3
                 q = attn.q_norm(q)
                 k = attn.k_norm(k)
@@ -298,14 +304,14 @@ class FastModel(attention.CachedPositions, TreePasses):
             else:
                 o = attention.attend(q, k_cache[:, :, :attn_len], v_cache[:, :, :attn_len],
                                      masks.get(self.windows[ci]), attn.scaling)  # [1, T, Hq * D]
-            x = x + attn.o_proj(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + linear(o, attn.o_proj, up_to)
+            x = x + mlp(layer.post_attention_layernorm(x), layer.mlp, up_to)
         for slot in self._capture[len(self.layers)]:
             captured[slot] = x[0]
         if captured:
             cache.features[input_pos] = torch.cat(captured, dim=-1)  # [T, n * H]
         h = self.norm(x[0].index_select(0, rows))
-        logits = self.lm_head(h).float()
+        logits = linear(h, self.lm_head, up_to).float()
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
             logits[:, self.vocab_limit:] = float("-inf")
         return logits

@@ -39,3 +39,16 @@ def time_passes(model: FastModel, widths=(1,), context: int = 128, repeats: int 
         seconds[w] = statistics.median(times)
     model.reset()
     return seconds
+
+
+def call_seconds(fn, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls of `fn` (a host function that waits for its own result),
+    after one untimed warm-up call: the benchmarks' timing of whole operations."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return times
+

@@ -88,6 +88,7 @@ def environment(session: Session) -> dict:
         "compile_seconds": session.compile_seconds,
         "threads": torch.get_num_threads(),
         "threads_reason": session.threads.reason if session.threads else None,
+        "short_passes": session.short_rows_reason or None,
         "cuda_available": torch.cuda.is_available(),
         "bf16_supported": bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()),
         **versions(),
