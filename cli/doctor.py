@@ -58,7 +58,8 @@ def doctor(
     err = Console(stderr=True)
     if speed and opts.quant.strip().lower() == "auto":  # measured again: the cached choice is dropped
         forget_format(opts.model, opts.device)
-    session = build_session(opts, mode="sd", progress=lambda msg: err.print(msg, style="dim", soft_wrap=True))
+    session = build_session(opts, mode="sd", progress=lambda msg: err.print(msg, style="dim", soft_wrap=True),
+                            refresh=speed)
     ids = [encode(session.tokenizer, p.text) for p in default_prompts()[:prompts]]
     report = run_doctor(session, ids, max_new_tokens=max_new_tokens, speed=speed)
     if as_json:

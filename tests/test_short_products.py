@@ -113,3 +113,31 @@ def test_the_eagle_head_takes_it_too_and_sd_stays_ar(rows):
         ar = engine.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=NEW)).tokens
         sd = engine.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=NEW, gamma=4, adaptive=False))
         assert sd.tokens == ar and sd.stats.draft_tokens > 0
+
+
+def test_the_choice_is_cached_per_machine_and_measured_again_on_refresh(viasd_home, monkeypatch):
+    from viasd_core.decoding import pass_timing
+
+    engine = make_engine(tiny_model("llama", seed=5))
+    timed = []
+    real = pass_timing.time_passes
+    monkeypatch.setattr(pass_timing, "time_passes", lambda *a, **k: timed.append(1) or real(*a, **k))
+    key = {"target": "tiny", "draft": "none", "format": "none", "dtype": "float32"}
+    rows, why = sp.choose_rows(engine, key, repeats=1)
+    assert len(timed) == 4 and not why.endswith("(cached)")  # 2 rounds x 2 ways
+    engine.set_short_rows(5)
+    again, why_again = sp.choose_rows(engine, key, repeats=1)
+    assert (again, why_again) == (rows, why + " (cached)") and len(timed) == 4 and engine.target.short_rows == rows
+    sp.choose_rows(engine, key, refresh=True, repeats=1)
+    assert len(timed) == 8
+    sp.choose_rows(engine, {**key, "target": "other"}, repeats=1)  # other models: their own choice
+    assert len(timed) == 12
+    path = next((viasd_home / "cache" / "machine").glob("short-rows-*.json"))
+    for bad in ("{not json", '{"rows": 3, "reason": "x"}'):  # unreadable, or a value no rule gives: measured again
+        for f in (viasd_home / "cache" / "machine").glob("short-rows-*.json"):
+            f.write_text(bad)
+        before = len(timed)
+        sp.choose_rows(engine, key, repeats=1)
+        assert len(timed) == before + 4
+    assert path.exists()
+

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import platform
 from pathlib import Path
 
 import torch
 
+from viasd_core import paths
 from viasd_core.errors import UsageError, ViasdError
 
 
@@ -81,3 +84,11 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def machine_cache(kind: str, device: torch.device, key: dict) -> Path:
+    """The file that caches a measurement of this machine: `kind`-DIGEST.json in the user's cache
+    folder, DIGEST naming the machine's identity, the thread count and `key` (what was measured)."""
+    blob = json.dumps({**machine_identity(device), "threads": torch.get_num_threads(), **key}, sort_keys=True)
+    return paths.cache_dir() / "machine" / f"{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}.json"
+

@@ -60,7 +60,10 @@ class Session:
         return out
 
 
-def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_profile: bool | None = None) -> Session:
+def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_profile: bool | None = None,
+                  refresh: bool = False) -> Session:
+    """The session for `opts` and `mode`. `refresh`: measure again what is measured once per machine
+    and cached (the short-pass product; `viasd doctor`)."""
     target = load_model(opts.model, dtype=opts.dtype, device=opts.device, revision=opts.revision,
                         trust_remote_code=opts.trust_remote_code, allow_pickle=opts.allow_pickle,
                         quant=opts.quant, progress=progress)
@@ -90,7 +93,9 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
     if progress and session.threads.busy:  # said when a busy machine made auto use fewer than its cores
         progress(f"CPU threads: {session.threads.threads} of {usable_cores()} ({session.threads.reason})")
     # at the thread count just chosen: the blocked float32 product pays with two threads and more
-    _, session.short_rows_reason = choose_rows(engine)
+    rows_key = {"target": target.model_id, "draft": draft_id, "format": opts.quant,
+                "dtype": str(target_fast.dtype).replace("torch.", "")}
+    _, session.short_rows_reason = choose_rows(engine, rows_key, refresh)
     if apply_compile(engine, opts.compile):
         if progress:
             progress("compiling the decoding graphs (torch.compile; cached for later runs)...")

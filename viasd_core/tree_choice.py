@@ -14,7 +14,6 @@ without measuring; `off` never grows one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass
 
@@ -26,7 +25,7 @@ from viasd_core.decoding.model import PASS_WIDTHS
 from viasd_core.decoding.pass_timing import time_passes
 from viasd_core.decoding.tree import TreeShape
 from viasd_core.decoding.tree_size import Option, choose
-from viasd_core.devices import machine_identity
+from viasd_core.devices import machine_cache, machine_identity
 from viasd_core.errors import UsageError
 from viasd_core.loading.prompts import default_prompts, encode
 
@@ -87,7 +86,7 @@ def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, ke
                                 "sliding-window attention", [], {})
     if isinstance(choice, int):
         return TreeChoice(shape_for_size(choice), f"--tree {choice}", [], {})
-    path = paths.cache_dir() / "machine" / f"tree-{_digest(engine, key)}.json"
+    path = machine_cache("tree", engine.device, {**key, "version": CACHE_VERSION})
     if path.exists() and not refresh:
         try:
             return _from_json(json.loads(path.read_text()))
@@ -156,11 +155,6 @@ def _add(total: list[int] | None, more: list[int]) -> list[int]:
 
 def _machine(engine: Engine) -> dict:
     return {**machine_identity(engine.device), "threads": torch.get_num_threads()}
-
-
-def _digest(engine: Engine, key: dict) -> str:
-    blob = json.dumps({"machine": _machine(engine), **key, "version": CACHE_VERSION}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def _from_json(data: dict) -> TreeChoice:

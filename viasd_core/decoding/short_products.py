@@ -12,7 +12,8 @@ oneDNN and MKL held to AVX2 on the same CPU.
 Whether it pays depends on the machine: on one thread a wide pass is bound by arithmetic, and there
 F.linear's kernel is the faster one (SmolLM2's 6-token pass: 100.9 ms vs 112.0). So `choose_rows` times a 1-token
 and a 6-token pass both ways, at the session's thread count, and a model takes the blocked product for
-passes of up to 1 row, up to SHORT_ROWS rows, or never (`FastModel.short_rows`).
+passes of up to 1 row, up to SHORT_ROWS rows, or never (`FastModel.short_rows`). A session caches the
+choice per machine, thread count and models; `viasd doctor` measures again.
 
 `linear(x, layer, up_to)` takes the blocked path for a CPU float32 `nn.Linear` and at most `up_to`
 rows, and is `layer(x)` (F.linear) otherwise, which is also the plain reference the tests compare it
@@ -26,10 +27,13 @@ rows in a pass on a CPU, so this changes nothing about exactness: in float32 `sd
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 SHORT_ROWS = 16  # passes of up to this many rows (PASS_WIDTHS[-1]) take the blocked product
 WIDE = 6  # the verify pass choose_rows times beside a 1-token pass
+CACHE_VERSION = 1
 CHUNKS = 4  # blocks of the weight's rows; 2-16 measured alike, 4 divides every layer of the supported families
 
 
@@ -73,16 +77,25 @@ def pick_rows(seconds: dict[tuple[str, int], float]) -> tuple[int, str]:
     return rows, f"{shown}, blocked vs F.linear"
 
 
-def choose_rows(engine, repeats: int = 3) -> tuple[int, str]:
+def choose_rows(engine, key: dict | None = None, refresh: bool = False, repeats: int = 3) -> tuple[int, str]:
     """Time a 1-token and a WIDE-token pass of the first of the engine's models (target, slim,
     draft) whose output head `applies`, with the blocked product and without, and give every model
     and the drafter what `pick_rows` makes of them (Engine.set_short_rows): (rows, reason). Without
-    such a model (a GPU, low-bit or bfloat16 weights) rows is 0."""
+    such a model (a GPU, low-bit or bfloat16 weights) rows is 0.
+
+    With `key` (what the session runs: models, format, dtype) the choice is cached per machine and
+    thread count (devices.machine_cache; `refresh` measures again): the timing costs about 2 s."""
+    from viasd_core import paths
     from viasd_core.decoding.pass_timing import time_passes
+    from viasd_core.devices import machine_cache
 
     timed = next((m for m in engine.all_models() if applies(m.lm_head)), None)
+    path = machine_cache("short-rows", engine.device, {**key, "version": CACHE_VERSION}) if key is not None else None
+    cached = _cached(path) if timed is not None and path is not None and not refresh else None
     if timed is None:
         rows, reason = 0, "no float32 layers on a CPU"
+    elif cached is not None:
+        rows, reason = cached
     else:
         seconds = {}
         for _ in range(2):  # interleaved rounds, each way's best kept
@@ -91,5 +104,18 @@ def choose_rows(engine, repeats: int = 3) -> tuple[int, str]:
                 for w, s in time_passes(timed, (1, WIDE), context=64, repeats=repeats).items():
                     seconds[(way, w)] = min(s, seconds.get((way, w), float("inf")))
         rows, reason = pick_rows(seconds)
+        if path is not None:
+            paths.atomic_write_json(path, {"version": CACHE_VERSION, **key, "rows": rows, "reason": reason})
     engine.set_short_rows(rows)
     return rows, reason
+
+
+def _cached(path) -> tuple[int, str] | None:
+    try:
+        data = json.loads(path.read_text())
+        rows = int(data["rows"])
+        if rows not in (0, 1, SHORT_ROWS):
+            return None
+        return rows, str(data["reason"]) + " (cached)"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable: measured again

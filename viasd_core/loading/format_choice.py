@@ -17,7 +17,6 @@ and the thread count it was timed at); `viasd doctor` measures again (`forget`).
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ import torch
 
 from viasd_core import paths
 from viasd_core.decoding.weight_format import INT4, INT8, NONE, WeightFormat
-from viasd_core.devices import machine_identity
+from viasd_core.devices import machine_cache, machine_identity
 
 # Formats whose quality was measured on the model (greedy agreement with fp32 >= 0.97), most
 # precise first; models missing here get none from auto.
@@ -83,10 +82,7 @@ def measure(ref: str, candidates: tuple[WeightFormat, ...], device: torch.device
 
 
 def cache_path(ref: str, device: torch.device) -> Path:
-    key = {"model": ref.lower(), **machine_identity(device), "threads": torch.get_num_threads(),
-           "version": CACHE_VERSION}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return paths.cache_dir() / "machine" / f"format-{digest}.json"
+    return machine_cache("format", device, {"model": ref.lower(), "version": CACHE_VERSION})
 
 
 def choose_format(ref: str, device: torch.device, candidates: tuple[WeightFormat, ...], progress=None,
