@@ -31,6 +31,9 @@ def test_only_cpu_float32_linear_layers_take_it():
     assert sp.applies(torch.nn.Linear(8, 16))
     assert not sp.applies(torch.nn.Linear(8, 18))  # 18 rows do not split into 4 blocks
     assert not sp.applies(torch.nn.Linear(8, 16).to(torch.bfloat16))
+    strided = torch.nn.Linear(16, 8)
+    strided.weight = torch.nn.Parameter(torch.randn(16, 8).t())  # a transposed view: not split in place
+    assert not sp.applies(strided)
     layer = torch.nn.Linear(8, 18)
     x = torch.randn(3, 8)
     assert torch.equal(sp.linear(x, layer), layer(x))

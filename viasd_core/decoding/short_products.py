@@ -39,9 +39,10 @@ CHUNKS = 4  # blocks of the weight's rows; 2-16 measured alike, 4 divides every 
 
 def applies(layer: torch.nn.Module) -> bool:
     """Whether `layer` takes the blocked product for short passes: a CPU float32 nn.Linear whose
-    output width splits into CHUNKS blocks."""
+    (contiguous) weight's rows split into CHUNKS blocks."""
     return (type(layer) is torch.nn.Linear and layer.weight.device.type == "cpu"
-            and layer.weight.dtype == torch.float32 and layer.out_features % CHUNKS == 0)
+            and layer.weight.dtype == torch.float32 and layer.out_features % CHUNKS == 0
+            and layer.weight.is_contiguous())
 
 
 def linear(x: torch.Tensor, layer: torch.nn.Module, up_to: int = SHORT_ROWS) -> torch.Tensor:
