@@ -33,12 +33,14 @@ def shared_home(tmp_path_factory):
 
 
 def invoke(home, monkeypatch, *args, check: bool, input=None):
+    """One command in `home`. One thread, and the home's cached measurements (the short-pass product,
+    short_products.py): the compared runs take the same paths, not what each one measured."""
     monkeypatch.setenv("VIASD_HOME", str(home))
     if check:
         monkeypatch.setenv(graph_outputs.ENV, "1")
     else:
         monkeypatch.delenv(graph_outputs.ENV, raising=False)
-    return CliRunner().invoke(get_app(), [*map(str, args)], input=input)
+    return CliRunner().invoke(get_app(), [*map(str, args), "--threads", "1"], input=input)
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd"])
