@@ -12,7 +12,6 @@ from rich.table import Table
 from viasd_core.frontends.doctor import FAIL, PASS, run_doctor
 from viasd_core.errors import UsageError
 from viasd_core.loading.prompts import default_prompts, encode
-from viasd_core.loading.models import forget_format
 from viasd_core.session import build_session
 from viasd_core.loading.options import ModelOptions
 
@@ -56,8 +55,6 @@ def doctor(
     if prompts < 1 or max_new_tokens < 1:
         raise UsageError("--prompts and --max-new-tokens must be at least 1")
     err = Console(stderr=True)
-    if speed and opts.quant.strip().lower() == "auto":  # measured again: the cached choice is dropped
-        forget_format(opts.model, opts.device)
     session = build_session(opts, mode="sd", progress=lambda msg: err.print(msg, style="dim", soft_wrap=True),
                             refresh=speed)
     ids = [encode(session.tokenizer, p.text) for p in default_prompts()[:prompts]]

@@ -63,7 +63,7 @@ def generate(
     system: Annotated[Optional[str], typer.Option("--system", help="System message for the chat template.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per prompt on stdout.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No statistics or progress on stderr (a clipped --max-new-tokens is still said).")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also say on stderr what viasd chose for this machine (weights, threads, compile, trees) and why.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also say on stderr what viasd chose for this machine (weights, threads, short passes, compile, trees) and why.")] = False,
     fidelity_check: Annotated[Optional[bool], typer.Option("--fidelity/--no-fidelity", help="Measure fidelity with one teacher-forced target pass (default: on in viasd mode).")] = None,
 ):
     """Generate text for each prompt; text (or JSON lines) on stdout, statistics on stderr."""

@@ -11,7 +11,7 @@ import torch
 from viasd_core import paths
 from viasd_core.decoding.engine import Engine
 from viasd_core.errors import UsageError, ViasdError
-from viasd_core.loading.models import Loaded, eos_ids, load_model
+from viasd_core.loading.models import Loaded, eos_ids, forget_format, load_model
 from viasd_core.devices import free_memory_bytes
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.short_products import choose_rows
@@ -43,7 +43,8 @@ class Session:
 
     def choices(self) -> list[tuple[str, str, str]]:
         """What the session chose where the user left it to viasd, and why: (setting, value, reason)
-        for the weight format, the CPU threads, compilation and sd's draft trees (once chosen)."""
+        for the weight format, the CPU threads, the short-pass product, compilation and sd's draft
+        trees (once chosen)."""
         engine = self.engine
         compiled = ", ".join(engine.compiled_models)
         fmt = str(self.target.format)
@@ -63,7 +64,9 @@ class Session:
 def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_profile: bool | None = None,
                   refresh: bool = False) -> Session:
     """The session for `opts` and `mode`. `refresh`: measure again what is measured once per machine
-    and cached (the short-pass product; `viasd doctor`)."""
+    and cached (`--quant auto`'s format, the short-pass product; `viasd doctor`)."""
+    if refresh and str(opts.quant).strip().lower() == "auto":
+        forget_format(opts.model, opts.device)
     target = load_model(opts.model, dtype=opts.dtype, device=opts.device, revision=opts.revision,
                         trust_remote_code=opts.trust_remote_code, allow_pickle=opts.allow_pickle,
                         quant=opts.quant, progress=progress)
