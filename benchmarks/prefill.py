@@ -1,10 +1,15 @@
 """Prompt prefill time: viasd's static-cache pass in each weight format vs transformers' own forward.
 
-    python benchmarks/prefill.py --tokens 768 --formats none,int8,int4,int4-kernel --threads 2
+    python benchmarks/prefill.py --tokens 768 --formats none,int8,int4,int4-chunks --threads 2
 
-One prompt of random token ids through `FastModel.forward` (chunks of 256, the last position's
-logits), median of `--repeats` after one warm-up, and transformers' forward of the same ids in one
-call (`logits_to_keep=1`, fp32) as the baseline. Prints one JSON object (docs/benchmarks.md).
+One prompt of random token ids through `FastModel.forward` (one pass, run layer by layer over
+chunks of 256; the last position's logits), and transformers' forward of the same ids in one call
+(`logits_to_keep=1`, fp32) as the baseline. Every path runs once per round, `--repeats` rounds after
+one warm-up, interleaved (the machine's drift falls on all alike); the median of each is reported.
+Two reference paths: `FMT-chunks` feeds the prompt as separate passes of 256 positions (each chunk
+through every layer in turn: an int8/int4 layer widened once a chunk, the path before layer-major
+prefill), and `int4-kernel` runs tinygemm's kernel for every row (no widened weight at all).
+Prints one JSON object (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -12,20 +17,37 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 
 import torch
 
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.pass_timing import call_seconds
-from viasd_core.decoding.weight_format import WeightFormat
 from viasd_core.decoding import weight_formats as wf
+from viasd_core.decoding.model import PREFILL_CHUNK, FastModel
+from viasd_core.decoding.weight_format import WeightFormat
 from viasd_core.decoding.weight_formats import packed_copy
 from viasd_core.devices import device_name
 from viasd_core.loading.models import load_model
 
 
-def median_ms(fn, repeats: int) -> float:
-    return statistics.median(call_seconds(fn, repeats)) * 1e3
+def prefill_path(fast: FastModel, ids: torch.Tensor, name: str):
+    """The prefill that path `name` runs on `fast` (see the module doc)."""
+    kernel_only = name.endswith("-kernel")
+
+    def prefill():
+        fast.reset()
+        dense = wf._int4_dense_cpu
+        if kernel_only:
+            wf._int4_dense_cpu = lambda *a: None
+        try:
+            if name.endswith("-chunks"):
+                for c in range(0, ids.shape[0], PREFILL_CHUNK):
+                    fast.forward(ids[c : c + PREFILL_CHUNK], c, 1)
+            else:
+                fast.forward(ids, 0, 1)
+        finally:
+            wf._int4_dense_cpu = dense
+
+    return prefill
 
 
 def main() -> None:
@@ -34,30 +56,28 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=768)
     ap.add_argument("--formats", default="none,int8,int4")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = load_model(args.model, dtype="float32")
     ids = torch.randint(100, 40000, (args.tokens,), generator=torch.Generator().manual_seed(0))
-    out = {"device": device_name(torch.device("cpu")), "threads": args.threads, "tokens": args.tokens, "ms": {}}
-    with torch.inference_mode():
-        out["ms"]["transformers fp32"] = median_ms(lambda: target.model(ids[None], logits_to_keep=1), args.repeats)
+    out = {"device": device_name(torch.device("cpu")), "threads": args.threads, "tokens": args.tokens,
+           "repeats": args.repeats}
+    paths = {"transformers fp32": lambda: target.model(ids[None], logits_to_keep=1)}
     for name in args.formats.split(","):
-        # "int4-kernel": int4 with tinygemm's kernel for every pass (the path before the dense prefill)
-        wf._int4_cpu_block_of.clear()
-        dense = wf._int4_dense_cpu
-        if name == "int4-kernel":
-            wf._int4_dense_cpu = lambda *a: None
-        fmt = name.removesuffix("-kernel")
+        fmt = name.removesuffix("-kernel").removesuffix("-chunks")
         model = target.model if fmt == "none" else packed_copy(target.model, WeightFormat.parse(fmt))
-        fast = FastModel(model, max_len=args.tokens + 32)
-
-        def prefill():
-            fast.reset()
-            fast.forward(ids, 0, 1)
-
-        out["ms"][f"viasd {name}"] = median_ms(prefill, args.repeats)
-        wf._int4_dense_cpu = dense
+        paths[f"viasd {name}"] = prefill_path(FastModel(model, max_len=args.tokens + 32), ids, name)
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    with torch.inference_mode():
+        for fn in paths.values():
+            fn()  # warm-up
+        for _ in range(args.repeats):
+            for name, fn in paths.items():
+                t = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t)
+    out["ms"] = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     base = out["ms"]["transformers fp32"]
     out["x_transformers"] = {k: round(base / v, 2) for k, v in out["ms"].items()}
     out["tokens_per_s"] = {k: round(args.tokens / v * 1e3) for k, v in out["ms"].items()}

@@ -58,3 +58,50 @@ def test_unsupported_family_is_a_clear_error():
     cfg = AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64)
     with pytest.raises(ViasdError, match="not supported"):
         FastModel(AutoModelForCausalLM.from_config(cfg))
+
+
+@pytest.mark.parametrize("fmt", ["none", "int8", "int4"])
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_long_prefill_layer_by_layer_equals_the_prompt_fed_chunk_by_chunk(family, fmt, monkeypatch):
+    """A pass longer than PREFILL_CHUNK runs layer by layer over its chunks; it must compute exactly
+    what feeding the chunks as passes of their own computes (logits, keys, values and captured
+    features, bit for bit; a sliding window over chunk borders included), and an int8/int4 layer is
+    widened once for the whole prompt, not once a chunk."""
+    from viasd_core.decoding import model as model_module
+    from viasd_core.decoding import weight_formats as wf
+    from viasd_core.decoding.weight_format import WeightFormat
+
+    monkeypatch.setattr(model_module, "PREFILL_CHUNK", 32)
+    extra = {"sliding_window": 40} if family == "mistral" else {}
+    model = tiny_model(family, seed=4, **extra)
+    if fmt != "none":
+        model = wf.packed_copy(model, WeightFormat.parse(fmt))
+    ids = torch.randint(3, 256, (80,), generator=torch.Generator().manual_seed(6))  # chunks of 32, 32, 16
+
+    def run(feed):
+        fast = FastModel(model, max_len=96)
+        fast.capture_features([1, 3])
+        out = feed(fast)
+        keys = torch.stack([c.k[:, :, :80] for c in fast.cache.layers])
+        values = torch.stack([c.v[:, :, :80] for c in fast.cache.layers])
+        return out, keys, values, fast.cache.features[:80].clone()
+
+    widened, dense = [], []
+    real_widened = wf.PackedLinear.widened
+
+    def counted(self, dtype):
+        w = real_widened(self, dtype)
+        widened.append(self)
+        dense.append(w is not None)
+        return w
+
+    monkeypatch.setattr(wf.PackedLinear, "widened", counted)
+    whole = run(lambda fast: fast.forward(ids, 0, 3))
+    if fmt != "none":
+        layers = [m for m in model.model.layers.modules() if isinstance(m, wf.PackedLinear)]
+        assert sorted(map(id, widened)) == sorted(map(id, layers))  # each layer once (the head: 3 rows, the kernel)
+        assert any(dense)  # (int4: the layers whose CPU layout reads back; the others keep the kernel)
+    chunked = run(lambda fast: [fast.forward(ids[:32], 0, 1), fast.forward(ids[32:64], 32, 1)][-1] is not None
+                  and fast.forward(ids[64:], 64, 3))
+    for got, want in zip(whole, chunked):
+        assert torch.equal(got, want)

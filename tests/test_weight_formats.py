@@ -113,14 +113,14 @@ def test_cpu_int4_prefill_rows_read_the_packed_layout_back_and_take_one_dense_pr
 
     packed, _ = pack_one("int4", n_in=256, n_out=192)
     eye = torch.eye(256, dtype=torch.bfloat16)
-    kernel_weight = wf._int4_mm_reference(eye, packed.qdata, packed.group, packed.scale).T  # [192, 256]
+    kernel_weight = wf._int4_mm(eye, packed.qdata, packed.group, packed.scale).T  # [192, 256]
     dense = wf._int4_dense_cpu(packed.qdata, packed.group, packed.scale, torch.float32)
     assert dense is not None and torch.equal(dense.to(torch.bfloat16), kernel_weight)
     args = (packed.qdata, packed.group, packed.scale)
-    assert check_dense_prefill_rows(monkeypatch, packed, "_int4_mm_reference", kernel_weight, *args) == [1, 6, 16]
+    assert check_dense_prefill_rows(monkeypatch, packed, "_int4_mm", kernel_weight, *args) == [1, 6, 16]
     kernel_rows = []
-    reference = wf._int4_mm_reference
-    monkeypatch.setattr(wf, "_int4_mm_reference", lambda x, *a: kernel_rows.append(x.shape[0]) or reference(x, *a))
+    reference = wf._int4_mm
+    monkeypatch.setattr(wf, "_int4_mm", lambda x, *a: kernel_rows.append(x.shape[0]) or reference(x, *a))
     odd, _ = pack_one("int4", n_in=64, n_out=80)  # 80 rows: a partial block of 64
     assert wf._int4_dense_cpu(odd.qdata, odd.group, odd.scale, torch.bfloat16) is None
     x = torch.randn(40, 64, dtype=torch.bfloat16)

@@ -41,7 +41,7 @@ from viasd_core.decoding.rope import apply_rope, check_rope
 from viasd_core.decoding.pass_widths import PASS_WIDTHS, pass_width
 from viasd_core.decoding.short_products import linear, mlp
 from viasd_core.decoding.tree_pass import TreePasses
-from viasd_core.decoding.weight_formats import has_weight_format
+from viasd_core.decoding.weight_formats import has_weight_format, widen_once
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 PREFILL_CHUNK = 256  # longer passes run in chunks of this many positions (bounded memory)
@@ -269,52 +269,94 @@ class FastModel(attention.CachedPositions, TreePasses):
         exactly the keys it sees (see `row_attention`). A token tree's pass (tree.py) gives its RoPE
         positions `rope_pos` [T] (default: the slots) and which slots each row sees, `key_mask`
         [T, attn_len] (default: causal by slot). Returns [R, vocab] float32. No host synchronization.
+
+        A pass of more than PREFILL_CHUNK positions (an eager prefill: consecutive slots ending at
+        attn_len) runs layer by layer, each layer over chunks of PREFILL_CHUNK positions in order:
+        the chunks' intermediates bound the memory, and an int8/int4 layer is widened once for all
+        of its chunks (weight_formats.widen_once) instead of once a chunk. Each chunk attends and
+        multiplies exactly as a pass of its own positions would (`_chunks`).
         """
-        s = self.shape
         T = input_ids.shape[0]
-        up_to = self.short_rows  # float32 short passes on CPU: short_products.py
         cache = self.cache
         x = self.embed(input_ids[None])  # [1, T, H]
         rope_pos = input_pos if rope_pos is None else rope_pos
         cos = cache.cos.index_select(0, rope_pos)  # [T, D]
         sin = cache.sin.index_select(0, rope_pos)
-        key_pos = cache.key_pos[:attn_len]  # [L]
-        masks = {}  # window -> [T, L]; by_row slices its keys instead
-        if key_mask is not None and not by_row:
-            masks = {window: key_mask for window in set(self.windows)}  # trees: no sliding window (supports_tree)
-        elif masked and not by_row:
-            masks = {window: attention.causal_mask(input_pos, key_pos, window) for window in set(self.windows)}
+        chunks = self._chunks(T, attn_len, masked, by_row) if key_mask is None else [(0, T, attn_len, masked, by_row)]
+        masks = []  # per chunk: window -> [rows, keys]; by_row slices its keys instead
+        for lo, hi, end, chunk_masked, chunk_by_row in chunks:
+            if key_mask is not None and not chunk_by_row:
+                masks.append({window: key_mask for window in set(self.windows)})  # trees: no sliding window
+            elif chunk_masked and not chunk_by_row:
+                key_pos = cache.key_pos[:end]
+                masks.append({w: attention.causal_mask(input_pos[lo:hi], key_pos, w) for w in set(self.windows)})
+            else:
+                masks.append({})
         captured: list = [None] * len(self.feature_layers)
         for ci, layer in enumerate(self.layers):
             for slot in self._capture[ci]:
                 captured[slot] = x[0]
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = linear(h, attn.q_proj, up_to).view(1, T, s.n_heads, s.head_dim)
-            k = linear(h, attn.k_proj, up_to).view(1, T, s.n_kv_heads, s.head_dim)
-            v = linear(h, attn.v_proj, up_to).view(1, T, s.n_kv_heads, s.head_dim)
-            if hasattr(attn, "q_norm"):  # Qwen3
-                q = attn.q_norm(q)
-                k = attn.k_norm(k)
-            q = apply_rope(q.transpose(1, 2), cos, sin)  # [1, Hq, T, D]
-            k = apply_rope(k.transpose(1, 2), cos, sin)  # [1, Hkv, T, D]
-            k_cache, v_cache = cache.layers[ci].update(input_pos, k, v.transpose(1, 2))
-            if by_row:
-                o = attention.attend_by_row(q, k_cache, v_cache, attn_len, self.windows[ci], attn.scaling, key_mask)
-            else:
-                o = attention.attend(q, k_cache[:, :, :attn_len], v_cache[:, :, :attn_len],
-                                     masks.get(self.windows[ci]), attn.scaling)  # [1, T, Hq * D]
-            x = x + linear(o, attn.o_proj, up_to)
-            x = x + mlp(layer.post_attention_layernorm(x), layer.mlp, up_to)
+            if len(chunks) == 1:
+                x = self._layer(ci, x, input_pos, cos, sin, attn_len, masks[0], by_row, key_mask)
+                continue
+            with widen_once(layer, self.dtype):
+                x = torch.cat([self._layer(ci, x[:, lo:hi], input_pos[lo:hi], cos[lo:hi], sin[lo:hi], end, mask,
+                                           chunk_by_row, None)
+                               for (lo, hi, end, _, chunk_by_row), mask in zip(chunks, masks)], dim=1)
         for slot in self._capture[len(self.layers)]:
             captured[slot] = x[0]
         if captured:
             cache.features[input_pos] = torch.cat(captured, dim=-1)  # [T, n * H]
         h = self.norm(x[0].index_select(0, rows))
-        logits = linear(h, self.lm_head, up_to).float()
+        logits = linear(h, self.lm_head, self.short_rows).float()
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
             logits[:, self.vocab_limit:] = float("-inf")
         return logits
+
+    def _layer(self, ci: int, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, end: int,
+               masks: dict, by_row: bool, key_mask: torch.Tensor | None) -> torch.Tensor:
+        """Run-layer `ci` over the states x [1, T, H] of slots `pos` [T], attending over cache[:end]."""
+        s = self.shape
+        T = x.shape[1]
+        up_to = self.short_rows  # float32 short passes on CPU: short_products.py
+        layer = self.layers[ci]
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = linear(h, attn.q_proj, up_to).view(1, T, s.n_heads, s.head_dim)
+        k = linear(h, attn.k_proj, up_to).view(1, T, s.n_kv_heads, s.head_dim)
+        v = linear(h, attn.v_proj, up_to).view(1, T, s.n_kv_heads, s.head_dim)
+        if hasattr(attn, "q_norm"):  # Qwen3
+            q = attn.q_norm(q)
+            k = attn.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [1, Hq, T, D]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [1, Hkv, T, D]
+        k_cache, v_cache = self.cache.layers[ci].update(pos, k, v.transpose(1, 2))
+        if by_row:
+            o = attention.attend_by_row(q, k_cache, v_cache, end, self.windows[ci], attn.scaling, key_mask)
+        else:
+            o = attention.attend(q, k_cache[:, :, :end], v_cache[:, :, :end], masks.get(self.windows[ci]),
+                                 attn.scaling)  # [1, T, Hq * D]
+        x = x + linear(o, attn.o_proj, up_to)
+        return x + mlp(layer.post_attention_layernorm(x), layer.mlp, up_to)
+
+    def _masked(self, T: int, end: int) -> bool:
+        """Whether a pass of T positions ending at slot `end` needs a mask: more than one position,
+        or a sliding window that hides some of the cached keys."""
+        return T > 1 or any(w is not None and end > w for w in self.windows)
+
+    def _chunks(self, T: int, attn_len: int, masked: bool, by_row: bool) -> list[tuple[int, int, int, bool, bool]]:
+        """(lo, hi, end, masked, by_row) for each chunk of a pass of T consecutive slots ending at
+        attn_len: the whole pass when T <= PREFILL_CHUNK; otherwise chunks of PREFILL_CHUNK, each
+        as a pass of its own positions would be (its mask rule, and attention by row where the
+        model attends by row and the chunk is a short pass)."""
+        if T <= PREFILL_CHUNK:
+            return [(0, T, attn_len, masked, by_row)]
+        out = []
+        for lo in range(0, T, PREFILL_CHUNK):
+            hi = min(T, lo + PREFILL_CHUNK)
+            end = attn_len - (T - hi)
+            out.append((lo, hi, end, self._masked(hi - lo, end), self.row_attention and hi - lo <= PASS_WIDTHS[-1]))
+        return out
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, start: int, n_logits: int = 1) -> torch.Tensor:
@@ -337,20 +379,11 @@ class FastModel(attention.CachedPositions, TreePasses):
         n_rows = width if n_logits > 1 else 1  # a compiled pass returns 1 row or all of its rows
         if self._compiled is not None and (width, n_rows) in self.graph_shapes():
             out = self._compiled_pass(input_ids, start, T, width, n_logits)
-        else:  # eager: exactly T positions, in fixed-size chunks (bounded memory), over cache[:end]
-            outs = []
-            for c in range(0, T, PREFILL_CHUNK):
-                n_c = min(PREFILL_CHUNK, T - c)
-                want = min(n_c, max(0, n_logits - (T - c - n_c)))  # logits wanted from this chunk
-                pos = torch.arange(start + c, start + c + n_c, device=self.device)
-                rows = torch.arange(n_c - max(want, 1), n_c, device=self.device)
-                end_c = start + c + n_c
-                masked = n_c > 1 or any(w is not None and end_c > w for w in self.windows)
-                by_row = self.row_attention and n_c <= PASS_WIDTHS[-1]  # a prompt's prefill attends at once
-                logits = self._run(input_ids[c : c + n_c], pos, rows, end_c, masked, by_row)
-                if want:
-                    outs.append(logits[-want:])
-            out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        else:  # eager: exactly T positions over cache[:end] (a long one in chunks: `_run`)
+            pos = torch.arange(start, end, device=self.device)
+            rows = torch.arange(T - n_logits, T, device=self.device)
+            by_row = self.row_attention and T <= PASS_WIDTHS[-1]  # a prompt's prefill attends at once
+            out = self._run(input_ids, pos, rows, end, self._masked(T, end), by_row)
         if self.dtype == torch.float16:  # on the device: no read per pass
             bad = ~torch.isfinite(out[:, : self.vocab_limit]).all()
             self._nonfinite = bad if self._nonfinite is None else self._nonfinite | bad

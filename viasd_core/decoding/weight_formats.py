@@ -31,6 +31,7 @@ Which format is a value (weight_format.WeightFormat); this module packs the torc
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 
 import torch
@@ -73,23 +74,17 @@ def _check_torchao() -> None:
         raise ViasdError("--quant int8/int4 need torchao: pip install 'viasd[quant]' (or pip install torchao)")
 
 
-DENSE_PREFILL_ROWS = 17  # on CPU, a pass of this many rows or more (a prefill chunk) widens the weight once
+DENSE_PREFILL_ROWS = 17  # on CPU, a pass of this many rows or more (a prefill chunk) takes one dense product
 
 
 def _int8_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] times the int8 weight qdata [N, K] with one scale a row [N] -> [M, N]: on CUDA
     viasd_kernels' int8 matmul (a Triton kernel that widens the weight tile by tile in registers:
-    no per-call copy of the weight, inside or outside a compiled graph); on CPU PyTorch's own for
-    decode-sized passes (up to 16 rows: every verify pass, so `sd` stays exact), and for longer
-    ones (prompt prefill chunks, which every mode runs alike) the weight widened once to x's dtype
-    and one dense matmul: PyTorch's int8 kernel is built for few rows, and on this project's CPU a
-    768-token prefill of SmolLM2 took 1546 ms with it and 1064 ms this way (docs/benchmarks.md
-    section 14).
-    `_int8_mm_reference` is the kernel for every size, compared in tests/test_weight_formats.py."""
+    no per-call copy of the weight, inside or outside a compiled graph); on CPU PyTorch's own
+    (`_int8_mm_reference`, compared with the kernel in tests/test_kernels_int8_mm.py). CPU passes of
+    DENSE_PREFILL_ROWS rows or more do not come here (PackedLinear.forward)."""
     if x.is_cuda:
         return int8_mm(x, qdata, scale)
-    if x.shape[0] >= DENSE_PREFILL_ROWS:
-        return torch.nn.functional.linear(x, qdata.to(x.dtype) * scale[:, None])
     return _int8_mm_reference(x, qdata, scale)
 
 
@@ -100,19 +95,8 @@ def _int8_mm_reference(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor
 
 def _int4_mm(x: torch.Tensor, qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor) -> torch.Tensor:
     """x [M, K] (K the packed input width) times an int4 weight -> [M, N] (N the packed output width):
-    tinygemm's kernel, except for CPU passes of DENSE_PREFILL_ROWS rows or more (prefill chunks, which
-    every mode runs alike), which widen the weight once (`_int4_dense_cpu`) and take one dense
-    product, as int8 does: tinygemm streams the whole weight again for every 4 rows.
-    `_int4_mm_reference` is the kernel for every size, compared in tests/test_weight_formats.py."""
-    if x.device.type == "cpu" and x.shape[0] >= DENSE_PREFILL_ROWS:
-        dense = _int4_dense_cpu(qdata, group, scale_and_zero, x.dtype)
-        if dense is not None:
-            return torch.nn.functional.linear(x, dense)
-    return _int4_mm_reference(x, qdata, group, scale_and_zero)
-
-
-def _int4_mm_reference(x: torch.Tensor, qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor) -> torch.Tensor:
-    """tinygemm's int4 matmul on x's device, at any number of rows."""
+    tinygemm's kernel on x's device, at any number of rows. CPU passes of DENSE_PREFILL_ROWS rows or
+    more do not come here (PackedLinear.forward)."""
     if x.device.type == "cpu":
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, qdata, group, scale_and_zero)
     return torch.ops.aten._weight_int4pack_mm(x, qdata, group, scale_and_zero)
@@ -185,11 +169,34 @@ class PackedLinear(torch.nn.Module):
         self.register_buffer("qdata", qdata)
         self.register_buffer("scale", scale)  # int8: [out]; int4: tinygemm's scale_and_zero
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        self.holding = False  # while `widen_once` holds the widened weight (`held`; None: no dense form)
+        self.held: torch.Tensor | None = None
+
+    def widened(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The weight [out, in] in `dtype` exactly as the CPU kernel applies it (int8: q * scale,
+        rounded once; int4: `_int4_dense_cpu`); None off the CPU or where int4's layout is unknown."""
+        if self.qdata.device.type != "cpu":
+            return None
+        if self.kind == "int8":
+            return self.qdata.to(dtype) * self.scale[:, None].to(dtype)
+        return _int4_dense_cpu(self.qdata, self.group, self.scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Passes of up to 16 rows (decoding, every verify block) run the format's kernel, so a
+        row's numbers never depend on its pass (sd == ar). On CPU, longer ones (prompt prefill
+        chunks, which every mode runs alike) take one dense product over the widened weight: the
+        kernels are built for few rows (tinygemm streams the whole weight again for every 4 rows),
+        and a 768-token prefill of SmolLM2 took 1546 ms through PyTorch's int8 kernel against
+        1064 ms this way (docs/benchmarks.md section 14). The weight is the one `widen_once` holds
+        (a prefill's chunks share it) or widened for this call."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if self.kind == "int8":
+        dense = None
+        if x2.device.type == "cpu" and x2.shape[0] >= DENSE_PREFILL_ROWS:
+            dense = self.held if self.holding else self.widened(x2.dtype)
+        if dense is not None:
+            y = torch.nn.functional.linear(x2, dense)
+        elif self.kind == "int8":
             y = _int8_mm(x2.contiguous(), self.qdata, self.scale)
         else:
             if self.packed_in != self.in_features:  # CUDA's tile layout: zero columns up to the packed width
@@ -204,6 +211,22 @@ class PackedLinear(torch.nn.Module):
         group = f", group={self.group}" if self.kind == "int4" else ""
         padded = f", packed_in={self.packed_in}" if self.packed_in != self.in_features else ""
         return f"{self.kind}, in={self.in_features}, out={self.out_features}{group}{padded}"
+
+
+@contextlib.contextmanager
+def widen_once(module: torch.nn.Module, dtype: torch.dtype):
+    """Within the block, every CPU int8/int4 layer of `module` holds its weight widened to `dtype`
+    (PackedLinear.widened), so the chunks of a long prefill, run layer by layer, widen each layer
+    once instead of once a chunk. One layer's dense weights are held at a time when `module` is a
+    decoder layer; they are dropped on leaving the block."""
+    layers = [m for m in module.modules() if isinstance(m, PackedLinear)]
+    try:
+        for m in layers:
+            m.held, m.holding = m.widened(dtype), True
+        yield
+    finally:
+        for m in layers:
+            m.held, m.holding = None, False
 
 
 def _pack(linear: torch.nn.Linear, kind: str, dtype: torch.dtype | None = None) -> PackedLinear:
