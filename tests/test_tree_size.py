@@ -38,6 +38,12 @@ def test_interpolation_between_and_past_the_measured_widths():
     assert interpolate(curve, 20) == 10.0 and interpolate(curve, 4) == 4.0
 
 
+def test_a_width_measured_slower_than_a_wider_one_counts_at_the_wider_cost():
+    curve = {1: 16.5, 2: 19.1, 3: 31.2, 4: 25.7, 6: 36.6}  # a probe's noisy width 3 (ms)
+    assert interpolate(curve, 3) == 25.7 and interpolate(curve, 2) == 19.1
+    assert interpolate(curve, 5) == pytest.approx((25.7 + 36.6) / 2)
+
+
 def test_a_flat_curve_picks_the_widest_tree_and_a_steep_one_a_chain_or_plain():
     assert choose(OPTIONS, steep(0.0)) is TREE15  # a GPU: width is free, tau decides
     assert choose(OPTIONS, steep(0.02)) is TREE7

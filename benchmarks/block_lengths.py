@@ -1,0 +1,81 @@
+"""sd's block length chosen from measured costs against every fixed block length, in one process.
+
+    python benchmarks/block_lengths.py --threads 2 -n 64 --rounds 2 > out.json
+
+One session (the default pair and `--quant auto`), the 26 held-out prompts of
+docs/results/cpu-prompts.jsonl, greedy. Each prompt runs every method in turn (`ar`; `sd` with
+the block length from this machine's measured costs, the default; `sd` with the step rule on
+acceptance, as with `--tree off`; `sd --fixed -g G` for each G), and the rounds repeat that,
+so the machine's drift falls on all methods alike. tokens/s is new tokens over the wall time of
+the whole generate call (prefill included), as `viasd bench` reports it. Prints one JSON object
+(docs/benchmarks.md section 19).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.devices import device_name
+from viasd_core.loading.options import ModelOptions
+from viasd_core.loading.prompts import encode, load_prompts
+from viasd_core.session import build_session, choose_tree
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", default="2")
+    ap.add_argument("-n", "--max-new-tokens", type=int, default=64)
+    ap.add_argument("--fixed", default="1,2,3,4")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prompts", default="docs/results/cpu-prompts.jsonl")
+    args = ap.parse_args()
+    session = build_session(ModelOptions(threads=args.threads), mode="sd")
+    choice = choose_tree(session)
+    costs = choice.block_costs()
+    n = args.max_new_tokens
+    methods = {"ar": GenerationConfig(mode="ar", max_new_tokens=n),
+               "sd, measured costs": GenerationConfig(mode="sd", max_new_tokens=n, block_costs=costs),
+               "sd, step rule": GenerationConfig(mode="sd", max_new_tokens=n)}
+    for g in map(int, args.fixed.split(",")):
+        methods[f"sd --fixed -g {g}"] = GenerationConfig(mode="sd", max_new_tokens=n, gamma=g, adaptive=False)
+    engine = session.engine
+    prompts = [encode(session.tokenizer, p.text) for p in load_prompts(args.prompts)]
+    rates: dict[str, list[float]] = {m: [] for m in methods}
+    tokens = {m: 0 for m in methods}
+    passes = {m: 0 for m in methods}
+    for config in methods.values():  # warm-up
+        engine.reset()
+        engine.generate(prompts[0], config)
+    for _ in range(args.rounds):
+        for ids in prompts:
+            for name, config in methods.items():
+                engine.reset()
+                t = time.perf_counter()
+                gen = engine.generate(ids, config)
+                seconds = time.perf_counter() - t
+                rates[name].append(len(gen.tokens) / seconds)
+                tokens[name] += len(gen.tokens)
+                passes[name] += gen.stats.target_passes
+    ar = statistics.mean(rates["ar"])
+    out = {"device": device_name(engine.device), "threads": torch.get_num_threads(), "quant": session.options.quant,
+           "draft": session.draft_id, "prompts": len(prompts), "rounds": args.rounds, "max_new_tokens": n,
+           "tree": choice.to_dict(), "start_length": None, "methods": {}}
+    if costs is not None:
+        from viasd_core.decoding.draft_policy import DraftPolicy
+
+        out["start_length"] = DraftPolicy(5, 12, costs=costs).gamma
+    for name in methods:
+        mean = statistics.mean(rates[name])
+        out["methods"][name] = {"tokens_per_s": round(mean, 2), "std": round(statistics.stdev(rates[name]), 2),
+                                "x_ar": round(mean / ar, 3), "tokens_per_pass": round(tokens[name] / passes[name], 3)}
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
