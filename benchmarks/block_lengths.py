@@ -1,12 +1,11 @@
-"""sd's block length chosen from measured costs against every fixed block length, in one process.
+"""sd's adaptive block length against every fixed block length, in one process.
 
-    python benchmarks/block_lengths.py --threads 2 -n 64 --rounds 2 > out.json
+    python benchmarks/block_lengths.py --threads 2 -n 64 --rounds 1 > out.json
 
 One session (the default pair and `--quant auto`), the 26 held-out prompts of
-docs/results/cpu-prompts.jsonl, greedy. Each prompt runs every method in turn (`ar`; `sd` with
-the block length from this machine's measured costs, the default; `sd` with the step rule on
-acceptance, as with `--tree off`; `sd --fixed -g G` for each G), and the rounds repeat that,
-so the machine's drift falls on all methods alike. tokens/s is new tokens over the wall time of
+docs/results/cpu-prompts.jsonl, greedy, chains (no trees). Each prompt runs every method in turn
+(`ar`; `sd` with the default adaptive policy; `sd --fixed -g G` for each G), and the rounds repeat
+that, so the machine's drift falls on all methods alike. tokens/s is new tokens over the wall time of
 the whole generate call (prefill included), as `viasd bench` reports it. Prints one JSON object
 (docs/benchmarks.md section 19).
 """
@@ -24,7 +23,7 @@ from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.devices import device_name
 from viasd_core.loading.options import ModelOptions
 from viasd_core.loading.prompts import encode, load_prompts
-from viasd_core.session import build_session, choose_tree
+from viasd_core.session import build_session
 
 
 def main() -> None:
@@ -36,12 +35,8 @@ def main() -> None:
     ap.add_argument("--prompts", default="docs/results/cpu-prompts.jsonl")
     args = ap.parse_args()
     session = build_session(ModelOptions(threads=args.threads), mode="sd")
-    choice = choose_tree(session)
-    costs = choice.block_costs()
     n = args.max_new_tokens
-    methods = {"ar": GenerationConfig(mode="ar", max_new_tokens=n),
-               "sd, measured costs": GenerationConfig(mode="sd", max_new_tokens=n, block_costs=costs),
-               "sd, step rule": GenerationConfig(mode="sd", max_new_tokens=n)}
+    methods = {"ar": GenerationConfig(mode="ar", max_new_tokens=n), "sd": GenerationConfig(mode="sd", max_new_tokens=n)}
     for g in map(int, args.fixed.split(",")):
         methods[f"sd --fixed -g {g}"] = GenerationConfig(mode="sd", max_new_tokens=n, gamma=g, adaptive=False)
     engine = session.engine
@@ -64,12 +59,7 @@ def main() -> None:
                 passes[name] += gen.stats.target_passes
     ar = statistics.mean(rates["ar"])
     out = {"device": device_name(engine.device), "threads": torch.get_num_threads(), "quant": session.options.quant,
-           "draft": session.draft_id, "prompts": len(prompts), "rounds": args.rounds, "max_new_tokens": n,
-           "tree": choice.to_dict(), "start_length": None, "methods": {}}
-    if costs is not None:
-        from viasd_core.decoding.draft_policy import DraftPolicy
-
-        out["start_length"] = DraftPolicy(5, 12, costs=costs).gamma
+           "draft": session.draft_id, "prompts": len(prompts), "rounds": args.rounds, "max_new_tokens": n, "methods": {}}
     for name in methods:
         mean = statistics.mean(rates[name])
         out["methods"][name] = {"tokens_per_s": round(mean, 2), "std": round(statistics.stdev(rates[name]), 2),

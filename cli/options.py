@@ -39,7 +39,7 @@ DraftQuantOpt = Annotated[str, typer.Option("--draft-quant", help="Draft weights
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the model repo (off by default).")]
 AllowPickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow pickle (.bin) weights (off by default: safetensors only).")]
 ModeOpt = Annotated[str, typer.Option("--mode", help="ar (plain), sd (two-tier, exact), exact (multi-tier, exact) or viasd (three tiers, calibrated, lossy).")]
-GammaOpt = Annotated[int, typer.Option("--gamma", "-g", help="Draft tokens per step: every step's with --fixed; adaptive, the first block's where no costs were measured (--tree off or N), else chosen from this machine's measured costs.")]
+GammaOpt = Annotated[int, typer.Option("--gamma", "-g", help="Draft tokens per step: the first block when adaptive (then it follows acceptance, up to 12, or this if larger), every block with --fixed.")]
 AdaptiveOpt = Annotated[bool, typer.Option("--adaptive/--fixed", help="Adapt the draft length to acceptance and measured cost, with plain steps while drafting does not pay (default), or keep gamma fixed.")]
 MinConfidenceOpt = Annotated[float, typer.Option("--min-confidence", help="With --adaptive, a model draft stops before the token where its own estimate that the whole block is accepted (the product of its top probabilities) falls below this; 0 = off.")]
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Largest number of new tokens per prompt.")]
@@ -125,7 +125,6 @@ def open_session(opts: ModelOptions, config: GenerationConfig, progress) -> Sess
     if config.mode == "sd":
         choice = choose_tree(session, progress)
         config.tree = choice.shape
-        config.block_costs = choice.block_costs()
         if progress and choice.shape is not None:
             progress(f"draft trees of {choice.shape.size} tokens ({choice.reason})")
     config.validate()

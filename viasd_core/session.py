@@ -9,8 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from viasd_core import paths
-from viasd_core.decoding.draft_policy import DraftPolicy
-from viasd_core.decoding.engine import Engine, GenerationConfig
+from viasd_core.decoding.engine import Engine
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.loading.models import Loaded, eos_ids, forget_format, load_model
 from viasd_core.devices import free_memory_bytes
@@ -59,13 +58,6 @@ class Session:
                     + (" (compiles on CUDA only)" if self.options.compile == "auto" else "")))
         if self.tree is not None:
             out.append(("tree", f"{self.tree.shape.size} tokens" if self.tree.shape else "chains", self.tree.reason))
-            costs = self.tree.block_costs()
-            if self.tree.shape is None and costs is not None:
-                defaults = GenerationConfig()
-                start = DraftPolicy(defaults.gamma, defaults.gamma_max, costs=costs).gamma
-                out.append(("draft blocks", f"{start} tokens to start",
-                            "the length of most expected tokens/s from the measured verify costs and the probe's "
-                            "acceptance; then from the acceptance measured while generating"))
         return out
 
 

@@ -8,10 +8,8 @@ user's cache folder (`viasd doctor --refresh` measures again):
                    (a plain step, chains of 1..5, three tree shapes) on a few shipped prompts
 
 and picks the candidate of most expected tokens per second (decoding/tree_size.py). A chain or a
-plain step means no tree (chains are what `sd` drafts without one); the chains then start at the
-length the same costs favour and follow the acceptance measured while generating
-(`TreeChoice.block_costs`, draft_policy.py). `N` grows trees of N nodes without measuring; `off`
-never grows one.
+plain step means no tree (chains are what `sd` drafts without one). `N` grows trees of N nodes
+without measuring; `off` never grows one.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 from viasd_core import paths
-from viasd_core.decoding.draft_policy import BlockCosts
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.decoding.model import PASS_WIDTHS
 from viasd_core.decoding.pass_timing import time_passes
@@ -65,17 +62,6 @@ class TreeChoice:
     reason: str
     options: list[dict]  # every candidate: name, width, tau, draft_seconds, tokens_per_s (auto only)
     verify_seconds: dict[int, float]  # the measured curve (auto only)
-
-    def block_costs(self) -> BlockCosts | None:
-        """The measured costs and the probe's chain acceptance, for sd's block length
-        (draft_policy.DraftPolicy); None where nothing was measured (--tree off or N, a draft that
-        grows no trees, a cache written before the chains were kept)."""
-        chains = sorted((o for o in self.options if o.get("shape") is None and o["width"] > 1), key=lambda o: o["width"])
-        if not self.verify_seconds or not chains or chains[0]["width"] != 2:
-            return None
-        taus = [1.0] + [float(o["tau"]) for o in chains]
-        prior = tuple(max(0.0, b - a) for a, b in zip(taus, taus[1:]))  # P(tokens 1..g all accepted)
-        return BlockCosts(dict(self.verify_seconds), float(chains[0]["draft_seconds"]), prior)
 
     def to_dict(self) -> dict:
         """JSON-ready: the cache file, bench's meta block, doctor's report."""

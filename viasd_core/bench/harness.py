@@ -39,7 +39,6 @@ from viasd_core.decoding.fidelity import fidelity
 from viasd_core.loading.models import EMBEDDED_TARGET, eos_ids, pad_token_id
 from viasd_core.loading.prompts import Prompt, encode
 from viasd_core.session import Session, choose_tree, thresholds_of
-from viasd_core.tree_choice import parse_tree
 from viasd_core.decoding.slim_view import SlimView, slim_verifier
 from viasd_core.decoding.stats import TIERS
 
@@ -135,22 +134,18 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
     if any(m in config.methods for m in NEEDS_PROFILE):
         slim_engine, profile_error = _slim_engine(session)
 
-    def gen_config(mode, thresholds=None, tree=None, block_costs=None):
+    def gen_config(mode, thresholds=None, tree=None):
         return GenerationConfig(mode=mode, max_new_tokens=config.max_new_tokens, gamma=config.gamma,
                                 adaptive=config.adaptive, min_confidence=config.min_confidence, temperature=0.0,
-                                seed=config.seed, thresholds=thresholds, tree=tree, block_costs=block_costs)
+                                seed=config.seed, thresholds=thresholds, tree=tree)
 
     for m in config.methods:
         if m in NEEDS_DRAFT and engine.drafter is None:
             runners[m] = Skip("no draft (--draft none): this method needs a draft model or 'ngram'")
         elif m == "ar":
             runners[m] = EngineRunner(engine, gen_config("ar"))
-        elif m == "sd":  # chains; their length from this machine's measured costs (--tree auto's probe)
-            costs = None
-            if config.adaptive and parse_tree(session.options.tree) == "auto":
-                choice = session.tree or choose_tree(session, progress=lambda msg: print(msg, file=sys.stderr))
-                costs = choice.block_costs()
-            runners[m] = EngineRunner(engine, gen_config("sd", block_costs=costs))
+        elif m == "sd":
+            runners[m] = EngineRunner(engine, gen_config("sd"))
         elif m == "sd-tree":
             choice = session.tree or choose_tree(session, progress=lambda msg: print(msg, file=sys.stderr))
             runners[m] = (EngineRunner(engine, gen_config("sd", tree=choice.shape)) if choice.shape is not None

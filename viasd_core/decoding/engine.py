@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from viasd_core.decoding.draft_policy import BlockCosts, DraftPolicy
+from viasd_core.decoding.draft_policy import DraftPolicy
 from viasd_core.decoding.drafters import Drafter
 from viasd_core.decoding.model import PASS_WIDTHS, FastModel
 from viasd_core.decoding.router import Thresholds
@@ -54,9 +54,6 @@ class GenerationConfig:
     # block is accepted (the product of its token probabilities) falls below this (0 = off).
     min_confidence: float = 0.15
     tree: TreeShape | None = None  # sd: draft token trees of this shape (None: chains)
-    # Adaptive chains: this machine's measured costs, from which the block length is chosen
-    # (draft_policy.BlockCosts; None: the step rule on acceptance)
-    block_costs: BlockCosts | None = None
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -278,8 +275,7 @@ class Engine:
         # What the target's prefill pass wrote, plus the last prompt token (the first step runs it).
         stats.prefill_processed = self.target.seen - stats.prefill_cached + 1
         stats.time_prefill = self.clock() - t0
-        policy = DraftPolicy(config.gamma, max(config.gamma, config.gamma_max), adaptive=config.adaptive,
-                             costs=config.block_costs)
+        policy = DraftPolicy(config.gamma, max(config.gamma, config.gamma_max), adaptive=config.adaptive)
         try:
             while len(gen.tokens) < max_new:
                 g = 0 if plan.step is None else min(policy.block_length(), max_new - len(gen.tokens) - 1)
