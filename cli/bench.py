@@ -54,18 +54,21 @@ def print_summary(summary: dict, breakdown: bool) -> None:
              f"({meta['dtype']}, gamma {meta['gamma']}{' adaptive' if meta['adaptive'] else ''}, "
              f"{meta['n_prompts']} prompts x {meta['repeats']}, {meta['max_new_tokens']} new tokens max)")
     table = Table(title=title, title_justify="left")
-    for col in ("method", "tok/s", "x ar", "x hf", "tok/pass", "accept", "tiers a/s/f", "fidelity mean/min", "peak MiB", "status"):
+    for col in ("method", "tok/s", "x ar", "x hf", "TTFT ms", "tok/pass", "accept", "tiers a/s/f", "fidelity mean/min",
+                "peak MiB", "status"):
         table.add_column(col, justify="left" if col in ("method", "status", "tiers a/s/f") else "right")
     for m, s in summary["methods"].items():
         if s["status"] != "ok":
-            table.add_row(m, "", "", "", "", "", "", "", "", f"{s['status']}: {s['reason']}")
+            table.add_row(m, "", "", "", "", "", "", "", "", "", f"{s['status']}: {s['reason']}")
             continue
         tiers = s.get("tier_shares")
         tiers_text = f"{tiers['accept']:.2f}/{tiers['slim']:.2f}/{tiers['full'] + tiers['bonus']:.2f}" if tiers else "-"
         peak = s.get("peak_memory_bytes")
         table.add_row(
             m, f"{s['tokens_per_s_mean']:.1f} ± {s['tokens_per_s_std']:.1f}", _fmt(s["speedup_vs_ar"]),
-            _fmt(s["speedup_vs_hf"]), _fmt(s["mean_accepted_length"]), _fmt(s["acceptance_rate"]), tiers_text,
+            _fmt(s["speedup_vs_hf"]), _fmt(s["ttft_s_mean"] * 1e3 if s.get("ttft_s_mean") is not None else None, ".0f",
+                                           "not measured"),
+            _fmt(s["mean_accepted_length"]), _fmt(s["acceptance_rate"]), tiers_text,
             f"{s['fidelity_mean']:.3f}/{s['fidelity_min']:.3f}", _fmt(peak / 2**20 if peak else None, ".0f"), "ok",
         )
     console.print(table)

@@ -53,7 +53,7 @@ def test_full_run_files_schema_summary_plots(tiny_dirs, viasd_home, prompt_file,
     out = tmp_path / "run"
     r = run(*tiny_args(tiny_dirs, prompt_file, "--out", out, "--repeats", "2", "--breakdown"))
     assert r.exit_code == 0, r.stderr
-    assert "tok/s" in r.stdout and "Where the time goes" in r.stdout
+    assert "tok/s" in r.stdout and "Where the time goes" in r.stdout and "TTFT ms" in r.stdout
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     summary = json.loads((out / "summary.json").read_text())
 
@@ -68,6 +68,10 @@ def test_full_run_files_schema_summary_plots(tiny_dirs, viasd_home, prompt_file,
             assert row["target_passes"] >= 1 and sum(row["accepted_lengths"]) == row["new_tokens"]
             assert row["category"] == {"81": "writing", "82": "coding"}[row["prompt_id"]]
             assert 0.0 <= row["fidelity"] <= 1.0
+            if m in ("ar", "sd"):  # our engine's runs time their first token; transformers' are not measured
+                assert 0.0 < row["ttft_s"] <= row["wall_s"]
+            else:
+                assert row["ttft_s"] is None
     for m in ("exact", "viasd"):
         (row,) = [r for r in rows if r["method"] == m]
         assert row["status"] == "skipped" and "viasd calibrate" in row["reason"] and row["tokens_per_s"] is None
@@ -98,6 +102,8 @@ def test_full_run_files_schema_summary_plots(tiny_dirs, viasd_home, prompt_file,
         new = sum(r["new_tokens"] for r in ok_rows(rows, m))
         assert s["mean_accepted_length"] == pytest.approx(new / sum(r["target_passes"] for r in ok_rows(rows, m)))
         assert s["fidelity_mean"] == 1.0 and s["fidelity_min"] == 1.0 and s["peak_memory_bytes"] > 0
+        ttft = [r["ttft_s"] for r in ok_rows(rows, m) if r["ttft_s"] is not None]
+        assert s["ttft_s_mean"] == (pytest.approx(statistics.mean(ttft)) if m in ("ar", "sd") else None)
         for cat in ("writing", "coding"):
             cat_mean = statistics.mean(r["tokens_per_s"] for r in ok_rows(rows, m) if r["category"] == cat)
             assert s["by_category"][cat]["tokens_per_s_mean"] == pytest.approx(cat_mean)

@@ -137,6 +137,7 @@ def test_budget_and_stats_are_consistent():
     assert s.target_passes == len(s.accepted_lengths)
     assert s.mean_accepted_length == pytest.approx(23 / s.target_passes)
     assert s.position_attempts[0] == s.steps
+    assert s.time_prefill < s.time_first_token <= s.time_total  # the first token comes after the prefill's pass
 
 
 def test_hybrid_draft_is_exact_and_uses_both_sources():

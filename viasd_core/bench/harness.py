@@ -307,7 +307,7 @@ def status_row(method: str, status: str, reason: str) -> dict:
 
 
 ROW_FIELDS = ("method", "category", "prompt_id", "repeat", "status", "reason", "prompt_tokens", "new_tokens",
-              "finish_reason", "wall_s", "tokens_per_s", "target_passes", "steps", "accepted_lengths", "draft_tokens",
+              "finish_reason", "wall_s", "ttft_s", "tokens_per_s", "target_passes", "steps", "accepted_lengths", "draft_tokens",
               "position_attempts", "position_accepts", "tier_counts", "tier_shares", "fidelity", "times", "tokens")
 
 
@@ -317,7 +317,8 @@ def result_row(method: str, prompt: Prompt, repeat: int, ids: list[int], out: Ou
     row = {
         "method": method, "category": prompt.category, "prompt_id": prompt.id, "repeat": repeat, "status": "ok",
         "reason": None, "prompt_tokens": len(ids), "new_tokens": n, "finish_reason": out.finish_reason,
-        "wall_s": wall, "tokens_per_s": n / wall if wall > 0 else 0.0, "target_passes": out.target_passes,
+        "wall_s": wall, "ttft_s": None if s is None else s.time_first_token,  # transformers' runs: not measured
+        "tokens_per_s": n / wall if wall > 0 else 0.0, "target_passes": out.target_passes,
         "steps": None, "accepted_lengths": out.accepted_lengths, "draft_tokens": None, "position_attempts": None,
         "position_accepts": None, "tier_counts": None, "tier_shares": None, "fidelity": fid, "times": None,
         "tokens": list(out.tokens),

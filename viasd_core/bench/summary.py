@@ -55,6 +55,7 @@ def summarize(rows: list[dict], statuses: dict[str, dict], peaks: dict[str, int]
             speedup_vs_hf=_ratio(tps[m], tps.get("hf")),
             new_tokens_mean=new / len(rs),
             wall_s_mean=_mean([r["wall_s"] for r in rs]),
+            ttft_s_mean=_mean([r["ttft_s"] for r in rs if r.get("ttft_s") is not None]),  # None: not measured
             mean_accepted_length=new / passes if passes else None,
             target_passes_per_token=passes / new if new else None,
             accepted_length_counts=_histogram(lengths),

@@ -282,6 +282,8 @@ class Engine:
                 t_step = time.perf_counter()
                 result = plan.step(self, run, g) if g > 0 else plain_step(self, run)
                 self._commit(result)
+                if stats.time_first_token is None and result.tokens:  # the step ended with its device read
+                    stats.time_first_token = time.perf_counter() - t0
                 # adapt: the step ended with its device read, so its wall time is real
                 if "draft" in result.keep:  # a speculative step (its proposals may have been 0)
                     policy.record_spec(result.drafted, result.kept, len(result.tokens), time.perf_counter() - t_step)

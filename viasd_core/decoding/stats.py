@@ -33,6 +33,7 @@ class RunStats:
     time_slim: float = 0.0
     time_verify: float = 0.0
     time_total: float = 0.0
+    time_first_token: float | None = None  # from the call to its first new token: prefill and the first step
     fidelity: float | None = None  # lossy modes: fraction of tokens equal to the target's greedy choice
 
     def record_block(self, drafted: int, kept: int) -> None:
@@ -76,6 +77,8 @@ class RunStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("time_prefill", "time_draft", "time_slim", "time_verify", "time_total"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        if self.time_first_token is None:
+            self.time_first_token = other.time_first_token
         self.accepted_lengths += other.accepted_lengths
         n = max(len(self.position_attempts), len(other.position_attempts))
         for lst_name in ("position_attempts", "position_accepts"):

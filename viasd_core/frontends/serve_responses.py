@@ -43,7 +43,8 @@ def statistics(gen: Generation, draft: str) -> dict:
         "position_accepts": list(s.position_accepts), "tier_counts": dict(s.tier_counts), "tier_shares": s.tier_shares,
         "target_passes": s.target_passes, "slim_passes": s.slim_passes, "steps": s.steps, "draft_tokens": s.draft_tokens,
         "prefill_cached": s.prefill_cached, "prefill_processed": s.prefill_processed,
-        "time_s": s.time_total, "tokens_per_s": s.tokens_per_s, "fidelity": s.fidelity,
+        "time_s": s.time_total, "time_to_first_token_s": s.time_first_token, "tokens_per_s": s.tokens_per_s,
+        "fidelity": s.fidelity,
     }
 
 
