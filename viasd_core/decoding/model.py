@@ -41,6 +41,7 @@ from viasd_core.decoding.rope import apply_rope, check_rope
 from viasd_core.decoding.pass_widths import PASS_WIDTHS, pass_width
 from viasd_core.decoding.short_products import linear, mlp
 from viasd_core.decoding.tree_pass import TreePasses
+from viasd_core.decoding.fused_projections import fused
 from viasd_core.decoding.weight_formats import has_weight_format, widen_once
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
@@ -139,6 +140,9 @@ class FastModel(attention.CachedPositions, TreePasses):
         # block verification compute the same numbers (sd == ar). A model whose tokens need not
         # match another pass's (a slim view: slim_view.slim_verifier) may turn it off.
         self.row_attention = self.weight_format and self.device.type != "cuda"
+        # int8/int4 on CPU: q/k/v and gate/up as one product each (fused_projections.py)
+        cpu_packed = self.weight_format and self.device.type == "cpu"
+        self._fused = [fused(layer) if cpu_packed else None for layer in self.layers]
         # Float32 layers on CPU: passes of up to `short_rows` rows multiply through short_products.linear
         # (the weights read at the memory's speed). 1 until a session measures it (choose_rows); 0:
         # every product through the layers themselves (F.linear).
@@ -299,7 +303,7 @@ class FastModel(attention.CachedPositions, TreePasses):
             if len(chunks) == 1:
                 x = self._layer(ci, x, input_pos, cos, sin, attn_len, masks[0], by_row, key_mask)
                 continue
-            with widen_once(layer, self.dtype):
+            with widen_once(self._products(ci), self.dtype):
                 x = torch.cat([self._layer(ci, x[:, lo:hi], input_pos[lo:hi], cos[lo:hi], sin[lo:hi], end, mask,
                                            chunk_by_row, None)
                                for (lo, hi, end, _, chunk_by_row), mask in zip(chunks, masks)], dim=1)
@@ -321,10 +325,15 @@ class FastModel(attention.CachedPositions, TreePasses):
         up_to = self.short_rows  # float32 short passes on CPU: short_products.py
         layer = self.layers[ci]
         attn = layer.self_attn
+        f = self._fused[ci]
         h = layer.input_layernorm(x)
-        q = linear(h, attn.q_proj, up_to).view(1, T, s.n_heads, s.head_dim)
-        k = linear(h, attn.k_proj, up_to).view(1, T, s.n_kv_heads, s.head_dim)
-        v = linear(h, attn.v_proj, up_to).view(1, T, s.n_kv_heads, s.head_dim)
+        if f is not None and f.qkv is not None:
+            q, k, v = f.qkv(h).split(f.qkv_split, dim=-1)
+        else:
+            q, k, v = linear(h, attn.q_proj, up_to), linear(h, attn.k_proj, up_to), linear(h, attn.v_proj, up_to)
+        q = q.view(1, T, s.n_heads, s.head_dim)
+        k = k.view(1, T, s.n_kv_heads, s.head_dim)
+        v = v.view(1, T, s.n_kv_heads, s.head_dim)
         if hasattr(attn, "q_norm"):  # Qwen3
             q = attn.q_norm(q)
             k = attn.k_norm(k)
@@ -337,7 +346,20 @@ class FastModel(attention.CachedPositions, TreePasses):
             o = attention.attend(q, k_cache[:, :, :end], v_cache[:, :, :end], masks.get(self.windows[ci]),
                                  attn.scaling)  # [1, T, Hq * D]
         x = x + linear(o, attn.o_proj, up_to)
-        return x + mlp(layer.post_attention_layernorm(x), layer.mlp, up_to)
+        h = layer.post_attention_layernorm(x)
+        if f is not None and f.gate_up is not None:
+            gate, up = f.gate_up(h).split(f.gate_up_split, dim=-1)
+            return x + linear(layer.mlp.act_fn(gate) * up, layer.mlp.down_proj, up_to)
+        return x + mlp(h, layer.mlp, up_to)
+
+    def _products(self, ci: int) -> list[torch.nn.Module]:
+        """The linear layers run-layer `ci`'s pass calls (its fused projections where it has them)."""
+        layer = self.layers[ci]
+        attn, f = layer.self_attn, self._fused[ci]
+        qkv = [f.qkv] if f is not None and f.qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+        if f is not None and f.gate_up is not None:
+            return qkv + [attn.o_proj, f.gate_up, layer.mlp.down_proj]
+        return qkv + [attn.o_proj, layer.mlp]
 
     def _masked(self, T: int, end: int) -> bool:
         """Whether a pass of T positions ending at slot `end` needs a mask: more than one position,

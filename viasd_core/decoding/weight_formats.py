@@ -201,7 +201,9 @@ class PackedLinear(torch.nn.Module):
         else:
             if self.packed_in != self.in_features:  # CUDA's tile layout: zero columns up to the packed width
                 x2 = torch.nn.functional.pad(x2, (0, self.packed_in - self.in_features))
-            y = _int4_mm(x2.contiguous(), self.qdata, self.group, self.scale)
+            # tinygemm reads the scales as if contiguous: a layer fused with others (fuse_rows) views a column slice
+            scale = self.scale if self.scale.is_contiguous() else self.scale.contiguous()
+            y = _int4_mm(x2.contiguous(), self.qdata, self.group, scale)
         y = y[:, : self.out_features]  # tinygemm pads the output width
         if self.bias is not None:
             y = y + self.bias
@@ -213,13 +215,48 @@ class PackedLinear(torch.nn.Module):
         return f"{self.kind}, in={self.in_features}, out={self.out_features}{group}{padded}"
 
 
+def fuse_rows(parts: list[torch.nn.Module]) -> PackedLinear | None:
+    """One CPU int8/int4 layer computing the outputs of every layer of `parts` side by side (their
+    rows concatenated: q, k and v, or gate and up), so a pass makes one call where it made several.
+    The parts then view its packed data, so no weight is held twice (an int4 part's scales become a
+    column slice, made contiguous when the part itself is called). Each output is computed exactly
+    as the part computes it (tested bit for bit): the kernels compute every block of outputs alike.
+    None where the parts cannot share one packed layout: not all CPU int8/int4 layers of one kind
+    and input width, bias on some only, or int4 row counts off the layout's blocks."""
+    first = parts[0]
+    if not all(isinstance(p, PackedLinear) and p.kind == first.kind and p.in_features == first.in_features
+               and p.group == first.group and p.packed_in == p.in_features and p.qdata.device.type == "cpu"
+               and p.qdata.shape[0] == p.out_features and p.scale.dtype == first.scale.dtype
+               and (p.bias is None) == (first.bias is None) for p in parts):
+        return None
+    n, k = sum(p.out_features for p in parts), first.in_features
+    if first.kind == "int4":
+        block = _int4_cpu_block(n, k)
+        if block is None or any(p.out_features % block or _int4_cpu_block(p.out_features, k) != block for p in parts):
+            return None
+    with torch.no_grad():
+        qdata = torch.cat([p.qdata for p in parts])
+        scale = torch.cat([p.scale for p in parts], dim=1 if first.kind == "int4" else 0)
+        bias = None if first.bias is None else torch.cat([p.bias for p in parts])
+        fused = PackedLinear(first.kind, qdata, scale, n, k, first.group, bias)
+        lo = 0
+        for p in parts:
+            hi = lo + p.out_features
+            p.qdata = qdata[lo:hi]
+            p.scale = scale[:, lo:hi] if first.kind == "int4" else scale[lo:hi]
+            if bias is not None:
+                p.bias = torch.nn.Parameter(fused.bias[lo:hi], requires_grad=False)
+            lo = hi
+    return fused
+
+
 @contextlib.contextmanager
-def widen_once(module: torch.nn.Module, dtype: torch.dtype):
-    """Within the block, every CPU int8/int4 layer of `module` holds its weight widened to `dtype`
+def widen_once(modules: list[torch.nn.Module], dtype: torch.dtype):
+    """Within the block, every CPU int8/int4 layer in `modules` holds its weight widened to `dtype`
     (PackedLinear.widened), so the chunks of a long prefill, run layer by layer, widen each layer
-    once instead of once a chunk. One layer's dense weights are held at a time when `module` is a
-    decoder layer; they are dropped on leaving the block."""
-    layers = [m for m in module.modules() if isinstance(m, PackedLinear)]
+    once instead of once a chunk. The products of one decoder layer are held at a time; they are
+    dropped on leaving the block."""
+    layers = [m for module in modules for m in module.modules() if isinstance(m, PackedLinear)]
     try:
         for m in layers:
             m.held, m.holding = m.widened(dtype), True

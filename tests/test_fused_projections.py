@@ -1,0 +1,64 @@
+"""q/k/v and gate/up as one product each (int8/int4 on CPU): the pass computes exactly what it
+computes with the projections called one by one, and no weight is held twice."""
+
+import pytest
+import torch
+
+from conftest import FAMILIES, tiny_model
+from viasd_core.decoding import fused_projections
+from viasd_core.decoding import weight_formats as wf
+from viasd_core.decoding.model import FastModel
+from viasd_core.decoding.weight_format import WeightFormat
+
+# Wider than conftest's default: k and v (2 heads x 32) fill a block of PyTorch's CPU int4 layout (64 rows)
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+
+
+def passes(fast: FastModel, ids: torch.Tensor) -> torch.Tensor:
+    """A prefill, 1-token steps, a 4-token block and a rollback: every kind of pass, logits of all."""
+    out = [fast.forward(ids[:20], 0, 20)]
+    out += [fast.forward(ids[i : i + 1], i, 1) for i in range(20, 23)]
+    out.append(fast.forward(ids[23:27], 23, 4))
+    fast.rollback(24)
+    out.append(fast.forward(ids[24:30], 24, 6))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_projections_compute_what_the_separate_ones_do(family, fmt, monkeypatch):
+    model = wf.packed_copy(tiny_model(family, seed=8, **SHAPE), WeightFormat.parse(fmt))
+    ids = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        hf_before = model(ids[None]).logits
+    monkeypatch.setattr(fused_projections, "ENABLED", False)
+    separate = passes(FastModel(model, max_len=64), ids)
+    monkeypatch.setattr(fused_projections, "ENABLED", True)
+    fast = FastModel(model, max_len=64)
+    f = fast._fused[0]
+    assert f is not None and f.qkv is not None and f.gate_up is not None  # both fused at this shape
+    assert torch.equal(passes(fast, ids), separate)
+    # the model's own layers now view the fused data: one copy of every weight, and transformers'
+    # forward over them (bench's baselines, fidelity) is unchanged
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.qdata.untyped_storage().data_ptr() == f.qkv.qdata.untyped_storage().data_ptr()
+    with torch.no_grad():
+        assert torch.equal(model(ids[None]).logits, hf_before)
+    assert FastModel(model, max_len=64)._fused[0] is f  # one fusion per layer, shared
+
+
+def test_layers_that_cannot_share_a_layout_stay_separate():
+    def packed(n_in, n_out, fmt="int4", bias=False):
+        holder = torch.nn.Sequential(torch.nn.Linear(n_in, n_out, bias=bias).to(torch.bfloat16))
+        wf.apply_weight_format(holder, WeightFormat.parse(fmt))
+        return holder[0]
+
+    assert wf.fuse_rows([packed(64, 64), packed(64, 32)]) is None  # 32 rows: off the CPU layout's blocks
+    assert wf.fuse_rows([packed(64, 64), packed(64, 64, "int8")]) is None  # two kinds
+    assert wf.fuse_rows([packed(64, 64, "int8"), packed(64, 64, "int8", bias=True)]) is None  # bias on one only
+    assert wf.fuse_rows([packed(64, 64), torch.nn.Linear(64, 64)]) is None  # a float layer
+    a, b = packed(64, 64, "int8", bias=True), packed(64, 128, "int8", bias=True)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    want = torch.cat([a(x), b(x)], dim=-1)
+    fused = wf.fuse_rows([a, b])
+    assert torch.equal(fused(x), want) and torch.equal(torch.cat([a(x), b(x)], dim=-1), want)
