@@ -35,7 +35,7 @@ CHAIN = 5  # the probe's chain: tau of every shorter chain comes from its per-po
 CURVE_WIDTHS = (1, 2, 3, 4, 6, 8, 11, 16)
 PROBE_PROMPTS = 2
 PROBE_TOKENS = 32
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: int8/int4 passes fused (their costs changed)
 
 
 def shape_for_size(size: int) -> TreeShape:
