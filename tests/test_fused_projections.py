@@ -44,6 +44,14 @@ def test_fused_projections_compute_what_the_separate_ones_do(family, fmt, monkey
     assert attn.k_proj.qdata.untyped_storage().data_ptr() == f.qkv.qdata.untyped_storage().data_ptr()
     with torch.no_grad():
         assert torch.equal(model(ids[None]).logits, hf_before)
+    if fmt == "int4":  # a part's column slice of the scales, copied once on its first kernel call, then re-used
+        with torch.no_grad():
+            model(ids[None, :5])  # 5 rows: the kernel (30 took the widened weight)
+        copy = attn.k_proj._contiguous_scale
+        assert copy is not None and copy.is_contiguous() and torch.equal(copy, attn.k_proj.scale)
+        with torch.no_grad():
+            model(ids[None, :5])
+        assert attn.k_proj._contiguous_scale is copy
     assert FastModel(model, max_len=64)._fused[0] is f  # one fusion per layer, shared
 
 

@@ -170,6 +170,7 @@ class PackedLinear(torch.nn.Module):
         self.register_buffer("scale", scale)  # int8: [out]; int4: tinygemm's scale_and_zero
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
         self.holding = False  # while `widen_once` holds the widened weight (`held`; None: no dense form)
+        self._contiguous_scale: torch.Tensor | None = None  # int4 fused part: its scales, copied on first use
         self.held: torch.Tensor | None = None
 
     def widened(self, dtype: torch.dtype) -> torch.Tensor | None:
@@ -201,8 +202,13 @@ class PackedLinear(torch.nn.Module):
         else:
             if self.packed_in != self.in_features:  # CUDA's tile layout: zero columns up to the packed width
                 x2 = torch.nn.functional.pad(x2, (0, self.packed_in - self.in_features))
-            # tinygemm reads the scales as if contiguous: a layer fused with others (fuse_rows) views a column slice
-            scale = self.scale if self.scale.is_contiguous() else self.scale.contiguous()
+            # tinygemm reads the scales as if contiguous: a layer fused with others (fuse_rows) views a column
+            # slice, copied once on its first own call (transformers' forward: bench's baselines, fidelity)
+            scale = self.scale
+            if not scale.is_contiguous():
+                if self._contiguous_scale is None:
+                    self._contiguous_scale = scale.contiguous()
+                scale = self._contiguous_scale
             y = _int4_mm(x2.contiguous(), self.qdata, self.group, scale)
         y = y[:, : self.out_features]  # tinygemm pads the output width
         if self.bias is not None:
@@ -219,7 +225,7 @@ def fuse_rows(parts: list[torch.nn.Module]) -> PackedLinear | None:
     """One CPU int8/int4 layer computing the outputs of every layer of `parts` side by side (their
     rows concatenated: q, k and v, or gate and up), so a pass makes one call where it made several.
     The parts then view its packed data, so no weight is held twice (an int4 part's scales become a
-    column slice, made contiguous when the part itself is called). Each output is computed exactly
+    column slice, copied once if the part itself is ever called). Each output is computed exactly
     as the part computes it (tested bit for bit): the kernels compute every block of outputs alike.
     None where the parts cannot share one packed layout: not all CPU int8/int4 layers of one kind
     and input width, bias on some only, or int4 row counts off the layout's blocks."""
@@ -244,6 +250,7 @@ def fuse_rows(parts: list[torch.nn.Module]) -> PackedLinear | None:
             hi = lo + p.out_features
             p.qdata = qdata[lo:hi]
             p.scale = scale[:, lo:hi] if first.kind == "int4" else scale[lo:hi]
+            p._contiguous_scale = None
             if bias is not None:
                 p.bias = torch.nn.Parameter(fused.bias[lo:hi], requires_grad=False)
             lo = hi
