@@ -183,6 +183,9 @@ def test_commands_and_viasd_mode_with_a_profile(tiny_dirs, viasd_home, tmp_path)
     assert fields["fidelity budget"] == ">= 0.950" and fields["tok"] == str(turn.new_tokens)
     assert run_command(chat, "/temp 0.5").kind == "error" and chat.config.temperature == 0  # viasd: greedy-only
     assert run_command(chat, "/gamma x").kind == "error" and run_command(chat, "/save").kind == "error"
+    reply = run_command(chat, "/gamma 3")  # adaptive: the first block, then up to the cap
+    assert reply.text == "gamma 3 (adaptive: the first block; then it follows acceptance, up to 12)"
+    assert chat.config.gamma == 3 and chat.config.gamma_max == 12
     assert run_command(chat, "/reset").kind == "info" and chat.messages == [] and chat.engine.tokens == []
     assert run_command(chat, "/help").kind == "help" and run_command(chat, "/exit").kind == "exit"
     again = chat.ask("w1 w2 w3")

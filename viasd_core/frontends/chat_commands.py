@@ -104,7 +104,8 @@ def _gamma(chat: Chat, arg: str) -> Reply:
     except ValueError:
         raise UsageError(f"/gamma needs a whole number, got '{arg}'")
     _try_config(chat.config, gamma=n, gamma_max=max(chat.config.gamma_max, n))
-    return Reply("info", f"gamma {n}" + (" (adaptive: the largest)" if chat.config.adaptive else ""))
+    adaptive = f" (adaptive: the first block; then it follows acceptance, up to {chat.config.gamma_max})"
+    return Reply("info", f"gamma {n}" + (adaptive if chat.config.adaptive else ""))
 
 
 def _temp(chat: Chat, arg: str) -> Reply:
