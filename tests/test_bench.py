@@ -170,6 +170,44 @@ def test_failing_method_is_reported_failed(tiny_dirs, viasd_home, prompt_file, t
     assert "failed: RuntimeError: boom" in r.stdout
 
 
+def test_methods_take_turns_on_each_prompt_and_a_late_failure_drops_only_its_method(tiny_dirs, viasd_home,
+                                                                                  prompt_file, tmp_path, monkeypatch):
+    """Prompt by prompt, every method runs in turn (a drifting machine weighs on all alike); a method
+    that fails on its second prompt is reported failed, its first row dropped, and the others go on."""
+    original = core.make_runners
+    calls = []
+
+    class Recorded:
+        def __init__(self, name, inner, fail_on=None):
+            self.name, self.inner, self.fail_on, self.runs = name, inner, fail_on, 0
+
+        def reset(self):
+            self.inner.reset()
+
+        def __call__(self, prompt_ids):
+            self.runs += 1
+            calls.append(self.name)
+            if self.runs == self.fail_on:
+                raise RuntimeError("late")
+            return self.inner(prompt_ids)
+
+    def make_runners(session, config):
+        runners = original(session, config)
+        return {m: Recorded(m, r, fail_on=2 if m == "sd" else None) for m, r in runners.items()}
+
+    monkeypatch.setattr(core, "make_runners", make_runners)
+    out = tmp_path / "run"
+    r = run(*tiny_args(tiny_dirs, prompt_file, "--methods", "ar,hf,sd", "--out", out, "--warmup", "0", "--repeats", "2"))
+    assert r.exit_code == 0, r.stderr
+    # prompt 81 repeat 0: ar, hf, sd; repeat 1: ar, hf, sd (its 2nd run fails); prompt 82: ar, hf twice
+    assert calls == ["ar", "hf", "sd", "ar", "hf", "sd", "ar", "hf", "ar", "hf"]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [row["method"] for row in rows] == ["ar"] * 4 + ["hf"] * 4 + ["sd"]  # grouped by method in the file
+    assert rows[-1]["status"] == "failed" and rows[-1]["reason"] == "RuntimeError: late"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["methods"]["sd"]["status"] == "failed" and summary["methods"]["hf"]["runs"] == 4
+
+
 def test_ngram_draft_skips_hf_assisted_and_bad_options(tiny_dirs, viasd_home, prompt_file):
     r = run(*tiny_args(tiny_dirs, prompt_file, "--methods", "hf-assisted", "--json", "-q", draft="ngram"))
     assert r.exit_code == 0, r.stderr

@@ -110,7 +110,7 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 def peak_memory_source(device: torch.device) -> str:
     if device.type == "cuda":
-        return "torch.cuda.max_memory_allocated, reset before each method"
+        return "torch.cuda.max_memory_allocated, reset before each run: the largest of the method's runs"
     return "process peak RSS (getrusage ru_maxrss): a high-water mark of the whole process, not per method"
 
 
@@ -249,54 +249,74 @@ def _slim_engine(session: Session):
 
 def run_bench(session: Session, prompts: list[Prompt], config: BenchConfig,
               on_run: Callable[[str, str], None] | None = None, runners: dict | None = None) -> BenchResult:
-    """Run every method over every prompt `repeats` times (after `warmup` untimed runs per method)."""
+    """Run every method over every prompt `repeats` times (after `warmup` untimed runs per method).
+
+    The methods take turns on each prompt (prompt 1: every method, then prompt 2, ...), so a
+    machine whose speed drifts during the run (another job, clocks, a shared host) weighs on every
+    method alike instead of on whichever ran last. A method that fails is dropped (its rows with it)
+    and the others go on. Peak memory on CUDA is the largest of the method's own runs."""
     config.validate()
     device = session.engine.device
     encoded = [(p, encode(session.tokenizer, p.text, raw=config.raw)) for p in prompts]
     runners = runners if runners is not None else make_runners(session, config)
-    rows: list[dict] = []
     statuses: dict[str, dict] = {}
     peaks: dict[str, int] = {}
     per_method = len(prompts) * config.repeats
+    method_rows: dict[str, list[dict]] = {}
+    done: dict[str, int] = {}
+
+    def fail(method: str, e: Exception) -> None:
+        reason = e.message if isinstance(e, ViasdError) else f"{type(e).__name__}: {e}"
+        statuses[method] = {"status": "failed", "reason": reason}
+        method_rows[method] = [status_row(method, "failed", reason)]
+        if on_run:
+            on_run(method, "failed", per_method - done[method])
+
     for method in config.methods:
         runner = runners[method]
         if isinstance(runner, Skip):
             statuses[method] = {"status": "skipped", "reason": str(runner)}
-            rows.append(status_row(method, "skipped", str(runner)))
+            method_rows[method] = [status_row(method, "skipped", str(runner))]
             if on_run:
                 on_run(method, "skipped", per_method)
             continue
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        method_rows: list[dict] = []
-        done = 0
+        method_rows[method], done[method] = [], 0
         try:
             for i in range(config.warmup):
                 runner.reset()
                 torch.manual_seed(config.seed)
                 runner(encoded[i % len(encoded)][1])
-            for prompt, ids in encoded:
-                for rep in range(config.repeats):
+        except Exception as e:  # noqa: BLE001 - a broken method must not stop the others
+            fail(method, e)
+    running = [m for m in config.methods if m in done and m not in statuses]
+    for prompt, ids in encoded:
+        for rep in range(config.repeats):
+            for method in list(running):
+                runner = runners[method]
+                try:
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(device)
                     runner.reset()
                     torch.manual_seed(config.seed)
                     t0 = _clock(device)
                     out = runner(ids)
                     wall = _clock(device) - t0
+                    if device.type == "cuda":
+                        peaks[method] = max(peaks.get(method, 0), peak_memory_bytes(device))
                     fid = fidelity(session.target.model, ids, out.tokens)
-                    method_rows.append(result_row(method, prompt, rep, ids, out, wall, fid))
-                    done += 1
-                    if on_run:
-                        on_run(method, prompt.id, 1)
-        except Exception as e:  # noqa: BLE001 - a broken method must not stop the others
-            reason = e.message if isinstance(e, ViasdError) else f"{type(e).__name__}: {e}"
-            statuses[method] = {"status": "failed", "reason": reason}
-            rows.append(status_row(method, "failed", reason))
-            if on_run:
-                on_run(method, "failed", per_method - done)
-            continue
+                    method_rows[method].append(result_row(method, prompt, rep, ids, out, wall, fid))
+                except Exception as e:  # noqa: BLE001 - a broken method must not stop the others
+                    fail(method, e)
+                    running.remove(method)
+                    continue
+                done[method] += 1
+                if on_run:
+                    on_run(method, prompt.id, 1)
+    for method in running:
         statuses[method] = {"status": "ok", "reason": None}
-        peaks[method] = peak_memory_bytes(device)
-        rows.extend(method_rows)
+        if device.type != "cuda":
+            peaks[method] = peak_memory_bytes(device)  # the process's high-water mark (meta.peak_memory)
+    rows = [row for method in config.methods for row in method_rows[method]]
     return BenchResult(rows, statuses, peaks)
 
 
