@@ -31,12 +31,15 @@ def main() -> None:
     ap.add_argument("--threads", default="2")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=64)
     ap.add_argument("--fixed", default="1,2,3,4")
+    ap.add_argument("--start", default="", help="also adaptive sd from these first block lengths (default: 5)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", default="docs/results/cpu-prompts.jsonl")
     args = ap.parse_args()
     session = build_session(ModelOptions(threads=args.threads), mode="sd")
     n = args.max_new_tokens
     methods = {"ar": GenerationConfig(mode="ar", max_new_tokens=n), "sd": GenerationConfig(mode="sd", max_new_tokens=n)}
+    for g in (int(g) for g in args.start.split(",") if g):
+        methods[f"sd -g {g}"] = GenerationConfig(mode="sd", max_new_tokens=n, gamma=g)
     for g in map(int, args.fixed.split(",")):
         methods[f"sd --fixed -g {g}"] = GenerationConfig(mode="sd", max_new_tokens=n, gamma=g, adaptive=False)
     engine = session.engine

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -20,8 +21,13 @@ def _register() -> None:
     import importlib
     import logging
 
+    from viasd_core import paths
+
     # bitsandbytes logs notices on import and on every 8-bit matmul; stderr is for our statistics.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # inductor's compiled kernels, kept for later runs under our cache (not a temporary folder).
+    # Set before anything imports torch._dynamo, which fixes the folder on import.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(paths.cache_dir() / "inductor"))
 
     for name in ("generate", "calibrate", "bench", "chat", "pull", "models", "distill", "doctor", "serve"):
         try:

@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from viasd_core.compile_choice import parse_compile
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.errors import ViasdError
 from viasd_core.loading.models import EMBEDDED_TARGET
@@ -50,7 +51,7 @@ SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for 
 StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")]
 ProfileOpt = Annotated[Optional[str], typer.Option("--profile", help="Calibration profile file (default: the one saved for this pair).")]
 MaxContextOpt = Annotated[Optional[int], typer.Option("--max-context", help="Positions every KV cache holds, allocated once (default: the model's context, at most 4096, within a quarter of free memory).")]
-CompileOpt = Annotated[str, typer.Option("--compile", help="torch.compile the decoding passes: auto (on CUDA, with CUDA graphs), on, off (eager; for debugging).")]
+CompileOpt = Annotated[str, typer.Option("--compile", help="torch.compile the decoding passes: auto (on CUDA, with CUDA graphs; on a CPU where `viasd doctor` timed it faster), on, off (eager).")]
 ThreadsOpt = Annotated[str, typer.Option("--threads", help="CPU threads for the passes: auto (the fastest of a few counts, timed at start-up: a busy machine gets fewer) or a count.")]
 TreeOpt = Annotated[str, typer.Option("--tree", help="sd's draft token trees (an EAGLE-3 head draft): auto (the size that measures fastest on this machine, measured once and cached), off (chains), or a node count 1-15.")]
 
@@ -116,11 +117,13 @@ def generation_options(max_new_tokens: int):
     )
 
 
-def open_session(opts: ModelOptions, config: GenerationConfig, progress) -> Session:
-    """The session for `config.mode`; the config then gets the profile's thresholds and is validated."""
+def open_session(opts: ModelOptions, config: GenerationConfig, progress, long_lived: bool = False) -> Session:
+    """The session for `config.mode`; the config then gets the profile's thresholds and is validated.
+    `long_lived`: a server's session (compiling at start-up may pay on a CPU: compile_choice.py)."""
     parse_tree(opts.tree)  # fail fast, before loading models
     parse_threads(opts.threads)
-    session = build_session(opts, mode=config.mode, progress=progress)
+    parse_compile(opts.compile)
+    session = build_session(opts, mode=config.mode, progress=progress, long_lived=long_lived)
     config.thresholds = thresholds_of(session.profile)
     if config.mode == "sd":
         choice = choose_tree(session, progress)

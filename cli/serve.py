@@ -55,6 +55,6 @@ def serve(
     except ModuleNotFoundError as e:
         raise UsageError(f"viasd serve needs '{e.name}': install the serve extra (pip install 'viasd[serve]')")
     log = lambda msg: typer.echo(msg, err=True)  # noqa: E731
-    session = open_session(opts, config, progress=log)
+    session = open_session(opts, config, progress=log, long_lived=True)
     run(session, config, ServeSettings(api_key=api_key or None, max_queue=max_queue, timeout=timeout), host, port,
         name=served_model_name, progress=log, out=typer.echo)

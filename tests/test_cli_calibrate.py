@@ -24,9 +24,9 @@ def spied(monkeypatch):
         seen["sessions"].append(build(*args, **kwargs))
         return seen["sessions"][-1]
 
-    def apply_compile(engine, choice):
+    def apply_compile(engine, choice, *args, **kwargs):
         seen["compile"].append(choice)
-        return apply(engine, choice)
+        return apply(engine, choice, *args, **kwargs)
 
     def rename(src, dst):
         seen["renames"].append((Path(src), Path(dst)))

@@ -6,6 +6,7 @@ import torch
 from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
+from viasd_core import compile_choice
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.frontends.doctor import FAIL, PASS, SKIP, check_exact_mode, environment, run_doctor
 from viasd_core.loading.options import ModelOptions
@@ -33,7 +34,10 @@ class CorruptingDrafter:
         return getattr(self.inner, name)
 
 
-def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home):
+def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home, monkeypatch):
+    # --compile auto on a CPU: doctor times eager against compiled (here a stand-in saying eager wins)
+    timings = []
+    monkeypatch.setattr(compile_choice, "time_compiled", lambda model: timings.append(model) or {"eager": 0.02, "compiled": 0.03})
     r = doctor("-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "--prompts", 2, "-n", 12, "--json")
     assert r.exit_code == 0, r.stderr
     report = json.loads(r.stdout)
@@ -41,6 +45,7 @@ def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home):
     env = report["environment"]
     assert env["device"] == "cpu" and env["dtype"] == "float32" and env["compiled"] == []
     assert env["cuda_graphs"] is False and env["cuda_graphs_recorded"] == 0 and env["torch"] == torch.__version__
+    assert len(timings) == 1 and env["compile_reason"].startswith("auto: eager, compiled is not 5% faster here")
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status == {"compiled == eager": SKIP, "sd == ar (greedy)": PASS, "exact == ar (greedy)": PASS,
                       "sd with trees of 10 == ar (greedy)": SKIP}  # a draft model grows no trees
@@ -48,6 +53,7 @@ def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home):
     assert report["speed"]["ar"]["tokens_per_s"] > 0 and report["speed"]["sd"]["tokens_per_target_pass"] >= 1
     table = doctor("-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "--prompts", 1, "-n", 8, "--no-speed")
     assert table.exit_code == 0 and "sd == ar (greedy)" in table.stdout and "pass" in table.stdout
+    assert len(timings) == 1 and "(cached)" in table.stdout  # --no-speed measures nothing: the verdict is read
 
 
 def test_doctor_compares_the_compiled_pass_with_eager(tiny_dirs, viasd_home):

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 
-from viasd_core import paths
+from viasd_core.compile_choice import CompileChoice, resolve_compile
 from viasd_core.decoding.engine import Engine
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.loading.models import Loaded, eos_ids, forget_format, load_model
@@ -16,7 +15,7 @@ from viasd_core.devices import free_memory_bytes
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.short_products import choose_rows
 from viasd_core.loading.drafter_factory import load_drafter
-from viasd_core.loading.options import COMPILE_CHOICES, DEFAULT_CONTEXT_CAP, ModelOptions
+from viasd_core.loading.options import DEFAULT_CONTEXT_CAP, ModelOptions
 from viasd_core.loading.profile import Profile, find_profile
 from viasd_core.loading.vocab_rows import cap_vocab, token_rows, tokenizer_size
 from viasd_core.decoding.router import Thresholds
@@ -33,6 +32,7 @@ class Session:
     profile: Profile | None
     options: ModelOptions
     compile_seconds: float | None = None  # time spent compiling at start-up (None: eager)
+    compile: CompileChoice | None = None  # --compile as resolved at start-up (compile_choice.py)
     tree: TreeChoice | None = None  # sd's draft trees, once `choose_tree` resolved --tree
     threads: ThreadChoice | None = None  # --threads as resolved at start-up (threads.py)
     short_rows_reason: str = ""  # why short float32 passes take the blocked product or not (short_products.py)
@@ -45,26 +45,25 @@ class Session:
         """What the session chose where the user left it to viasd, and why: (setting, value, reason)
         for the weight format, the CPU threads, the short-pass product, compilation and sd's draft
         trees (once chosen)."""
-        engine = self.engine
-        compiled = ", ".join(engine.compiled_models)
+        compiled = ", ".join(self.engine.compiled_models)
         fmt = str(self.target.format)
         out = [("weights", fmt, self.target.format_reason.removeprefix(f"{fmt}: "))]
         if self.threads is not None:
             out.append(("threads", str(self.threads.threads), self.threads.reason))
-        rows = engine.target.short_rows
+        rows = self.engine.target.short_rows
         out.append(("short passes", f"blocked up to {rows} rows" if rows else "F.linear", self.short_rows_reason))
-        out.append(("compile", "on" if compiled else "off",
-                    f"compiled: {compiled}" if compiled else f"--compile {self.options.compile}"
-                    + (" (compiles on CUDA only)" if self.options.compile == "auto" else "")))
+        if self.compile is not None:
+            out.append(("compile", f"on ({compiled})" if compiled else "off", self.compile.reason))
         if self.tree is not None:
             out.append(("tree", f"{self.tree.shape.size} tokens" if self.tree.shape else "chains", self.tree.reason))
         return out
 
 
 def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_profile: bool | None = None,
-                  refresh: bool = False) -> Session:
+                  refresh: bool = False, long_lived: bool = False) -> Session:
     """The session for `opts` and `mode`. `refresh`: measure again what is measured once per machine
-    and cached (`--quant auto`'s format, the short-pass product; `viasd doctor`)."""
+    and cached (`--quant auto`'s format, the short-pass product, `--compile auto`; `viasd doctor`).
+    `long_lived`: the session serves many requests (`viasd serve`; compile_choice.py)."""
     if refresh and str(opts.quant).strip().lower() == "auto":
         forget_format(opts.model, opts.device)
     target = load_model(opts.model, dtype=opts.dtype, device=opts.device, revision=opts.revision,
@@ -99,7 +98,11 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
     rows_key = {"target": target.model_id, "draft": draft_id, "format": opts.quant,
                 "dtype": str(target_fast.dtype).replace("torch.", "")}
     _, session.short_rows_reason = choose_rows(engine, rows_key, refresh)
-    if apply_compile(engine, opts.compile):
+    compile_key = {"target": target.model_id, "draft": draft_id, "format": opts.quant,
+                   "dtype": str(target_fast.dtype).replace("torch.", ""), "context": max_context}
+    session.compile = apply_compile(engine, opts.compile, compile_key, measure=refresh, long_lived=long_lived,
+                                    progress=progress)
+    if engine.compiled:
         if progress:
             progress("compiling the decoding graphs (torch.compile; cached for later runs)...")
         session.compile_seconds = engine.warm_up()
@@ -173,15 +176,14 @@ def context_size(hf_model, requested: int | None, progress=None) -> int:
     return size
 
 
-def apply_compile(engine: Engine, choice: str) -> bool:
-    """torch.compile the engine's models' passes (`auto`: on CUDA only). Returns whether any compiled."""
-    if choice not in COMPILE_CHOICES:
-        raise UsageError(f"unknown --compile '{choice}': use auto, on or off")
-    if choice == "off" or (choice == "auto" and engine.device.type != "cuda"):
-        return False
-    # inductor's compiled kernels are cached on disk and re-used by later runs
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(paths.cache_dir() / "inductor"))
-    return engine.compile()
+def apply_compile(engine: Engine, choice: str, key: dict, measure: bool = False, long_lived: bool = False,
+                  progress=None) -> CompileChoice:
+    """Decide --compile for the engine (compile_choice.py; `measure`: time this machine again) and
+    torch.compile its models' passes where the choice is on."""
+    decided = resolve_compile(engine.target, choice, key, measure, long_lived, progress)
+    if decided.on:
+        engine.compile()
+    return decided
 
 
 def thresholds_of(profile: Profile | None) -> Thresholds | None:

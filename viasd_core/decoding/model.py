@@ -30,6 +30,7 @@ shares every weight and costs only its own KV cache.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -232,7 +233,7 @@ class FastModel(attention.CachedPositions, TreePasses):
         token eager, 15.1 ms for the compiled 2-token pass that would be needed). On CUDA the
         default mode is "reduce-overhead" (CUDA graphs).
         """
-        if self.quantized or (self.weight_format and self.device.type != "cuda"):
+        if not self.compilable:
             return False
         if mode == "default" and self.device.type == "cuda":
             mode = "reduce-overhead"
@@ -247,9 +248,29 @@ class FastModel(attention.CachedPositions, TreePasses):
                                              static=list(self.cache.buffers()))
         return True
 
+    def uncompile(self) -> None:
+        """Drop the compiled graphs: every pass runs eager again."""
+        self._compiled = None
+        self.compile_mode = None
+
+    @property
+    def compilable(self) -> bool:
+        """Whether `compile` applies (see there): not bitsandbytes, not int8/int4 off CUDA."""
+        return not (self.quantized or (self.weight_format and self.device.type != "cuda"))
+
     @property
     def compiled(self) -> bool:
         return self._compiled is not None
+
+    @contextlib.contextmanager
+    def eager(self):
+        """Run every pass eagerly inside the block; a compiled model keeps its graphs for after it
+        (timing the two on the same model: compile_choice.py)."""
+        compiled, self._compiled = self._compiled, None
+        try:
+            yield self
+        finally:
+            self._compiled = compiled
 
     @property
     def min_pass(self) -> int:

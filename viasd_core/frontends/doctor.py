@@ -86,6 +86,7 @@ def environment(session: Session) -> dict:
         "cuda_graphs": None,
         "cuda_graphs_recorded": None,
         "compile_seconds": session.compile_seconds,
+        "compile_reason": session.compile.reason if session.compile else None,
         "threads": torch.get_num_threads(),
         "threads_reason": session.threads.reason if session.threads else None,
         "short_passes": session.short_rows_reason or None,
