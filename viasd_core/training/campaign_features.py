@@ -81,6 +81,10 @@ class CampaignRecords(Sequence[FeatureRecord]):
         start = max(self.seqs[k].prompt_lens[i] - 1, 0)
         return torch.from_numpy(np.array(self._shard(k).top_ids[lo + start : hi - 1, 0])).long()
 
+    def lengths(self) -> list[int]:
+        """Each selected sequence's token count (no feature read)."""
+        return [len(self.tokens(n)[0]) for n in range(len(self))]
+
     def positions(self) -> tuple[int, int]:
         """(all positions, generated positions) of the selected sequences."""
         toks = [self.tokens(n) for n in range(len(self))]

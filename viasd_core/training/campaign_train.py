@@ -34,10 +34,14 @@ from viasd_core.training.teacher_answers import choose_vocab
 class TrainConfig:
     draft_vocab: int = 8192
     held_out_eval: int = 120  # held-out sequences scored at each evaluation (the first ones)
+    # batches of similar length (runs of 50 batches sorted by length): the answers' lengths spread
+    # widely (median 247 tokens, 90th percentile 479), so random batches compute ~1.6x the real positions
     data: eagle_train.HeadTrainConfig = field(default_factory=lambda: eagle_train.HeadTrainConfig(
-        steps=6000, batch_size=8, lr=1e-3, warmup=100, ttt_steps=3, eval_every=500, checkpoint_every=50))
+        steps=6000, batch_size=8, lr=1e-3, warmup=100, ttt_steps=3, eval_every=500, checkpoint_every=50,
+        group_by_length=50))
     on_policy: eagle_train.HeadTrainConfig = field(default_factory=lambda: eagle_train.HeadTrainConfig(
-        steps=1200, batch_size=8, lr=3e-4, warmup=20, ttt_steps=3, eval_every=200, checkpoint_every=50))
+        steps=1200, batch_size=8, lr=3e-4, warmup=20, ttt_steps=3, eval_every=200, checkpoint_every=50,
+        group_by_length=50))
     seed: int = 0
 
 
@@ -76,7 +80,8 @@ def train_on_data(model, layers: Sequence[int], train: CampaignRecords, held: Ca
     all_pos, gen_pos = train.positions()
     log(f"train: {len(train)} sequences ({all_pos} positions, {gen_pos} generated), {len(held)} held out")
     result = eagle_train.train_head(head, train, config.data, checkpoint=work / "train" / "head.ckpt",
-                                    eval_fn=_held_score(held_few) if held_few else None, log=log)
+                                    eval_fn=_held_score(held_few) if held_few else None, log=log,
+                                    lengths=train.lengths())
     info = {"recipe": "viasd training campaign: data", "sequences": len(train), "positions": all_pos,
             "generated_positions": gen_pos, "held_out_sequences": len(held), "feature_layers": list(layers),
             "train": {k: v for k, v in result.items() if k != "losses"}, "config": asdict(config.data)}
@@ -114,6 +119,11 @@ class Mixed(Sequence[eagle_train.FeatureRecord]):
     def __getitem__(self, n: int) -> eagle_train.FeatureRecord:  # type: ignore[override]
         return self.a[n] if n < len(self.a) else self.b[self.pick[n - len(self.a)]]
 
+    def lengths(self) -> list[int]:
+        """Each sequence's token count (no feature read)."""
+        b = self.b.lengths()
+        return self.a.lengths() + [b[i] for i in self.pick]
+
 
 def train_on_policy(model, data_head: Path, on_policy: CampaignRecords, train: CampaignRecords,
                     held: CampaignRecords, config: TrainConfig, work: Path, log: Callable[[str], None]) -> Path:
@@ -129,7 +139,8 @@ def train_on_policy(model, data_head: Path, on_policy: CampaignRecords, train: C
     mixed = Mixed(on_policy, train, config.seed)
     log(f"on-policy training: {len(on_policy)} on-policy sequences + {len(mixed) - len(on_policy)} training sequences")
     result = eagle_train.train_head(head, mixed, config.on_policy, checkpoint=work / "train" / "on_policy.ckpt",
-                                    eval_fn=_held_score(held_few) if held_few else None, log=log)
+                                    eval_fn=_held_score(held_few) if held_few else None, log=log,
+                                    lengths=mixed.lengths())
     info["on_policy"] = {"sequences": len(on_policy), "mixed_with": len(mixed) - len(on_policy),
                          "train": {k: v for k, v in result.items() if k != "losses"}, "config": asdict(config.on_policy)}
     return _save(head, folder, info)

@@ -276,6 +276,8 @@ class HeadTrainConfig:
     eval_every: int = 200
     checkpoint_every: int = 100
     time_limit_s: Optional[float] = None
+    # > 0 (with `lengths`): batches of similar length, from runs of this many batches (epoch_order)
+    group_by_length: int = 0
 
 
 def draft_index(head: FeatureHead) -> torch.Tensor:
@@ -289,12 +291,45 @@ def _trainable(head: FeatureHead):
     return [p for n, p in head.named_parameters() if not n.startswith("embed_tokens.")]
 
 
+def epoch_order(n: int, batch_size: int, seed: int, epoch: int, lengths: Optional[Sequence[int]] = None,
+                group: int = 0) -> list[int]:
+    """One epoch's order of the record indices 0..n-1, seeded by `seed` and `epoch` (a resumed run
+    sees the same order): shuffled; with `lengths` and `group` > 0, grouped by length as
+    transformers' LengthGroupedSampler does: each run of group * batch_size shuffled indices is
+    sorted by length and cut into batches, and the whole batches are shuffled (n % batch_size
+    records sit out that epoch). A batch is padded to its longest sequence, so similar lengths waste
+    less of every step (the sequences of a run are still a random draw, and a batch's place in the
+    epoch is random)."""
+    rng = random.Random(seed * 100_003 + epoch)
+    order = list(range(n))
+    rng.shuffle(order)
+    if not group or lengths is None or n < batch_size:
+        return order
+    run = group * batch_size
+    batches = []
+    for lo in range(0, n, run):
+        part = sorted(order[lo : lo + run], key=lambda i: -lengths[i])
+        batches += [part[b : b + batch_size] for b in range(0, len(part), batch_size)]
+    # whole batches only (the shuffle leaves out a different n % batch_size records each epoch), so
+    # that the next epoch's batches start aligned too
+    batches = [b for b in batches if len(b) == batch_size]
+    rng.shuffle(batches)
+    return [i for batch in batches for i in batch]
+
+
+def padded_positions(order: Sequence[int], batch_size: int, lengths: Sequence[int]) -> int:
+    """Positions the batches of `order` compute, each padded to its longest sequence."""
+    return sum(len(order[b : b + batch_size]) * max(lengths[i] for i in order[b : b + batch_size])
+               for b in range(0, len(order), batch_size))
+
+
 def train_head(head: FeatureHead, records: Sequence[FeatureRecord], config: HeadTrainConfig,
                checkpoint: Optional[Path] = None, eval_fn: Optional[Callable[[FeatureHead], float]] = None,
-               log: Callable[[str], None] = lambda msg: None) -> dict:
+               log: Callable[[str], None] = lambda msg: None, lengths: Optional[Sequence[int]] = None) -> dict:
     """Train `head` on `records`; resumes from `checkpoint` when it exists and writes it every
     `checkpoint_every` steps (temporary file, then rename). With `eval_fn` (higher is better) the best
-    evaluated weights are kept. Returns the training log (losses per window, evaluations, wall time)."""
+    evaluated weights are kept. `lengths` (each record's token count) lets `config.group_by_length`
+    batch similar lengths together. Returns the training log (losses per window, evaluations, wall time)."""
     device = head.fc.weight.device
     t2d_index = draft_index(head)
     params = _trainable(head)
@@ -316,8 +351,8 @@ def train_head(head: FeatureHead, records: Sequence[FeatureRecord], config: Head
     while state["step"] < config.steps:
         step = state["step"]
         if len(state["order"]) < config.batch_size:
-            more = list(range(len(records)))
-            random.Random(config.seed * 100_003 + state["epoch"]).shuffle(more)  # a resumed run sees the same order
+            more = epoch_order(len(records), config.batch_size, config.seed, state["epoch"], lengths,
+                               config.group_by_length)
             state["epoch"] += 1
             state["order"] = state["order"] + more
         idx, state["order"] = state["order"][: config.batch_size], state["order"][config.batch_size :]
