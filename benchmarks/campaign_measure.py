@@ -7,6 +7,11 @@
         one teacher pass (features + top-20) against one training step of the head (3 TTT steps,
         bf16 autocast) on the same 8 sequences: why features are stored, not recomputed per batch
 
+    python benchmarks/campaign_measure.py batching --shard S.npz
+        the teacher pass over 32 sequences with the output layer on every position against from the
+        last prompt position on (teacher_pass), interleaved; then a training step on 8 sequences in
+        the shard's order against 8 of similar length (what group_by_length batches)
+
 One JSON line per measurement on stdout.
 """
 
@@ -66,13 +71,50 @@ def teacher_vs_train(target, shard: Path) -> None:
                       "teacher_s": round(teacher, 2), "train_step_s": round(step, 2)}))
 
 
+def batching(target, shard: Path) -> None:
+    layers = eagle_train.default_feature_layers(target.model.config.num_hidden_layers)
+    seqs = store.SequenceShard.load(shard)
+    batch = [(s.tolist(), p, "") for s, p in zip(seqs.sequences[:32], seqs.prompt_lens[:32])]
+    every_row = [(s, 0, c) for s, _, c in batch]  # prompt length 0: the output layer on every position
+    seconds: dict[str, list[float]] = {"every position": [], "from the prompt's end": []}
+    recs = None
+    for _ in range(2):
+        for name, data in (("every position", every_row), ("from the prompt's end", batch)):
+            t0 = time.perf_counter()
+            out = eagle_train.teacher_pass(target.model, data, layers, batch_size=8)
+            seconds[name].append(time.perf_counter() - t0)
+            recs = out if data is batch else recs
+    print(json.dumps({"teacher_sequences": len(batch), "positions": sum(len(s) for s, _, _ in batch),
+                      "prompt_positions": sum(p for _, p, _ in batch),
+                      "teacher_s": {k: [round(x, 2) for x in v] for k, v in seconds.items()}}))
+    head = eagle_train.init_head(target.model, layers, torch.arange(8192))
+    index = eagle_train.draft_index(head)
+    opt = torch.optim.AdamW([p for n, p in head.named_parameters() if not n.startswith("embed_tokens.")], lr=1e-4)
+    by_length = sorted(range(len(recs)), key=lambda i: len(recs[i].tokens))
+    picks = {"shard order": list(range(8)), "similar length": by_length[12:20]}
+    steps: dict[str, list[float]] = {k: [] for k in picks}
+    for _ in range(3):  # the first round warms up
+        for name, idx in picks.items():
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss, _ = eagle_train.ttt_loss(head, [recs[i] for i in idx], index, 3)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            steps[name].append(time.perf_counter() - t0)
+    for name, idx in picks.items():
+        lengths = [len(recs[i].tokens) for i in idx]
+        print(json.dumps({"train_batch": name, "positions": sum(lengths), "padded": 8 * max(lengths),
+                          "step_s": [round(x, 2) for x in steps[name][1:]]}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["gen-batch", "teacher-vs-train"])
+    ap.add_argument("what", choices=["gen-batch", "teacher-vs-train", "batching"])
     ap.add_argument("--prompts", nargs="*", default=[], help="gen-batch: prompt files, the first 64 prompts are used")
     ap.add_argument("--every", type=int, default=1, help="gen-batch: every k-th prompt of the files after the first")
     ap.add_argument("--batches", nargs="*", default=["32", "32p", "16", "48", "64"])
-    ap.add_argument("--shard", type=Path, help="teacher-vs-train: an answer shard")
+    ap.add_argument("--shard", type=Path, help="teacher-vs-train, batching: an answer shard")
     args = ap.parse_args()
     torch.set_num_threads(1)
     target = load_model("smollm2-135m", dtype="float32")
@@ -81,6 +123,8 @@ def main() -> None:
         for f in args.prompts[1:]:
             prompts += [p.text for p in load_prompts(f)][:: args.every]
         gen_batch(target, prompts[:64], args.batches)
+    elif args.what == "batching":
+        batching(target, args.shard)
     else:
         teacher_vs_train(target, args.shard)
 

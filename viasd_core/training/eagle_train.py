@@ -23,6 +23,7 @@ predicts the token at p + 2, whose target distribution is the one at target posi
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -76,7 +77,12 @@ def default_feature_layers(n_layers: int) -> tuple[int, int, int]:
 def teacher_pass(target, sequences: Sequence[tuple[list[int], int, str]], layers: Sequence[int], batch_size: int = 8,
                  topk: int = TOPK, progress: Optional[Callable[[int, int], None]] = None) -> list[FeatureRecord]:
     """Teacher-force `sequences` ((tokens, prompt_len, category)) through the HF `target` in right-padded
-    batches; returns their FeatureRecords (features in bfloat16, the top-k log-probabilities)."""
+    batches; returns their FeatureRecords (features in bfloat16, the top-k log-probabilities).
+
+    The next-token distribution is needed only from the last prompt position on (what the head is
+    trained and scored on: `soft_targets`, `labels`): the output layer and its log-softmax run from
+    there (`logits_to_keep`), and earlier positions hold id 0 at log-probability -inf. On the
+    campaign's answers, half the positions are prompt."""
     device = target.get_input_embeddings().weight.device
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i][0]))
     out: list[Optional[FeatureRecord]] = [None] * len(sequences)
@@ -89,15 +95,22 @@ def teacher_pass(target, sequences: Sequence[tuple[list[int], int, str]], layers
             toks = sequences[i][0]
             ids[b, : len(toks)] = torch.tensor(toks)
             mask[b, : len(toks)] = 1
-        res = target(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True, use_cache=False)
+        first = [min(max(sequences[i][1] - 1, 0), len(sequences[i][0]) - 1) for i in chunk]
+        keep = width - min(first)  # the batch's positions from its earliest last-prompt position on
+        res = target(input_ids=ids.to(device), attention_mask=mask.to(device), output_hidden_states=True,
+                     use_cache=False, logits_to_keep=keep)
         feats = torch.cat([res.hidden_states[l] for l in layers], dim=-1).to(torch.bfloat16).cpu()
-        logp = torch.log_softmax(res.logits.float(), dim=-1)
-        top_logp, top_ids = logp.topk(topk, dim=-1)
+        top_logp, top_ids = torch.log_softmax(res.logits.float(), dim=-1).topk(topk, dim=-1)
+        top_logp, top_ids = top_logp.cpu(), top_ids.cpu()
         for b, i in enumerate(chunk):
             toks, prompt_len, category = sequences[i]
             n = len(toks)
-            out[i] = FeatureRecord(ids[b, :n].clone(), feats[b, :n].clone(), top_ids[b, :n].cpu().clone(),
-                                   top_logp[b, :n].cpu().clone(), prompt_len, category)
+            row_ids = torch.zeros(n, topk, dtype=torch.long)
+            row_logp = torch.full((n, topk), -math.inf)
+            lo, off = first[b], width - keep  # logits row j is position off + j
+            row_ids[lo:] = top_ids[b, lo - off : n - off]
+            row_logp[lo:] = top_logp[b, lo - off : n - off]
+            out[i] = FeatureRecord(ids[b, :n].clone(), feats[b, :n].clone(), row_ids, row_logp, prompt_len, category)
         if progress:
             progress(min(start + batch_size, len(order)), len(order))
     return out  # type: ignore[return-value]
