@@ -55,8 +55,9 @@ def doctor(
     if prompts < 1 or max_new_tokens < 1:
         raise UsageError("--prompts and --max-new-tokens must be at least 1")
     err = Console(stderr=True)
+    # long_lived: where `serve` would compile on this machine, doctor compiles too and checks it
     session = build_session(opts, mode="sd", progress=lambda msg: err.print(msg, style="dim", soft_wrap=True),
-                            refresh=speed)
+                            refresh=speed, long_lived=True)
     ids = [encode(session.tokenizer, p.text) for p in default_prompts()[:prompts]]
     report = run_doctor(session, ids, max_new_tokens=max_new_tokens, speed=speed)
     if as_json:

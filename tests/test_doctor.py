@@ -56,10 +56,14 @@ def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home, monk
     assert len(timings) == 1 and "(cached)" in table.stdout  # --no-speed measures nothing: the verdict is read
 
 
-def test_doctor_compares_the_compiled_pass_with_eager(tiny_dirs, viasd_home):
+def test_doctor_compares_the_compiled_pass_with_eager(tiny_dirs, viasd_home, monkeypatch):
+    # --compile auto on a CPU where compiled passes time faster (a stand-in timing): doctor's session
+    # compiles, as a server's would, and checks the compiled pass
+    monkeypatch.setattr(compile_choice, "time_compiled", lambda model: {"eager": 0.03, "compiled": 0.02})
     session = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=str(tiny_dirs["draft"]),
-                                         compile="on", max_context=128), mode="sd")
+                                         compile="auto", max_context=128), mode="sd", refresh=True, long_lived=True)
     assert session.engine.compiled and session.compile_seconds > 0
+    assert session.compile.reason.startswith("auto: compiled, over 5% faster here")
     report = run_doctor(session, [[8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]], max_new_tokens=10, speed=False)
     checks = {c.name: c for c in report.checks}
     assert checks["compiled == eager"].status == PASS, checks["compiled == eager"].detail

@@ -8,7 +8,8 @@ on the CPU, so there `auto` stays eager until this machine has been measured: `v
 the target's 1-token and 4-token passes eager and compiled (after compiling the two graphs, most of
 a minute on a small CPU; inductor caches them on disk) and caches the verdict under the user's cache
 folder, per machine, model, weight format, dtype, context and thread count. Where that verdict
-found the compiled passes faster, a long-lived `auto` session (`viasd serve`) compiles; a one-off
+found the compiled passes faster, a long-lived `auto` session (`viasd serve`, and `viasd doctor`,
+which checks what a server would run) compiles; a one-off
 command stays eager, since compiling the session's graphs costs a minute or more at start-up even
 with inductor's cache warm (61 s to 315 s for the embedded target on our 2-core CPU), which
 saving ~5 ms a token wins back only after some 12,000 tokens (docs/benchmarks.md section 21).
