@@ -159,3 +159,16 @@ def test_the_cli_keeps_inductors_kernels_in_viasds_cache(tmp_path):
     env["VIASD_HOME"] = str(tmp_path)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(tmp_path / "cache" / "inductor")
+
+
+def test_the_bench_records_why_it_ran_compiled_or_not(tiny_dirs, viasd_home, tmp_path):
+    from typer.testing import CliRunner
+
+    from viasd_cli.app import get_app
+
+    base = ["bench", "-m", str(tiny_dirs["target"]), "--methods", "ar", "-n", "4", "--threads", "1"]
+    for choice, reason in (("off", "--compile off"), ("auto", "auto: eager, since compiling was not timed")):
+        r = CliRunner().invoke(get_app(), base + ["--compile", choice, "--out", str(tmp_path / choice)])
+        assert r.exit_code == 0, r.stderr
+        meta = json.loads((tmp_path / choice / "summary.json").read_text())["meta"]
+        assert meta["compile_reason"].startswith(reason) and meta["compiled"] is False
