@@ -98,10 +98,9 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
     rows_key = {"target": target.model_id, "draft": draft_id, "format": opts.quant,
                 "dtype": str(target_fast.dtype).replace("torch.", "")}
     _, session.short_rows_reason = choose_rows(engine, rows_key, refresh)
-    compile_key = {"target": target.model_id, "draft": draft_id, "format": opts.quant,
-                   "dtype": str(target_fast.dtype).replace("torch.", ""), "context": max_context}
-    session.compile = apply_compile(engine, opts.compile, compile_key, measure=refresh, long_lived=long_lived,
-                                    progress=progress)
+    # a compiled pass attends over the whole cache: its cost depends on the context too
+    session.compile = apply_compile(engine, opts.compile, {**rows_key, "context": max_context}, measure=refresh,
+                                    long_lived=long_lived, progress=progress)
     if engine.compiled:
         if progress:
             progress("compiling the decoding graphs (torch.compile; cached for later runs)...")
