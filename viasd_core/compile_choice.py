@@ -5,8 +5,8 @@ of decoding. On a CPU there is no launch overhead to remove, and a compiled pass
 to a fixed width and attends over the whole cache (its static shapes): on our development CPU the
 compiled `sd` was 5% slower than the eager one (docs/benchmarks.md section 7). Which wins depends
 on the CPU, so there `auto` stays eager until this machine has been measured: `viasd doctor` times
-the target's 1-token and 4-token passes eager and compiled (compiling the two graphs and timing
-took 69-75 s for the embedded target on our 2-core CPU; inductor caches the kernels on disk) and
+the target's 1-token and 4-token passes eager and compiled (compiling the two graphs first: a whole
+`viasd doctor --quant none` took 2 min 25 s on our 2-core CPU; inductor caches the kernels on disk) and
 caches the verdict under the user's cache
 folder, per machine, model, weight format, dtype, context and thread count. Where that verdict
 found the compiled passes faster, a long-lived `auto` session (`viasd serve`, and `viasd doctor`,
