@@ -54,7 +54,7 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(viasd_home, monkey
     again = choose_format("smollm2-135m", CPU, CANDIDATES, timer=timer)
     assert again.format is INT8 and timer.calls == 1 and again.reason == first.reason + " (cached)"
     files = list((viasd_home / "cache" / "machine").iterdir())
-    assert [f.name for f in files] == [format_choice.cache_path("smollm2-135m", CPU).name]  # no temporary file left
+    assert [f.name for f in files] == [format_choice.cache_record("smollm2-135m", CPU).path.name]  # no temporary file left
     saved = json.loads(files[0].read_text())
     assert saved["format"] == "int8" and saved["machine"]["cores"] >= 1 and "cpu_capability" in saved["machine"]
 
@@ -69,7 +69,7 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(viasd_home, monkey
 
 def test_an_unreadable_or_foreign_cache_is_measured_again(viasd_home):
     timer = Timer({NONE: 0.14, INT8: 0.03, INT4: 0.04})
-    path = format_choice.cache_path("smollm2-135m", CPU)
+    path = format_choice.cache_record("smollm2-135m", CPU).path
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
     assert choose_format("smollm2-135m", CPU, CANDIDATES, timer=timer).format is INT8 and timer.calls == 1

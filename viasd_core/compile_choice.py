@@ -20,16 +20,13 @@ FastModel.compile), so nothing is measured for them.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
 
-from viasd_core import paths
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.pass_timing import time_passes
-from viasd_core.devices import machine_cache, machine_identity
+from viasd_core.devices import MachineRecord
 from viasd_core.errors import UsageError
 from viasd_core.loading.options import COMPILE_CHOICES
 
@@ -72,16 +69,17 @@ def resolve_compile(model: FastModel, choice: str, key: dict, measure: bool = Fa
         return CompileChoice(True, "--compile on")
     if model.device.type == "cuda":
         return CompileChoice(True, "auto: on CUDA, compiled passes with CUDA graphs")
-    path = machine_cache("compile", model.device, {**key, "version": CACHE_VERSION})
+    record = MachineRecord("compile", model.device, key, CACHE_VERSION)
     if not measure:
+        data = record.load()
         try:
-            data = json.loads(path.read_text())
-            return _for_session(CompileChoice(bool(data["on"]), data["reason"] + " (cached)", data["seconds"]), long_lived)
-        except FileNotFoundError:
+            if data is not None:
+                return _for_session(CompileChoice(bool(data["on"]), data["reason"] + " (cached)", data["seconds"]), long_lived)
+        except (KeyError, TypeError):
+            pass  # fields that do not fit: unreadable
+        if not record.exists():
             return CompileChoice(False, "auto: eager, since compiling was not timed on this machine yet "
                                         "(`viasd doctor` with the same --quant and --max-context times it)")
-        except (ValueError, KeyError, TypeError):
-            pass  # unreadable: say so, stay eager
         return CompileChoice(False, "auto: eager (the cached timing could not be read; `viasd doctor` times it again)")
     if progress:
         progress("timing eager and compiled passes on this machine for --compile auto (compiles two graphs; cached)...")
@@ -90,8 +88,7 @@ def resolve_compile(model: FastModel, choice: str, key: dict, measure: bool = Fa
     shown = f"eager {seconds['eager'] * 1e3:.1f} ms, compiled {seconds['compiled'] * 1e3:.1f} ms for a 1-token plus a 4-token pass"
     reason = (f"auto: compiled, over {MARGIN:.0%} faster here ({shown})" if on
               else f"auto: eager, compiled is not {MARGIN:.0%} faster here ({shown})")
-    paths.atomic_write_json(path, {"version": CACHE_VERSION, **key, "machine": machine_identity(model.device),
-                                   "threads": torch.get_num_threads(), "on": on, "reason": reason, "seconds": seconds})
+    record.store({"on": on, "reason": reason, "seconds": seconds})
     return _for_session(CompileChoice(on, reason, seconds), long_lived)
 
 

@@ -92,3 +92,34 @@ def machine_cache(kind: str, device: torch.device, key: dict) -> Path:
     blob = json.dumps({**machine_identity(device), "threads": torch.get_num_threads(), **key}, sort_keys=True)
     return paths.cache_dir() / "machine" / f"{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}.json"
 
+
+class MachineRecord:
+    """One cached measurement of this machine (the `auto` choices: weight format, compilation, tree,
+    short products): a JSON file at `machine_cache(kind, device, key + version)`.
+
+    `store` writes the record with what it was measured on (`version`, `key`, the machine's identity,
+    the thread count), through a temporary file and a rename. `load` gives the stored record, or None
+    when there is none or it cannot be read as a JSON object (the caller then measures again; `exists`
+    tells the two apart). A record whose fields do not fit is the caller's to judge."""
+
+    def __init__(self, kind: str, device: torch.device, key: dict, version: int):
+        self.device, self.key, self.version = device, dict(key), version
+        self.path = machine_cache(kind, device, {**self.key, "version": version})
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def load(self) -> dict | None:
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # missing, unreadable, not JSON (UnicodeDecodeError is a ValueError)
+            return None
+        return data if isinstance(data, dict) else None
+
+    def store(self, record: dict) -> None:
+        paths.atomic_write_json(self.path, {"version": self.version, **self.key, "machine": machine_identity(self.device),
+                                            "threads": torch.get_num_threads(), **record})
+
+    def forget(self) -> None:
+        self.path.unlink(missing_ok=True)
+

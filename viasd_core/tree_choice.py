@@ -14,18 +14,14 @@ without measuring; `off` never grows one.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 
-import torch
-
-from viasd_core import paths
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.decoding.model import PASS_WIDTHS
 from viasd_core.decoding.pass_timing import time_passes
 from viasd_core.decoding.tree import TreeShape
 from viasd_core.decoding.tree_size import Option, choose
-from viasd_core.devices import machine_cache, machine_identity
+from viasd_core.devices import MachineRecord
 from viasd_core.errors import UsageError
 from viasd_core.loading.prompts import default_prompts, encode
 
@@ -86,12 +82,13 @@ def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, ke
                                 "sliding-window attention", [], {})
     if isinstance(choice, int):
         return TreeChoice(shape_for_size(choice), f"--tree {choice}", [], {})
-    path = machine_cache("tree", engine.device, {**key, "version": CACHE_VERSION})
-    if path.exists() and not refresh:
+    record = MachineRecord("tree", engine.device, key, CACHE_VERSION)
+    data = None if refresh else record.load()
+    if data is not None:
         try:
-            return _from_json(json.loads(path.read_text()))
+            return _from_json(data)
         except (ValueError, KeyError, TypeError):
-            pass  # unreadable: measure again
+            pass  # fields that do not fit: measure again
     if progress:
         progress("measuring this machine's verify costs and the draft's acceptance for --tree auto "
                  "(once; cached)...")
@@ -102,8 +99,7 @@ def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, ke
                                     f"({best.rate(verify):.1f} measured)",
                         [{**asdict(o), "shape": asdict(o.shape) if o.shape else None,
                           "tokens_per_s": o.rate(verify)} for o in options], verify)
-    paths.atomic_write_json(path, {"version": CACHE_VERSION, "machine": _machine(engine), **key,
-                                   **result.to_dict()})
+    record.store(result.to_dict())
     return result
 
 
@@ -151,10 +147,6 @@ def _add(total: list[int] | None, more: list[int]) -> list[int]:
     total = list(total or [])
     total += [0] * (len(more) - len(total))
     return [t + (more[i] if i < len(more) else 0) for i, t in enumerate(total)]
-
-
-def _machine(engine: Engine) -> dict:
-    return {**machine_identity(engine.device), "threads": torch.get_num_threads()}
 
 
 def _from_json(data: dict) -> TreeChoice:

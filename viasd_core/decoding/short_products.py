@@ -27,7 +27,6 @@ rows in a pass on a CPU, so this changes nothing about exactness: in float32 `sd
 
 from __future__ import annotations
 
-import json
 
 import torch
 
@@ -85,14 +84,13 @@ def choose_rows(engine, key: dict | None = None, refresh: bool = False, repeats:
     such a model (a GPU, low-bit or bfloat16 weights) rows is 0.
 
     With `key` (what the session runs: models, format, dtype) the choice is cached per machine and
-    thread count (devices.machine_cache; `refresh` measures again): the timing costs about 2 s."""
-    from viasd_core import paths
+    thread count (devices.MachineRecord; `refresh` measures again): the timing costs about 2 s."""
     from viasd_core.decoding.pass_timing import time_passes
-    from viasd_core.devices import machine_cache
+    from viasd_core.devices import MachineRecord
 
     timed = next((m for m in engine.all_models() if applies(m.lm_head)), None)
-    path = machine_cache("short-rows", engine.device, {**key, "version": CACHE_VERSION}) if key is not None else None
-    cached = _cached(path) if timed is not None and path is not None and not refresh else None
+    record = MachineRecord("short-rows", engine.device, key, CACHE_VERSION) if key is not None else None
+    cached = _cached(record.load()) if timed is not None and record is not None and not refresh else None
     if timed is None:
         rows, reason = 0, "no float32 layers on a CPU"
     elif cached is not None:
@@ -105,18 +103,18 @@ def choose_rows(engine, key: dict | None = None, refresh: bool = False, repeats:
                 for w, s in time_passes(timed, (1, WIDE), context=64, repeats=repeats).items():
                     seconds[(way, w)] = min(s, seconds.get((way, w), float("inf")))
         rows, reason = pick_rows(seconds)
-        if path is not None:
-            paths.atomic_write_json(path, {"version": CACHE_VERSION, **key, "rows": rows, "reason": reason})
+        if record is not None:
+            record.store({"rows": rows, "reason": reason})
     engine.set_short_rows(rows)
     return rows, reason
 
 
-def _cached(path) -> tuple[int, str] | None:
+def _cached(data: dict | None) -> tuple[int, str] | None:
+    """(rows, reason) of a stored choice; None when there is none or its fields do not fit (measured again)."""
     try:
-        data = json.loads(path.read_text())
         rows = int(data["rows"])
         if rows not in (0, 1, SHORT_ROWS):
             return None
         return rows, str(data["reason"]) + " (cached)"
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # unreadable: measured again
+    except (ValueError, KeyError, TypeError):
+        return None

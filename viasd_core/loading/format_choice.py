@@ -17,16 +17,13 @@ and the thread count it was timed at); `viasd doctor` measures again (`forget`).
 from __future__ import annotations
 
 import gc
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
 
-from viasd_core import paths
 from viasd_core.decoding.weight_format import INT4, INT8, NONE, WeightFormat
-from viasd_core.devices import machine_cache, machine_identity
+from viasd_core.devices import MachineRecord
 
 # Formats whose quality was measured on the model (greedy agreement with fp32 >= 0.97), most
 # precise first; models missing here get none from auto.
@@ -81,34 +78,32 @@ def measure(ref: str, candidates: tuple[WeightFormat, ...], device: torch.device
     return best
 
 
-def cache_path(ref: str, device: torch.device) -> Path:
-    return machine_cache("format", device, {"model": ref.lower(), "version": CACHE_VERSION})
+def cache_record(ref: str, device: torch.device) -> MachineRecord:
+    return MachineRecord("format", device, {"model": ref.lower()}, CACHE_VERSION)
 
 
 def choose_format(ref: str, device: torch.device, candidates: tuple[WeightFormat, ...], progress=None,
                   timer: Callable[..., dict[WeightFormat, float]] | None = None) -> FormatChoice:
     """The fastest of `candidates` for model `ref` on this machine: cached, else timed (`timer`)."""
-    path = cache_path(ref, device)
+    record = cache_record(ref, device)
     names = [fmt.name for fmt in candidates]
-    if path.exists():
+    data = record.load()
+    if data is not None:
         try:
-            data = json.loads(path.read_text())
             if sorted(data["seconds"]) == sorted(names):
                 chosen = next(fmt for fmt in candidates if fmt.name == data["format"])
                 return FormatChoice(chosen, data["reason"] + " (cached)", data["seconds"])
         except (ValueError, KeyError, TypeError, StopIteration):
-            pass  # unreadable or for other candidates: measure again
+            pass  # for other candidates, or fields that do not fit: measure again
     if progress:
         progress(f"timing {', '.join(names)} passes on this machine for --quant auto (once; cached)...")
     seconds = (timer or measure)(ref, candidates, device)
     chosen, reason = pick(seconds)
     named = {fmt.name: s for fmt, s in seconds.items()}
-    paths.atomic_write_json(path, {"version": CACHE_VERSION, "model": ref, "machine": machine_identity(device),
-                                   "threads": torch.get_num_threads(), "format": chosen.name, "reason": reason,
-                                   "seconds": named})
+    record.store({"model": ref, "format": chosen.name, "reason": reason, "seconds": named})
     return FormatChoice(chosen, reason, named)
 
 
 def forget(ref: str, device: torch.device) -> None:
     """Drop the cached choice for model `ref` on this machine: the next `auto` measures again."""
-    cache_path(ref, device).unlink(missing_ok=True)
+    cache_record(ref, device).forget()
