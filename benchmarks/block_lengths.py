@@ -32,6 +32,7 @@ def main() -> None:
     ap.add_argument("-n", "--max-new-tokens", type=int, default=64)
     ap.add_argument("--fixed", default="1,2,3,4")
     ap.add_argument("--start", default="", help="also adaptive sd from these first block lengths (default: 5)")
+    ap.add_argument("--min-confidence", default="", help="also adaptive sd with these confidence stops (default: 0.15)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", default="docs/results/cpu-prompts.jsonl")
     args = ap.parse_args()
@@ -40,6 +41,8 @@ def main() -> None:
     methods = {"ar": GenerationConfig(mode="ar", max_new_tokens=n), "sd": GenerationConfig(mode="sd", max_new_tokens=n)}
     for g in (int(g) for g in args.start.split(",") if g):
         methods[f"sd -g {g}"] = GenerationConfig(mode="sd", max_new_tokens=n, gamma=g)
+    for c in (float(c) for c in args.min_confidence.split(",") if c):
+        methods[f"sd --min-confidence {c:g}"] = GenerationConfig(mode="sd", max_new_tokens=n, min_confidence=c)
     for g in map(int, args.fixed.split(",")):
         methods[f"sd --fixed -g {g}"] = GenerationConfig(mode="sd", max_new_tokens=n, gamma=g, adaptive=False)
     engine = session.engine
