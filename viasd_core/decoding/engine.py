@@ -120,9 +120,6 @@ class Engine:
         # Called with (engine, StepResult) after every committed step: calibration's recorder,
         # chat's live meter. The steps do not know about them.
         self.observers: list[Callable[[Engine, StepResult], None]] = []
-        # The adaptive draft policies' measurements (step costs, acceptance), kept from one
-        # generation to the next: this machine's costs do not change with the prompt.
-        self._policies: dict[tuple, DraftPolicy] = {}
         for m in self._models():
             m.allocate(self.context_len)
         if drafter is not None:
@@ -278,7 +275,7 @@ class Engine:
         # What the target's prefill pass wrote, plus the last prompt token (the first step runs it).
         stats.prefill_processed = self.target.seen - stats.prefill_cached + 1
         stats.time_prefill = self.clock() - t0
-        policy = self._policy(config)
+        policy = DraftPolicy(config.gamma, max(config.gamma, config.gamma_max), adaptive=config.adaptive)
         try:
             while len(gen.tokens) < max_new:
                 g = 0 if plan.step is None else min(policy.block_length(), max_new - len(gen.tokens) - 1)
@@ -289,9 +286,9 @@ class Engine:
                     stats.time_first_token = time.perf_counter() - t0
                 # adapt: the step ended with its device read, so its wall time is real
                 if "draft" in result.keep:  # a speculative step (its proposals may have been 0)
-                    policy.record_spec(g, result.kept, time.perf_counter() - t_step)
+                    policy.record_spec(result.drafted, result.kept, len(result.tokens), time.perf_counter() - t_step)
                 else:
-                    policy.record_plain(time.perf_counter() - t_step)
+                    policy.record_plain(len(result.tokens), time.perf_counter() - t_step)
                 for observe in self.observers:
                     observe(self, result)
                 if self._emit(gen, result.tokens, result.tiers, max_new, config, on_emit):
@@ -313,17 +310,6 @@ class Engine:
         if gen.finish_reason == "stop":
             gen.text = gen.text[: min(gen.text.find(s) for s in config.stop if s in gen.text)]
         return gen
-
-    def _policy(self, config: GenerationConfig) -> DraftPolicy:
-        """The draft policy of a generation: with --fixed a new one; adaptive, the one that measured
-        the earlier generations of the same kind (mode, first length, cap, stop rule, greedy or not)."""
-        gamma_max = max(config.gamma, config.gamma_max)
-        if not config.adaptive:
-            return DraftPolicy(config.gamma, gamma_max, adaptive=False)
-        key = (config.mode, config.gamma, gamma_max, config.min_confidence, config.temperature > 0)
-        if key not in self._policies:
-            self._policies[key] = DraftPolicy(config.gamma, gamma_max)
-        return self._policies[key]
 
     # ------------------------------------------------------------------ commit
     def _rollback(self, n: int) -> None:
