@@ -4,7 +4,8 @@
 
 One session (the default pair and `--quant auto`), the 26 held-out prompts of
 docs/results/cpu-prompts.jsonl, greedy, chains (no trees). Each prompt runs every method in turn
-(`ar`; `sd` with the default adaptive policy; `sd --fixed -g G` for each G), and the rounds repeat
+(`ar`; `sd` with the default adaptive policy; adaptive `sd` from each `--start` length and with each
+`--min-confidence` stop; `sd --fixed -g G` for each G), and the rounds repeat
 that, so the machine's drift falls on all methods alike. tokens/s is new tokens over the wall time of
 the whole generate call (prefill included), as `viasd bench` reports it. Prints one JSON object
 (docs/benchmarks.md section 19).
