@@ -7,7 +7,8 @@
 
 Committed data goes to --data (default data/campaign-smollm2-135m: prompts, answer and on-policy
 token ids, the evaluation report); features, checkpoints and heads go to --work (default
-out/campaign, not committed). Run it niced, one thread, in the background:
+out/campaign, not committed). Run it niced, one thread, in the background (`--threads 2` with
+OMP_NUM_THREADS=2 while the machine has nothing else to do; a run may resume at another count):
 
     nohup nice -n 19 env OMP_NUM_THREADS=1 python3 benchmarks/eagle_campaign.py run >> out/campaign.log 2>&1 &
 """
