@@ -11,6 +11,10 @@
         the teacher pass over 32 sequences with the output layer on every position against from the
         last prompt position on (teacher_pass), interleaved; then a training step on 8 sequences in
         the shard's order against 8 of similar length (what group_by_length batches)
+    python benchmarks/campaign_measure.py on-policy-check --shard S.npz --features DIR --head DIR [-n 16]
+        greedy `sd` with the head in blocks of 4 drafts, run in the engine on the shard's first n
+        training prompts (the reference), against the same rejections simulated over the stored
+        answers and their bfloat16 features (what the campaign's on-policy stage does)
 
 One JSON line per measurement on stdout.
 """
@@ -27,7 +31,11 @@ import torch
 from viasd_core.loading.models import load_model
 from viasd_core.loading.prompts import load_prompts
 from viasd_core.training import campaign_store as store
+from viasd_core.decoding.eagle_files import load_feature_head
 from viasd_core.training import eagle_train, teacher_answers
+from viasd_core.training.campaign_eval import head_session
+from viasd_core.training.campaign_features import CampaignRecords
+from viasd_core.training.on_policy import OnPolicyConfig, sd_rollouts, simulate_blocks
 
 
 def gen_batch(target, prompts: list[str], batches: list[str]) -> None:
@@ -108,13 +116,43 @@ def batching(target, shard: Path) -> None:
                           "step_s": [round(x, 2) for x in steps[name][1:]]}))
 
 
+def on_policy_check(target, shard: Path, features: Path, head_dir: Path, n: int, held_out_every: int = 20) -> None:
+    config = OnPolicyConfig()
+    records = CampaignRecords([shard], features, keep=lambda i: i % held_out_every != 0)
+    picked = [records[k] for k in range(min(n, len(records)))]
+    prompts = [r.tokens[: r.prompt_len].tolist() for r in picked]
+    session = head_session("smollm2-135m", head_dir, max_context=1024 + config.max_new_tokens + 8)
+    t0 = time.perf_counter()
+    seqs, ref = sd_rollouts(session.engine, prompts, config)
+    sd_s = time.perf_counter() - t0
+    head = load_feature_head(head_dir, target.model.config, embed=target.model.get_input_embeddings(), dtype=torch.float32)
+    t0 = time.perf_counter()
+    sim = simulate_blocks(head, picked, config)
+    sim_s = time.perf_counter() - t0
+    same_text = [s == r.tokens.tolist() for s, r in zip(seqs, picked)]
+    both = [(a, b) for a, b, same in zip(ref, sim, same_text) if same]  # rejections compare on the same text
+    inter = sum(len(set(a.rejections) & set(b.rejections)) for a, b in both)
+    union = sum(len(set(a.rejections) | set(b.rejections)) for a, b in both)
+    tau = lambda ws: round(sum(w.new_tokens for w in ws) / max(sum(w.target_passes for w in ws), 1), 3)
+    print(json.dumps({"sequences": len(picked), "same_text": sum(same_text),
+                      "identical_rejection_lists": sum(a.rejections == b.rejections for a, b in both),
+                      "rejections_sd": sum(len(a.rejections) for a, _ in both),
+                      "rejections_simulated": sum(len(b.rejections) for _, b in both),
+                      "rejection_jaccard": round(inter / max(union, 1), 4),
+                      "tau_sd": tau([a for a, _ in both]), "tau_simulated": tau([b for _, b in both]),
+                      "sd_s": round(sd_s, 1), "simulated_s": round(sim_s, 1)}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["gen-batch", "teacher-vs-train", "batching"])
+    ap.add_argument("what", choices=["gen-batch", "teacher-vs-train", "batching", "on-policy-check"])
     ap.add_argument("--prompts", nargs="*", default=[], help="gen-batch: prompt files, the first 64 prompts are used")
     ap.add_argument("--every", type=int, default=1, help="gen-batch: every k-th prompt of the files after the first")
     ap.add_argument("--batches", nargs="*", default=["32", "32p", "16", "48", "64"])
-    ap.add_argument("--shard", type=Path, help="teacher-vs-train, batching: an answer shard")
+    ap.add_argument("--shard", type=Path, help="teacher-vs-train, batching, on-policy-check: an answer shard")
+    ap.add_argument("--features", type=Path, default=Path("out/campaign/features"), help="on-policy-check")
+    ap.add_argument("--head", type=Path, help="on-policy-check: the head folder")
+    ap.add_argument("-n", type=int, default=16, help="on-policy-check: training prompts")
     args = ap.parse_args()
     torch.set_num_threads(1)
     target = load_model("smollm2-135m", dtype="float32")
@@ -123,6 +161,8 @@ def main() -> None:
         for f in args.prompts[1:]:
             prompts += [p.text for p in load_prompts(f)][:: args.every]
         gen_batch(target, prompts[:64], args.batches)
+    elif args.what == "on-policy-check":
+        on_policy_check(target, args.shard, args.features, args.head, args.n)
     elif args.what == "batching":
         batching(target, args.shard)
     else:

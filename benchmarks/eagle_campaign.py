@@ -5,8 +5,8 @@
     python benchmarks/eagle_campaign.py status   # how far it got, from the files alone
     python benchmarks/eagle_campaign.py run --slice --data out/slice/data --work out/slice/work   # a small end-to-end run
 
-Committed data goes to --data (default data/campaign-smollm2-135m: prompts, answer and on-policy
-token ids, the evaluation report); features, checkpoints and heads go to --work (default
+Committed data goes to --data (default data/campaign-smollm2-135m: prompts, answer token ids, the
+evaluation report); features, the on-policy rejections, checkpoints and heads go to --work (default
 out/campaign, not committed). Run it niced, one thread, in the background (`--threads 2` with
 OMP_NUM_THREADS=2 while the machine has nothing else to do; a run may resume at another count):
 
@@ -54,7 +54,7 @@ def config(args) -> CampaignConfig:
                       answers=AnswerConfig(max_new_tokens=48, shard_size=12),
                       train=replace(t, data=replace(t.data, steps=20, eval_every=10, checkpoint_every=5),
                                     on_policy=replace(t.on_policy, steps=10, eval_every=5, checkpoint_every=5)),
-                      on_policy=OnPolicyConfig(prompts=6, shard_size=3, max_new_tokens=48),
+                      on_policy=OnPolicyConfig(max_new_tokens=48),
                       evaluation=replace(cfg.evaluation, answer_tokens=48, tau_tokens=32))
     return cfg
 

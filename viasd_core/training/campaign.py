@@ -8,8 +8,9 @@ atomically) and is skipped once done:
     answers     the target's greedy and sampled answers, token ids in shards   data/answers/*.npz
     features    one teacher pass per shard: features and top-k soft labels     work/features/*
     train       a head trained on the training prompts' sequences              work/heads/data
-    on_policy   `sd` with that head on training prompts: where it was rejected data/on_policy/*.npz
-                (on_policy), then a fine-tune weighted there                   work/heads/on_policy
+    on_policy   greedy `sd` with that head over the training prompts' greedy    work/on_policy/*.npz
+                answers, simulated on their features (on_policy): where its
+                drafts were rejected; then a fine-tune weighted there           work/heads/on_policy
     eval        agreement and tau of the shipped and the new heads on the evaluation prompts, and the
                 ship rule (campaign_eval)                                       data/eval-report.json
 
@@ -37,7 +38,8 @@ from viasd_core.training.campaign_features import CampaignRecords, run_feature_s
 from viasd_core.training.campaign_prompts import PROMPTS, PromptConfig, raw_shards, run_prompt_stage
 from viasd_core.training.campaign_train import TrainConfig, rejection_focus, train_on_data, train_on_policy
 from viasd_core.training.eagle_train import default_feature_layers
-from viasd_core.training.on_policy import OnPolicyConfig, chosen_prompts, on_policy_shards, rejections, run_on_policy_stage
+from viasd_core.decoding.eagle_files import load_feature_head
+from viasd_core.training.on_policy import OnPolicyConfig, run_on_policy_stage
 
 STAGES = ("prompts", "answers", "features", "train", "on_policy", "eval")
 
@@ -92,11 +94,13 @@ def run_campaign(config: CampaignConfig, until: Optional[str] = None, log: Calla
     data_head = train_on_data(model, layers, train, held, config.train, work, eos, log)
     if stop < 4:
         return {}
-    op_shards = run_on_policy_stage(config.target, data_head, prompts_file, data, config.on_policy,
-                                    keep=lambda i: not config.held_out(i), log=log)
-    run_feature_stage(model, layers, op_shards, features, config.teacher_batch_size, log)
-    focus = rejection_focus(rejections(op_shards), config.train.on_policy.ttt_steps, config.on_policy_boost)
-    on_policy = CampaignRecords(op_shards, features, categories=categories, focus=focus)
+    greedy = answer_shards(data, "greedy", len(prompts), config.answers)
+    answers = CampaignRecords(greedy, features, keep=lambda i: not config.held_out(i), categories=categories)
+    if not (work / "heads" / "on_policy").exists():
+        head = load_feature_head(data_head, model.config, embed=model.get_input_embeddings(), dtype=torch.float32)
+        rejected = run_on_policy_stage(head, answers, [p.stem for p in greedy], work, config.on_policy, log)
+        answers.focus = rejection_focus(rejected, config.train.on_policy.ttt_steps, config.on_policy_boost)
+    on_policy = answers
     op_head = train_on_policy(model, data_head, on_policy, train, held, config.train, work, log)
     if stop < 5:
         return {}
@@ -144,9 +148,8 @@ def status(config: CampaignConfig) -> list[str]:
     ckpt = work / "train" / "head.ckpt"
     step = torch.load(ckpt, weights_only=True)["state"]["step"] if ckpt.exists() else 0
     lines.append(f"train: step {step}/{config.train.data.steps}" + (", head saved" if (work / "heads" / "data").exists() else ""))
-    chosen = chosen_prompts(n, config.on_policy.prompts, lambda i: not config.held_out(i))
-    ops = on_policy_shards(data, len(chosen), config.on_policy)
-    lines.append(f"on_policy: {sum(p.exists() for p in ops)}/{len(ops)} sd shards"
+    ops = [work / "on_policy" / f"{p.stem}.npz" for p in shards["greedy"]]
+    lines.append(f"on_policy: {sum(p.exists() for p in ops)}/{len(ops)} answer shards simulated"
                  + (", head saved" if (work / "heads" / "on_policy").exists() else ""))
     lines.append("eval: " + ("done" if (data / "eval-report.json").exists() else "not yet"))
     return lines

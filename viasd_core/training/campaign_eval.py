@@ -31,9 +31,10 @@ from viasd_core.decoding.eagle_files import load_feature_head
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.decoding.stats import RunStats
 from viasd_core.loading.models import Loaded
+from viasd_core.loading.options import ModelOptions
 from viasd_core.loading.prompts import encode, load_prompts
+from viasd_core.session import build_session
 from viasd_core.training import eagle_train
-from viasd_core.training.on_policy import head_session
 from viasd_core.training.teacher_answers import build_dataset
 
 
@@ -59,6 +60,14 @@ def eval_records(target: Loaded, layers, config: EvalConfig, work: Path) -> list
     path.parent.mkdir(parents=True, exist_ok=True)
     eagle_train.save_records(feats, path)
     return feats
+
+
+def head_session(target_ref: str, head: Path | str, max_context: int, hybrid: bool = False):
+    """A session for `sd` with `head` as the draft (with prompt lookup beside it when `hybrid`), the
+    target in float32, eager: what `viasd generate --mode sd -d HEAD --quant none` builds."""
+    draft = f"{head}+ngram" if hybrid else str(head)
+    return build_session(ModelOptions(model=target_ref, draft=draft, dtype="float32", quant="none",
+                                      max_context=max_context, compile="off"), mode="sd")
 
 
 def tau(target_ref: str, head: Path, config: EvalConfig, hybrid: bool, fixed: Optional[int] = None) -> dict:

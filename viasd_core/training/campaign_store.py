@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -64,7 +64,6 @@ class SequenceShard:
     sequences: list[np.ndarray]  # each [prompt_len + n_new] int
     prompt_lens: list[int]
     prompt_index: list[int]  # the prompt's line in the campaign's prompts file
-    extra: dict[str, np.ndarray] = field(default_factory=dict)  # a stage's own arrays (on-policy rejections)
 
     def __len__(self) -> int:
         return len(self.sequences)
@@ -86,16 +85,14 @@ class SequenceShard:
         flat = np.concatenate(self.sequences) if self.sequences else np.zeros(0)
         save_npz(path, tokens=flat.astype(dtype), offsets=self.offsets(),
                  prompt_lens=np.asarray(self.prompt_lens, dtype=np.int32),
-                 prompt_index=np.asarray(self.prompt_index, dtype=np.int32),
-                 **{f"x_{k}": np.asarray(v) for k, v in self.extra.items()})
+                 prompt_index=np.asarray(self.prompt_index, dtype=np.int32))
 
     @classmethod
     def load(cls, path: Path) -> "SequenceShard":
         d = load_npz(path)
         tokens, off = d["tokens"].astype(np.int64), d["offsets"]
         return cls([tokens[off[i] : off[i + 1]] for i in range(len(off) - 1)],
-                   d["prompt_lens"].tolist(), d["prompt_index"].tolist(),
-                   {k[2:]: v for k, v in d.items() if k.startswith("x_")})
+                   d["prompt_lens"].tolist(), d["prompt_index"].tolist())
 
 
 FEATURES, TOP_IDS, TOP_LOGP = "features.npy", "top_ids.npy", "top_logp.npy"
