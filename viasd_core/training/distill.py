@@ -36,6 +36,7 @@ from viasd_core.loading.prompts import load_prompts
 from viasd_core.training.draft_eval import evaluate_agreement
 from viasd_core.training.draft_init import check_target, default_layer_ids, init_draft
 from viasd_core.training.draft_train import train_draft
+from viasd_core.training.shared import resolve_bf16
 from viasd_core.training.teacher_answers import DEFAULT_PROMPTS, Record, build_dataset, choose_vocab, vocab_coverage
 
 
@@ -51,7 +52,7 @@ class DistillConfig:
     warmup: int = 30
     weight_decay: float = 0.1
     time_limit_s: Optional[float] = None  # stop training after this long (the cosine follows time)
-    bf16: bool = True  # bfloat16 autocast, fp32 master weights
+    bf16: Optional[bool] = None  # bfloat16 autocast, fp32 master weights; None: where it measures faster
     max_new_tokens: int = 128  # tokens the target generates per prompt
     generate_batch_size: int = 32  # prompts per batched generation
     sampled_every: int = 2  # also a sampled continuation for every k-th prompt from the 2nd; 0 = greedy only
@@ -123,12 +124,13 @@ def run_distill(target_ref: str, out: str | Path, config: DistillConfig, device:
     log(f"{len(records)} sequences, {n_labels} labels in {gen_s:.0f}s; draft vocab covers {vocab_coverage(records, vocab_map):.3f} of them")
 
     draft = init_draft(target.model, config.layers, vocab_map)
+    bf16 = resolve_bf16(config.bf16, next(draft.parameters()).device, log)
     t1 = time.perf_counter()
     eval_fn = (lambda d: evaluate_agreement(d, held, vocab_map)["agreement"]) if held else None
     losses = train_draft(draft, records, vocab_map, steps=config.steps, batch_size=config.batch_size, lr=config.lr,
                          warmup=config.warmup, weight_decay=config.weight_decay, seed=config.seed,
                          pad_id=pad_token_id(target), log_every=config.eval_every, log=log,
-                         time_limit_s=config.time_limit_s, bf16_autocast=config.bf16, eval_fn=eval_fn,
+                         time_limit_s=config.time_limit_s, bf16_autocast=bf16, eval_fn=eval_fn,
                          eval_every=config.eval_every)
     train_log = draft.viasd_train_log
     info = {
@@ -140,7 +142,7 @@ def run_distill(target_ref: str, out: str | Path, config: DistillConfig, device:
         "held_out": {"sequences": len(held), "rule": f"prompt index % {config.held_out_every} == 0",
                      "evals": train_log["evals"]},
         "warmup": config.warmup, "weight_decay": config.weight_decay, "batch_size": config.batch_size, "lr": config.lr,
-        "bf16_autocast": config.bf16, "time_limit_s": config.time_limit_s, "seed": config.seed, "threads": config.threads,
+        "bf16_autocast": bf16, "time_limit_s": config.time_limit_s, "seed": config.seed, "threads": config.threads,
         "generate_wall_s": round(gen_s, 1), "train_wall_s": round(time.perf_counter() - t1, 1),
         "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
         "loss": "cross-entropy on the target's argmax labels over the draft vocabulary",

@@ -34,7 +34,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from viasd_core.decoding import attention
-from viasd_core.training.shared import cosine_lr
+from viasd_core.training.shared import cosine_lr, resolve_bf16
 from viasd_core.decoding.eagle import LAYER_IDS_KEY, FeatureHead
 from viasd_core.errors import UsageError
 from viasd_core.decoding.model import model_shape
@@ -284,7 +284,7 @@ class HeadTrainConfig:
     weight_decay: float = 0.0
     ttt_steps: int = 3
     max_len: int = 512
-    bf16: bool = True
+    bf16: Optional[bool] = None  # bfloat16 autocast; None: where it measures faster (shared.bf16_autocast_pays)
     seed: int = 0
     eval_every: int = 200
     checkpoint_every: int = 100
@@ -344,6 +344,7 @@ def train_head(head: FeatureHead, records: Sequence[FeatureRecord], config: Head
     evaluated weights are kept. `lengths` (each record's token count) lets `config.group_by_length`
     batch similar lengths together. Returns the training log (losses per window, evaluations, wall time)."""
     device = head.fc.weight.device
+    bf16 = resolve_bf16(config.bf16, device, log)
     t2d_index = draft_index(head)
     params = _trainable(head)
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
@@ -373,7 +374,7 @@ def train_head(head: FeatureHead, records: Sequence[FeatureRecord], config: Head
         lr = cosine_lr(step, config.steps, config.warmup, config.lr, elapsed / config.time_limit_s if config.time_limit_s else 0.0)
         for g in opt.param_groups:
             g["lr"] = lr
-        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=config.bf16):
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
             loss, acc = ttt_loss(head, [records[i] for i in idx], t2d_index, config.ttt_steps, max_len=config.max_len)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -409,7 +410,8 @@ def train_head(head: FeatureHead, records: Sequence[FeatureRecord], config: Head
         head.load_state_dict(state["best"]["weights"])
         log(f"kept the weights of step {state['best']['step']} (held-out agreement {state['best']['score']:.4f})")
     return {"steps": state["step"], "losses": state["losses"], "evals": state["evals"],
-            "best_step": state["best"]["step"] if state["best"] else state["step"], "train_wall_s": round(state["wall"], 1)}
+            "best_step": state["best"]["step"] if state["best"] else state["step"], "train_wall_s": round(state["wall"], 1),
+            "bf16_autocast": bf16}
 
 
 @torch.no_grad()
