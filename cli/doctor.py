@@ -37,6 +37,9 @@ def _shown(key: str, value) -> str:
         return "not measured" if key in ("compile_seconds", "cuda_graphs", "cuda_graphs_recorded") else "none"
     if isinstance(value, list):
         return ", ".join(map(str, value)) or "none"
+    if key == "bf16_products" and isinstance(value, dict):
+        timed = f" (a product: {value['bf16_ms']:g} ms bfloat16, {value['fp32_ms']:g} ms float32)" if "bf16_ms" in value else ""
+        return ("pay" if value.get("pays") else "do not pay: int8/int4 prefill and training use float32") + timed
     return str(value)
 
 

@@ -15,6 +15,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _session_home(tmp_path_factory):
+    """A temporary home for the whole run, so that what a test measures and caches lazily (the
+    bfloat16 verdict, say) never lands in the user's cache; `viasd_home` gives a test its own."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("VIASD_HOME", str(tmp_path_factory.mktemp("session_home")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(autouse=True)
 def _one_thread_again():
     """Sessions resolve --threads (auto by default: threads.py) and set torch's count; the next test

@@ -54,6 +54,15 @@ def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home, monk
     table = doctor("-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "--prompts", 1, "-n", 8, "--no-speed")
     assert table.exit_code == 0 and "sd == ar (greedy)" in table.stdout and "pass" in table.stdout
     assert len(timings) == 1 and "(cached)" in table.stdout  # --no-speed measures nothing: the verdict is read
+    # whether bfloat16 products pay: measured (the speed probe refreshes it), shown with its timings
+    products = env["bf16_products"]
+    assert isinstance(products["pays"], bool) and products["bf16_ms"] > 0 and products["fp32_ms"] > 0
+    assert "bf16_products" in table.stdout
+    from viasd_cli.doctor import _shown
+
+    assert _shown("bf16_products", {"pays": False, "bf16_ms": 192.779, "fp32_ms": 2.383}) == \
+        "do not pay: int8/int4 prefill and training use float32 (a product: 192.779 ms bfloat16, 2.383 ms float32)"
+    assert _shown("bf16_products", {"pays": True}) == "pay"  # a GPU: no timing
 
 
 def test_doctor_compares_the_compiled_pass_with_eager(tiny_dirs, viasd_home, monkeypatch):

@@ -87,10 +87,21 @@ def check_dense_prefill_rows(monkeypatch, packed, name: str, weight: torch.Tenso
     return kernel_rows
 
 
-def test_cpu_int8_prefill_rows_take_one_dense_product_close_to_the_kernel(monkeypatch):
+def dense_products_in(monkeypatch, pays: bool) -> torch.dtype:
+    """bf16_choice's verdict set to `pays`; returns the dtype a CPU prefill's dense product then runs in."""
+    from viasd_core.decoding import weight_formats as wf
+
+    monkeypatch.setattr(wf, "bf16_products_pay", lambda device="cpu": pays)
+    return wf.dense_dtype(torch.bfloat16)
+
+
+@pytest.mark.parametrize("pays", [True, False], ids=["bf16-products", "fp32-products"])
+def test_cpu_int8_prefill_rows_take_one_dense_product_close_to_the_kernel(monkeypatch, pays):
     """Passes of up to 16 rows (decode, every verify block) run PyTorch's int8 kernel, bit for bit;
     longer ones (prefill chunks) widen the weight once and run one dense product, which rounds
-    differently but stays within bf16 accumulation error of the kernel."""
+    differently but stays within bf16 accumulation error of the kernel, in bfloat16 or (where
+    bfloat16 products do not pay) in float32."""
+    assert dense_products_in(monkeypatch, pays) == (torch.bfloat16 if pays else torch.float32)
     packed, _ = pack_one("int8", n_in=256, n_out=192)
     weight = packed.qdata.double() * packed.scale.double()[:, None]
     rows = check_dense_prefill_rows(monkeypatch, packed, "_int8_mm_reference", weight, packed.qdata, packed.scale)
@@ -104,12 +115,16 @@ def test_int8_sd_and_exact_equal_ar_after_a_long_prompt():
     assert len(ar.tokens) == 40
 
 
-def test_cpu_int4_prefill_rows_read_the_packed_layout_back_and_take_one_dense_product(monkeypatch):
+@pytest.mark.parametrize("pays", [True, False], ids=["bf16-products", "fp32-products"])
+def test_cpu_int4_prefill_rows_read_the_packed_layout_back_and_take_one_dense_product(monkeypatch, pays):
     """Passes of up to 16 rows run tinygemm's int4 kernel, bit for bit; longer ones (prefill chunks)
     unpack the weight once from PyTorch's CPU layout, which must be the weight the kernel applies,
-    and run one dense product within bf16 accumulation error of the kernel. A layout that does not
-    read back (a partial last block of rows) keeps the kernel at every size."""
+    and run one dense product within bf16 accumulation error of the kernel (in bfloat16, or in
+    float32 where bfloat16 products do not pay). A layout that does not read back (a partial last
+    block of rows) keeps the kernel at every size."""
     from viasd_core.decoding import weight_formats as wf
+
+    dense_products_in(monkeypatch, pays)
 
     packed, _ = pack_one("int4", n_in=256, n_out=192)
     eye = torch.eye(256, dtype=torch.bfloat16)
@@ -125,6 +140,25 @@ def test_cpu_int4_prefill_rows_read_the_packed_layout_back_and_take_one_dense_pr
     assert wf._int4_dense_cpu(odd.qdata, odd.group, odd.scale, torch.bfloat16) is None
     x = torch.randn(40, 64, dtype=torch.bfloat16)
     assert torch.equal(odd(x), reference(x, odd.qdata, odd.group, odd.scale)) and kernel_rows == [40]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_without_fast_bf16_products_the_prefill_multiplies_the_same_weights_in_float32(monkeypatch, fmt):
+    """The float32 dense product holds the weight the kernel applies (its bfloat16 values, widened)
+    and rounds only its output to bfloat16; held so for a whole prefill by widen_once."""
+    from viasd_core.decoding import weight_formats as wf
+
+    dense_products_in(monkeypatch, False)
+    packed, _ = pack_one(fmt, n_in=256, n_out=192)
+    bf16 = packed.widened(torch.bfloat16)
+    fp32 = packed.widened(wf.dense_dtype(torch.bfloat16))
+    assert fp32.dtype == torch.float32 and torch.equal(fp32, bf16.float())
+    x = torch.randn(40, 256, dtype=torch.bfloat16)
+    want = torch.nn.functional.linear(x.float(), bf16.float()).to(torch.bfloat16)
+    with wf.widen_once([packed], torch.bfloat16):
+        assert packed.held.dtype == torch.float32
+        assert torch.equal(packed(x), want)
+    assert packed.held is None and torch.equal(packed(x), want)  # widened for the call alone
 
 
 def test_int4_sd_and_exact_equal_ar_after_a_long_prompt():

@@ -37,6 +37,7 @@ import importlib.util
 import torch
 from viasd_kernels import int8_mm
 
+from viasd_core.bf16_choice import bf16_products_pay
 from viasd_core.decoding.weight_format import PACKED, WeightFormat
 from viasd_core.errors import UsageError, ViasdError
 
@@ -148,6 +149,15 @@ def _int4_dense_cpu(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tenso
     return w.view(n, k).to(dtype)
 
 
+def dense_dtype(activations: torch.dtype) -> torch.dtype:
+    """The dtype of a CPU prefill's dense product: the activations', except bfloat16 where bfloat16
+    products do not pay on this CPU (no bfloat16 instructions: bf16_choice), then float32 over the
+    same weight values (a 768-token int4 prefill of SmolLM2 on an AVX2-only CPU: 10.8 s in bfloat16)."""
+    if activations == torch.bfloat16 and not bf16_products_pay("cpu"):
+        return torch.float32
+    return activations
+
+
 class PackedLinear(torch.nn.Module):
     """A linear layer over torchao-packed weight-only data, calling PyTorch's own kernels.
 
@@ -174,13 +184,18 @@ class PackedLinear(torch.nn.Module):
         self.held: torch.Tensor | None = None
 
     def widened(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The weight [out, in] in `dtype` exactly as the CPU kernel applies it (int8: q * scale,
-        rounded once; int4: `_int4_dense_cpu`); None off the CPU or where int4's layout is unknown."""
+        """The weight [out, in] exactly as the CPU kernel applies it (int8: q * scale, rounded once
+        to the scale's dtype; int4: `_int4_dense_cpu`, rounded once to bfloat16), held in `dtype`
+        (float32 where bfloat16 products do not pay: the same values); None off the CPU or where
+        int4's layout is unknown."""
         if self.qdata.device.type != "cpu":
             return None
+        applied = self.scale.dtype
         if self.kind == "int8":
-            return self.qdata.to(dtype) * self.scale[:, None].to(dtype)
-        return _int4_dense_cpu(self.qdata, self.group, self.scale, dtype)
+            w = self.qdata.to(applied) * self.scale[:, None]
+        else:
+            w = _int4_dense_cpu(self.qdata, self.group, self.scale, applied)
+        return None if w is None else w.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Passes of up to 16 rows (decoding, every verify block) run the format's kernel, so a
@@ -194,9 +209,9 @@ class PackedLinear(torch.nn.Module):
         x2 = x.reshape(-1, self.in_features)
         dense = None
         if x2.device.type == "cpu" and x2.shape[0] >= DENSE_PREFILL_ROWS:
-            dense = self.held if self.holding else self.widened(x2.dtype)
+            dense = self.held if self.holding else self.widened(dense_dtype(x2.dtype))
         if dense is not None:
-            y = torch.nn.functional.linear(x2, dense)
+            y = torch.nn.functional.linear(x2.to(dense.dtype), dense).to(x2.dtype)
         elif self.kind == "int8":
             y = _int8_mm(x2.contiguous(), self.qdata, self.scale)
         else:
@@ -266,7 +281,7 @@ def widen_once(modules: list[torch.nn.Module], dtype: torch.dtype):
     layers = [m for module in modules for m in module.modules() if isinstance(m, PackedLinear)]
     try:
         for m in layers:
-            m.held, m.holding = m.widened(dtype), True
+            m.held, m.holding = m.widened(dense_dtype(dtype)), True
         yield
     finally:
         for m in layers:

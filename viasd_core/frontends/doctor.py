@@ -37,6 +37,7 @@ from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.tree import TreeShape
 from viasd_core.session import Session, choose_tree
 from viasd_core.tree_choice import shape_for_size
+from viasd_core.bf16_choice import verdict as bf16_verdict
 from viasd_core.decoding.slim_view import SlimView, slim_verifier
 from viasd_core.decoding.stats import RunStats
 
@@ -92,6 +93,7 @@ def environment(session: Session) -> dict:
         "short_passes": session.short_rows_reason or None,
         "cuda_available": torch.cuda.is_available(),
         "bf16_supported": bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()),
+        "bf16_products": bf16_verdict(device),
         **versions(),
     }
     for name in ("bitsandbytes", "torchao", "triton"):
@@ -335,6 +337,7 @@ def run_doctor(session: Session, prompts_ids: list[list[int]], max_new_tokens: i
     report.checks.append(check_exact_mode(session, "sd", prompts_ids, max_new_tokens, shape_for_size(10)))
     if speed:
         report.speed = speed_probe(session, prompts_ids, max_new_tokens)
+        report.environment["bf16_products"] = bf16_verdict(session.engine.device, refresh=True)
         # --tree auto's measurements, taken again here (and cached for later runs)
         report.tree = choose_tree(session, refresh=True).to_dict()
     # Counted now that generations ran: CUDA-graph trees record a graph on a pass's second run.

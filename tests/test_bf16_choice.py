@@ -1,0 +1,68 @@
+"""Whether bfloat16 products pay, measured once a machine (viasd_core/bf16_choice.py), and the
+two choices made from it: training's autocast (training/shared.resolve_bf16) and the int formats'
+prefill product (decoding/weight_formats.dense_dtype, tested in test_weight_formats.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import tiny_model
+from viasd_core import bf16_choice
+from viasd_core.training import eagle_train
+from viasd_core.training.shared import resolve_bf16
+
+
+def timings(bf16_s: float, fp32_s: float):
+    return lambda dtype, device: bf16_s if dtype == torch.bfloat16 else fp32_s
+
+
+def test_bf16_pays_only_where_it_measures_clearly_faster():
+    cpu = torch.device("cpu")
+    assert bf16_choice.measure(cpu, timings(0.01, 0.05))["pays"]  # bfloat16 instructions
+    slow = bf16_choice.measure(cpu, timings(0.772, 0.009))  # AVX2 only: measured on an AMD EPYC
+    assert slow == {"pays": False, "bf16_ms": 772.0, "fp32_ms": 9.0}
+    assert not bf16_choice.measure(cpu, timings(0.085, 0.1))["pays"]  # within 20 %: not worth the rounding
+    assert bf16_choice.verdict("meta") == {"pays": False}
+
+
+def test_the_verdict_is_measured_once_then_read_from_the_machine_cache(viasd_home, monkeypatch):
+    calls = []
+    real = bf16_choice.measure
+    monkeypatch.setattr(bf16_choice, "measure", lambda device: calls.append(device) or real(device, timings(0.01, 0.05)))
+    first = bf16_choice.verdict("cpu")
+    assert first["pays"] and first["bf16_ms"] == 10.0 and len(calls) == 1
+    assert list((viasd_home / "cache" / "machine").glob("bf16-products-*.json"))
+    assert bf16_choice.verdict("cpu") == first and len(calls) == 1  # read back, not measured
+    assert bf16_choice.bf16_products_pay("cpu") and len(calls) == 1
+    monkeypatch.setattr(bf16_choice, "measure", lambda device: calls.append(device) or real(device, timings(0.5, 0.05)))
+    assert not bf16_choice.verdict("cpu", refresh=True)["pays"] and len(calls) == 2
+    assert not bf16_choice.bf16_products_pay("cpu")  # the per-process answer follows a refresh
+    for path in (viasd_home / "cache" / "machine").glob("bf16-products-*.json"):
+        path.write_text("not json")
+    assert bf16_choice.verdict("cpu")["pays"] is False and len(calls) == 3  # unreadable: measured again
+
+
+def test_the_real_products_are_timed():
+    for dtype in (torch.float32, torch.bfloat16):
+        assert 0 < bf16_choice.product_seconds(dtype, torch.device("cpu"), rows=16, rounds=1) < 60
+
+
+def test_training_takes_an_explicit_choice_else_the_measured_one(monkeypatch):
+    lines = []
+    assert resolve_bf16(True, "cpu", lines.append) is True and resolve_bf16(False, "cpu", lines.append) is False
+    assert lines == []  # nothing measured, nothing said
+    for pays in (True, False):
+        monkeypatch.setattr("viasd_core.training.shared.bf16_products_pay", lambda device, pays=pays: pays)
+        assert resolve_bf16(None, "cpu", lines.append) is pays
+        assert ("bfloat16 autocast" in lines[-1]) == pays and "(measured)" in lines[-1]
+
+
+def test_head_training_records_the_precision_it_used():
+    target = tiny_model("llama", n_layers=4, seed=2)
+    seqs = [(torch.randint(3, 256, (16,), generator=torch.Generator().manual_seed(i)).tolist(), 5, "") for i in range(4)]
+    recs = eagle_train.teacher_pass(target, seqs, (1, 2, 3))
+    for choice in (False, True):
+        head = eagle_train.init_head(target, (1, 2, 3), torch.arange(256))
+        out = eagle_train.train_head(head, recs, eagle_train.HeadTrainConfig(steps=2, batch_size=2, warmup=1, bf16=choice,
+                                                                              checkpoint_every=10 ** 9, eval_every=10 ** 9))
+        assert out["bf16_autocast"] is choice
