@@ -149,7 +149,8 @@ class HFRunner:
         cache_lens: list[int | None] = []
 
         def count(module, args, kwargs):
-            cache = kwargs.get("past_key_values")
+            # transformers 5.24 passes the cache as `cache` (`past_key_values` before, deprecated since)
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
             cache_lens.append(int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else None)
 
         handle = self.model.register_forward_pre_hook(count, with_kwargs=True)
