@@ -4,6 +4,7 @@ prefill product (decoding/weight_formats.dense_dtype, tested in test_weight_form
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import tiny_model
@@ -23,6 +24,14 @@ def test_bf16_pays_only_where_it_measures_clearly_faster():
     assert slow == {"pays": False, "bf16_ms": 772.0, "fp32_ms": 9.0}
     assert not bf16_choice.measure(cpu, timings(0.085, 0.1))["pays"]  # within 20 %: not worth the rounding
     assert bf16_choice.verdict("meta") == {"pays": False}
+
+
+def test_a_gpu_is_asked_not_timed(monkeypatch):
+    """The CUDA branch, on a CPU machine: the answer is the GPU's bfloat16 support, nothing timed or cached."""
+    monkeypatch.setattr(bf16_choice, "measure", lambda *a: pytest.fail("a GPU's verdict is not measured"))
+    for supported in (True, False):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, s=supported: s)
+        assert bf16_choice.verdict("cuda") == {"pays": supported}
 
 
 def test_the_verdict_is_measured_once_then_read_from_the_machine_cache(viasd_home, monkeypatch):

@@ -70,8 +70,9 @@ class DoctorReport:
                 "speed": self.speed, "tree": self.tree}
 
 
-def environment(session: Session) -> dict:
-    """The set-up; `cuda_graphs` is filled in by run_doctor once generations have run."""
+def environment(session: Session, refresh: bool = False) -> dict:
+    """The set-up; `cuda_graphs` is filled in by run_doctor once generations have run. `refresh`
+    measures the machine-wide verdicts again (the bfloat16 products) instead of reading the cache."""
     engine = session.engine
     device = engine.device
     env = {
@@ -93,7 +94,7 @@ def environment(session: Session) -> dict:
         "short_passes": session.short_rows_reason or None,
         "cuda_available": torch.cuda.is_available(),
         "bf16_supported": bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()),
-        "bf16_products": bf16_verdict(device),
+        "bf16_products": bf16_verdict(device, refresh=refresh),
         **versions(),
     }
     for name in ("bitsandbytes", "torchao", "triton"):
@@ -327,7 +328,7 @@ def speed_probe(session: Session, prompts_ids: list[list[int]], max_new_tokens: 
 
 
 def run_doctor(session: Session, prompts_ids: list[list[int]], max_new_tokens: int = 32, speed: bool = True) -> DoctorReport:
-    report = DoctorReport(environment(session))
+    report = DoctorReport(environment(session, refresh=speed))
     probe = [t for ids in prompts_ids for t in ids][:64]
     if len(probe) < 8:
         probe = (probe * 8)[:8]
@@ -337,7 +338,6 @@ def run_doctor(session: Session, prompts_ids: list[list[int]], max_new_tokens: i
     report.checks.append(check_exact_mode(session, "sd", prompts_ids, max_new_tokens, shape_for_size(10)))
     if speed:
         report.speed = speed_probe(session, prompts_ids, max_new_tokens)
-        report.environment["bf16_products"] = bf16_verdict(session.engine.device, refresh=True)
         # --tree auto's measurements, taken again here (and cached for later runs)
         report.tree = choose_tree(session, refresh=True).to_dict()
     # Counted now that generations ran: CUDA-graph trees record a graph on a pass's second run.

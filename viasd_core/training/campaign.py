@@ -28,6 +28,7 @@ from typing import Callable, Optional
 import torch
 
 from viasd_core import paths
+from viasd_core.decoding.eagle_files import load_feature_head
 from viasd_core.errors import UsageError
 from viasd_core.loading.models import load_model
 from viasd_core.loading.prompts import load_prompts
@@ -38,7 +39,6 @@ from viasd_core.training.campaign_features import CampaignRecords, run_feature_s
 from viasd_core.training.campaign_prompts import PROMPTS, PromptConfig, raw_shards, run_prompt_stage
 from viasd_core.training.campaign_train import TrainConfig, rejection_focus, train_on_data, train_on_policy
 from viasd_core.training.eagle_train import default_feature_layers
-from viasd_core.decoding.eagle_files import load_feature_head
 from viasd_core.training.on_policy import OnPolicyConfig, run_on_policy_stage
 
 STAGES = ("prompts", "answers", "features", "train", "on_policy", "eval")
@@ -95,12 +95,11 @@ def run_campaign(config: CampaignConfig, until: Optional[str] = None, log: Calla
     if stop < 4:
         return {}
     greedy = answer_shards(data, "greedy", len(prompts), config.answers)
-    answers = CampaignRecords(greedy, features, keep=lambda i: not config.held_out(i), categories=categories)
+    on_policy = CampaignRecords(greedy, features, keep=lambda i: not config.held_out(i), categories=categories)
     if not (work / "heads" / "on_policy").exists():
         head = load_feature_head(data_head, model.config, embed=model.get_input_embeddings(), dtype=torch.float32)
-        rejected = run_on_policy_stage(head, answers, [p.stem for p in greedy], work, config.on_policy, log)
-        answers.focus = rejection_focus(rejected, config.train.on_policy.ttt_steps, config.on_policy_boost)
-    on_policy = answers
+        rejected = run_on_policy_stage(head, on_policy, [p.stem for p in greedy], work, config.on_policy, log)
+        on_policy.focus = rejection_focus(rejected, config.train.on_policy.ttt_steps, config.on_policy_boost)
     op_head = train_on_policy(model, data_head, on_policy, train, held, config.train, work, log)
     if stop < 5:
         return {}
