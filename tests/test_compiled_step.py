@@ -38,6 +38,23 @@ def test_compiled_passes_match_eager_logits(family):
     assert compiled.seen == eager.seen == 33
 
 
+def test_a_dynamic_row_count_compiles_fewer_graphs_with_the_same_logits():
+    """compile(dynamic=True) (benchmarks/frozen_compile.py): one graph serves every width above 1."""
+    model = tiny_model("llama", seed=3)
+    eager = FastModel(model, max_len=96)
+    compiled = FastModel(model, max_len=96)
+    assert compiled.compile(None, dynamic=True)
+    ids = torch.randint(3, 256, (60,), generator=torch.Generator().manual_seed(4))
+    before = graphs_compiled()
+    plan = [(0, 20, 1), (20, 1, 1), (21, 1, 1), (22, 2, 1), (24, 3, 3), (27, 5, 5), (32, 1, 1), (33, 9, 9)]
+    for start, length, n_logits in plan:
+        torch.testing.assert_close(compiled.forward(ids[start : start + length], start, n_logits),
+                                   eager.forward(ids[start : start + length], start, n_logits), rtol=1e-4, atol=1e-4)
+    # 1 token; 2 tokens with 1 logit row; 4, 8 and 16 tokens with all rows share one graph
+    # (static shapes would compile five: (1,1), (2,1), (4,4), (8,8), (16,16))
+    assert graphs_compiled() - before == 3
+
+
 def engine_pair(seed=5, compiled=False, slim_layers=(0, 2)):
     """A tiny target, a layer-skipping draft of it (agrees often, not always: gamma moves) and a slim."""
     target = tiny_model("llama", n_layers=4, seed=seed)

@@ -155,6 +155,7 @@ class FastModel(attention.CachedPositions, TreePasses):
         self.positions_run = 0  # real (unpadded) positions processed
         self._compiled = None
         self.compile_mode: str | None = None
+        self.compile_dynamic = False
         # float16 only: [] bool on the device, True once a pass produced a non-finite logit. Set
         # without a host read; `check_finite` reads it once, at the end of a generation.
         self._nonfinite: torch.Tensor | None = None
@@ -191,7 +192,7 @@ class FastModel(attention.CachedPositions, TreePasses):
         self.seen = 0
         self._allocate_features()
         if self._compiled is not None:
-            self.compile(self.compile_mode)
+            self.compile(self.compile_mode, self.compile_dynamic)
 
     def _allocate_features(self) -> None:
         n = len(self.feature_layers)
@@ -221,10 +222,11 @@ class FastModel(attention.CachedPositions, TreePasses):
         self._allocate_features()
         self.seen = 0
         if self._compiled is not None:
-            self.compile(self.compile_mode)
+            self.compile(self.compile_mode, self.compile_dynamic)
 
-    def compile(self, mode: str | None = "default") -> bool:
+    def compile(self, mode: str | None = "default", dynamic: bool = False) -> bool:
         """torch.compile the pass function (fullgraph, static shapes); False where it cannot apply.
+        `dynamic`: the pass's row count dynamic instead (an experiment: benchmarks/frozen_compile.py).
 
         bitsandbytes layers are not traceable: quantized models stay eager. int8/int4 models stay
         eager on CPU: there inductor's graphs round a position differently with the pass's width
@@ -237,14 +239,14 @@ class FastModel(attention.CachedPositions, TreePasses):
             return False
         if mode == "default" and self.device.type == "cuda":
             mode = "reduce-overhead"
-        self.compile_mode = mode
+        self.compile_mode, self.compile_dynamic = mode, dynamic
         # Every FastModel shares `_run`'s code, whose graphs dynamo caches together: a session holds
         # up to 14 a model (the widths x one or all logit rows, token trees' masked passes), and a
         # calibration compiles a slim model per candidate view; the default limit of 8 refuses most.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
         # The cache's buffers are inputs mutated in place, never outputs: the output check spares them.
-        self._compiled = graph_outputs.guard(torch.compile(self._run, fullgraph=True, dynamic=False, mode=mode),
+        self._compiled = graph_outputs.guard(torch.compile(self._run, fullgraph=True, dynamic=dynamic, mode=mode),
                                              static=list(self.cache.buffers()))
         return True
 
