@@ -8,7 +8,7 @@ With `freezing` the weights become constants of each graph, and with the C++ bac
 max-autotune inductor writes its own small-row GEMM over a prepacked copy of them. This script
 times the embedded target's passes eagerly (as viasd runs them on a CPU: `short_rows` 1) and
 compiled that way (every width's graph compiled first, then timed), and reports the compile time
-and the process's resident memory before and after, since each graph holds its own packed weights.
+and the process's resident memory before and after (each graph appears to hold its own packed weights).
 `--dynamic` compiles the pass with a dynamic row count instead of one graph per padded width
 (dynamo still gives a 1-token pass a graph of its own), and reports how many graphs it compiled.
 Prints one JSON object (docs/benchmarks.md section 23).
@@ -53,7 +53,7 @@ def main() -> None:
     start = time.perf_counter()
     before = counters["stats"]["unique_graphs"]
     model.compile("max-autotune-no-cudagraphs", dynamic=args.dynamic)
-    time_passes(model, widths, context=256, repeats=1)  # compiles one graph per width
+    time_passes(model, widths, context=256, repeats=1)  # compiles every graph the widths need
     compile_s = time.perf_counter() - start
     compiled = time_passes(model, widths, context=256, repeats=args.repeats)
     print(json.dumps({

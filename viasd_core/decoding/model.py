@@ -253,7 +253,7 @@ class FastModel(attention.CachedPositions, TreePasses):
     def uncompile(self) -> None:
         """Drop the compiled graphs: every pass runs eager again."""
         self._compiled = None
-        self.compile_mode = None
+        self.compile_mode, self.compile_dynamic = None, False
 
     @property
     def compilable(self) -> bool:
