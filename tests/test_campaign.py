@@ -141,6 +141,47 @@ def test_rejections_weight_the_loss_where_the_draft_failed():
     torch.testing.assert_close(one, -(probs[0, 10] * logp[idx[0, 10]]).sum())
 
 
+
+def _loss_over_every_row(head, records, index, steps, decay=0.8):
+    """The plain loss: logits on every head position, the rows without a label masked out."""
+    tokens, feats, T = eagle_train.make_batch(records, 512)
+    probs, idx = eagle_train.soft_targets(records, index, T)
+    focus = eagle_train.focus_weights(records, T, steps)
+    total = 0.0
+    for s, lg in enumerate(eagle_train.ttt_logits(head, tokens, feats, steps)):
+        logp = torch.log_softmax(lg[:, s:].float(), dim=-1).gather(-1, idx[:, s:])
+        w = (probs[:, s:].sum(-1) > 0) * focus[:, s:, s]
+        total = total + decay ** s * (-(probs[:, s:] * logp).sum(-1) * w).sum() / w.sum().clamp(min=1)
+    return total
+
+
+def test_the_loss_computes_logits_only_where_there_are_labels_and_equals_the_plain_loss():
+    target = tiny_model("llama", n_layers=4, seed=3)
+    # a prompt of one token (labels from position 0), long prompts, a record that is all prompt but one token
+    shapes = [(1, 12), (9, 5), (14, 2), (4, 9)]
+    g = torch.Generator().manual_seed(4)
+    seqs = [(torch.randint(3, 256, (p + a,), generator=g).tolist(), p, "") for p, a in shapes]
+    recs = eagle_train.teacher_pass(target, seqs, (1, 2, 3))
+    focus = torch.ones(16, 3)
+    focus[6, 1] = 5.0
+    recs[1] = replace(recs[1], focus=focus)
+    head = eagle_train.init_head(target, (1, 2, 3), torch.arange(200))  # some labels outside the draft vocabulary
+    index = eagle_train.draft_index(head)
+    fast, acc = eagle_train.ttt_loss(head, recs, index, 3)
+    fast_grads = torch.autograd.grad(fast, [head.fc.weight, head.lm_head.weight])
+    plain = _loss_over_every_row(head, recs, index, 3)
+    plain_grads = torch.autograd.grad(plain, [head.fc.weight, head.lm_head.weight])
+    torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+    for a, b in zip(fast_grads, plain_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert len(acc) == 3 and all(0.0 <= a <= 1.0 for a in acc)
+    tokens, feats, T = eagle_train.make_batch(recs, 512)
+    labelled = eagle_train.soft_targets(recs, index, T)[0].sum(-1) > 0
+    rows = eagle_train.ttt_logits(head, tokens, feats, 1, rows=labelled)[0]
+    assert rows.shape == (int(labelled.sum()), head.draft_vocab_size) and rows.shape[0] < 4 * T  # prompt rows skipped
+    torch.testing.assert_close(rows, eagle_train.ttt_logits(head, tokens, feats, 1)[0][labelled])
+
+
 # ---------------------------------------------------------------------- the campaign, killed and resumed
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):

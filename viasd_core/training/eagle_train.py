@@ -177,7 +177,8 @@ def _shift(x: torch.Tensor, d: int, dim: int) -> torch.Tensor:
     return torch.cat([pad, x.narrow(dim, 0, n - min(d, n))], dim=dim)
 
 
-def ttt_logits(head: FeatureHead, tokens: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+def ttt_logits(head: FeatureHead, tokens: torch.Tensor, features: torch.Tensor, steps: int,
+               rows: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """EAGLE-3's training-time test, all positions at once: logits [B, T, Vd] per drafting step.
 
     tokens [B, T + 1], features [B, T, 3H] (the target's, positions 0..T-1). Step 0 at position q is the
@@ -187,6 +188,8 @@ def ttt_logits(head: FeatureHead, tokens: torch.Tensor, features: torch.Tensor, 
     steps 0..s concatenated under `attention.ttt_mask`. Rows q < s are not defined (zeros in, masked
     out of the loss). Teacher tokens are fed, as in EAGLE-3.
     Equal to drafting with `FeatureHead.forward` (tests/test_feature_drafter.py checks it).
+    rows [B, T] (bool): the output layer runs only there and each step's logits are [N, Vd] in
+    `rows` order (training skips the prompt positions, which have no label: about half of them).
     """
     B, T = features.shape[:2]
     if head.max_len < T:
@@ -202,7 +205,7 @@ def ttt_logits(head: FeatureHead, tokens: torch.Tensor, features: torch.Tensor, 
         o = attention.attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2),
                              attention.ttt_mask(T, s, device=q.device))  # [B, T, heads * D]; scale 1/sqrt(D)
         hidden = head.finish(fused, o)
-        out.append(head.logits(hidden))
+        out.append(head.logits(hidden if rows is None else hidden[rows]))
         fused = _shift(hidden, 1, 1)
     return out
 
@@ -259,18 +262,20 @@ def ttt_loss(head: FeatureHead, records: Sequence[FeatureRecord], t2d_index: tor
     probs, idx = soft_targets(records, t2d_index, T)
     focus = focus_weights(records, T, steps)
     tokens, feats, probs, idx, focus = tokens.to(device), feats.to(device), probs.to(device), idx.to(device), focus.to(device)
-    logits = ttt_logits(head, tokens, feats, steps)
+    labelled = probs.sum(-1) > 0  # [B, T]: only these rows enter the loss, so only they need logits
+    logits = ttt_logits(head, tokens, feats, steps, rows=labelled)
+    position = torch.arange(T, device=device).expand_as(labelled)[labelled]  # [N]
+    probs, idx, focus = probs[labelled], idx[labelled], focus[labelled]  # [N, K], [N, K], [N, steps]
     total = 0.0
     acc = []
     for s, lg in enumerate(logits):
-        weight = probs[:, s:].sum(-1) > 0  # [B, T - s] rows with labels
-        logp = torch.log_softmax(lg[:, s:].float(), dim=-1).gather(-1, idx[:, s:])
-        loss_s = -(probs[:, s:] * logp).sum(-1)
-        w = weight * focus[:, s:, s]
-        n = weight.sum().clamp(min=1)
+        keep = position >= s  # step s is defined from head position s on
+        logp = torch.log_softmax(lg[keep].float(), dim=-1).gather(-1, idx[keep])
+        loss_s = -(probs[keep] * logp).sum(-1)
+        w = focus[keep, s]
         total = total + (decay ** s) * (loss_s * w).sum() / w.sum().clamp(min=1)
-        hit = lg[:, s:].argmax(-1) == idx[:, s:, 0]
-        acc.append(float((hit & weight).sum()) / float(n))
+        hit = lg[keep].argmax(-1) == idx[keep, 0]
+        acc.append(float(hit.sum()) / float(max(int(keep.sum()), 1)))
     return total, acc
 
 
