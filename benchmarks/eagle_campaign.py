@@ -48,6 +48,11 @@ def config(args) -> CampaignConfig:
                              more=[THIN]),
         evaluation=EvalConfig(prompts=ROOT / "docs/results/cpu-prompts.jsonl"),
         ship_to=None if args.slice else ROOT / "viasd_core/data/drafts/smollm2-135m-eagle3")
+    if args.train_steps or args.on_policy_steps:
+        t = cfg.train
+        data = replace(t.data, steps=args.train_steps) if args.train_steps else t.data
+        tuned = replace(t.on_policy, steps=args.on_policy_steps) if args.on_policy_steps else t.on_policy
+        cfg = replace(cfg, train=replace(t, data=data, on_policy=tuned))
     if args.slice:  # every stage on a few prompts: checks the pipeline end to end in minutes
         t = TrainConfig()
         cfg = replace(cfg, prompts=replace(cfg.prompts, requests=48, shard_size=24, extra=[], more=[]),
@@ -67,6 +72,9 @@ def main() -> None:
     ap.add_argument("--work", default=str(ROOT / "out/campaign"))
     ap.add_argument("--until", choices=STAGES, default=None, help="stop after this stage")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--train-steps", type=int, default=None,
+                    help="steps of the data training (default: TrainConfig's); a checkpoint resumes only at its own")
+    ap.add_argument("--on-policy-steps", type=int, default=None, help="steps of the on-policy fine-tune")
     ap.add_argument("--slice", action="store_true", help="a small run of every stage (use other --data/--work)")
     args = ap.parse_args()
     cfg = config(args)

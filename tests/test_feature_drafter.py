@@ -5,6 +5,8 @@ sd/exact with the head stay token-identical to ar (greedy) and follow the target
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.decoding.feature_drafter import FeatureDrafter
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.router import OFF, Thresholds
+from viasd_core.errors import UsageError
 from viasd_core.decoding.sampling import SamplingParams, process_logits
 
 LAYERS = (1, 2, 3)
@@ -316,6 +319,8 @@ def test_training_resumes_from_its_checkpoint_exactly(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         eagle_train.train_head(fresh(), records, cfg, checkpoint=ckpt, eval_fn=killed)
     assert torch.load(ckpt, weights_only=True)["state"]["step"] == 10
+    with pytest.raises(UsageError, match="trained towards 20 steps, not 30"):  # another schedule: refused
+        eagle_train.train_head(fresh(), records, replace(cfg, steps=30), checkpoint=ckpt)
     resumed = fresh()
     log = eagle_train.train_head(resumed, records, cfg, checkpoint=ckpt)
     assert log["steps"] == 20

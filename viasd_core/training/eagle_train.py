@@ -355,9 +355,14 @@ def train_head(head: FeatureHead, records: Sequence[FeatureRecord], config: Head
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": config.weight_decay},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
                             lr=config.lr, betas=(0.9, 0.95))
-    state = {"step": 0, "epoch": 0, "order": [], "losses": [], "evals": [], "best": None, "wall": 0.0}
+    state = {"step": 0, "epoch": 0, "order": [], "losses": [], "evals": [], "best": None, "wall": 0.0,
+             "steps": config.steps}
     if checkpoint is not None and Path(checkpoint).exists():
         saved = torch.load(checkpoint, weights_only=True)
+        planned = saved["state"].get("steps", config.steps)
+        if planned != config.steps:  # the learning rate follows a cosine over the planned steps
+            raise UsageError(f"{checkpoint} was trained towards {planned} steps, not {config.steps}: "
+                             f"resume with {planned} steps, or remove it to start again")
         head.load_state_dict(saved["head"], strict=False)
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
