@@ -11,6 +11,9 @@
         the teacher pass over 32 sequences with the output layer on every position against from the
         last prompt position on (teacher_pass), interleaved; then a training step on 8 sequences in
         the shard's order against 8 of similar length (what group_by_length batches)
+    python benchmarks/campaign_measure.py train-step --shard S.npz --features DIR [--threads 2] [--bf16]
+        a training step on 8 sequences of similar length from a shard's stored features, the output
+        layer on the labelled rows only (what training runs) against on every row, interleaved
     python benchmarks/campaign_measure.py on-policy-check --shard S.npz --features DIR --head DIR [-n 16]
         greedy `sd` with the head in blocks of 4 drafts, run in the engine on the shard's first n
         training prompts (the reference), against the same rejections simulated over the stored
@@ -116,6 +119,32 @@ def batching(target, shard: Path) -> None:
                           "step_s": [round(x, 2) for x in steps[name][1:]]}))
 
 
+def train_step(target, shard: Path, features: Path, bf16: bool, rounds: int = 4) -> None:
+    layers = eagle_train.default_feature_layers(target.model.config.num_hidden_layers)
+    records = CampaignRecords([shard], features, keep=lambda i: True)
+    by_length = sorted(range(len(records)), key=lambda i: records.lengths()[i])
+    picks = [by_length[k : k + 8] for k in range(len(by_length) // 2, len(by_length), len(by_length) // 8)][:rounds]
+    head = eagle_train.init_head(target.model, layers, torch.arange(8192))
+    index = eagle_train.draft_index(head)
+    opt = torch.optim.AdamW([p for n, p in head.named_parameters() if not n.startswith("embed_tokens.")], lr=1e-4)
+    seconds: dict[str, list[float]] = {"labelled rows": [], "every row": []}
+    for r, idx in enumerate([picks[0]] + picks):  # the first batch warms up, untimed
+        recs = [records[i] for i in idx]
+        for name, rows_only in (("labelled rows", True), ("every row", False)):
+            t0 = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss, _ = eagle_train.ttt_loss(head, recs, index, 3, rows_only=rows_only)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if r:
+                seconds[name].append(time.perf_counter() - t0)
+    positions = [sum(records.lengths()[i] for i in idx) for idx in picks]
+    print(json.dumps({"threads": torch.get_num_threads(), "bf16": bf16, "positions": positions,
+                      "step_s": {k: [round(x, 2) for x in v] for k, v in seconds.items()},
+                      "ratio": round(sum(seconds["every row"]) / sum(seconds["labelled rows"]), 3)}))
+
+
 def on_policy_check(target, shard: Path, features: Path, head_dir: Path, n: int, held_out_every: int = 20) -> None:
     config = OnPolicyConfig()
     records = CampaignRecords([shard], features, keep=lambda i: i % held_out_every != 0)
@@ -145,16 +174,18 @@ def on_policy_check(target, shard: Path, features: Path, head_dir: Path, n: int,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["gen-batch", "teacher-vs-train", "batching", "on-policy-check"])
+    ap.add_argument("what", choices=["gen-batch", "teacher-vs-train", "batching", "on-policy-check", "train-step"])
     ap.add_argument("--prompts", nargs="*", default=[], help="gen-batch: prompt files, the first 64 prompts are used")
     ap.add_argument("--every", type=int, default=1, help="gen-batch: every k-th prompt of the files after the first")
     ap.add_argument("--batches", nargs="*", default=["32", "32p", "16", "48", "64"])
     ap.add_argument("--shard", type=Path, help="teacher-vs-train, batching, on-policy-check: an answer shard")
-    ap.add_argument("--features", type=Path, default=Path("out/campaign/features"), help="on-policy-check")
+    ap.add_argument("--features", type=Path, default=Path("out/campaign/features"), help="on-policy-check, train-step")
     ap.add_argument("--head", type=Path, help="on-policy-check: the head folder")
     ap.add_argument("-n", type=int, default=16, help="on-policy-check: training prompts")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--bf16", action="store_true", help="train-step: bfloat16 autocast")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     target = load_model("smollm2-135m", dtype="float32")
     if args.what == "gen-batch":
         prompts = [p.text for p in load_prompts(args.prompts[0])]
@@ -163,6 +194,8 @@ def main() -> None:
         gen_batch(target, prompts[:64], args.batches)
     elif args.what == "on-policy-check":
         on_policy_check(target, args.shard, args.features, args.head, args.n)
+    elif args.what == "train-step":
+        train_step(target, args.shard, args.features, args.bf16)
     elif args.what == "batching":
         batching(target, args.shard)
     else:

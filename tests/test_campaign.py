@@ -172,6 +172,7 @@ def test_the_loss_computes_logits_only_where_there_are_labels_and_equals_the_pla
     plain = _loss_over_every_row(head, recs, index, 3)
     plain_grads = torch.autograd.grad(plain, [head.fc.weight, head.lm_head.weight])
     torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(eagle_train.ttt_loss(head, recs, index, 3, rows_only=False)[0], plain, atol=1e-5, rtol=1e-5)
     for a, b in zip(fast_grads, plain_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     assert len(acc) == 3 and all(0.0 <= a <= 1.0 for a in acc)

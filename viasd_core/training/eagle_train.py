@@ -254,16 +254,20 @@ def focus_weights(records: Sequence[FeatureRecord], T: int, steps: int) -> torch
 
 
 def ttt_loss(head: FeatureHead, records: Sequence[FeatureRecord], t2d_index: torch.Tensor, steps: int,
-             decay: float = 0.8, max_len: int = 512) -> tuple[torch.Tensor, list[float]]:
+             decay: float = 0.8, max_len: int = 512, rows_only: bool = True) -> tuple[torch.Tensor, list[float]]:
     """Soft cross-entropy of every drafting step against the target (step s weighted decay**s, each
-    position by its record's focus). Returns (loss, per-step top-1 agreement on the positions with labels)."""
+    position by its record's focus). Returns (loss, per-step top-1 agreement on the positions with labels).
+    rows_only=False is the plain path (logits on every row, then the labelled ones picked): the same
+    loss, kept to measure what skipping the prompt rows saves (benchmarks/campaign_measure.py)."""
     device = head.fc.weight.device
     tokens, feats, T = make_batch(records, max_len)
     probs, idx = soft_targets(records, t2d_index, T)
     focus = focus_weights(records, T, steps)
     tokens, feats, probs, idx, focus = tokens.to(device), feats.to(device), probs.to(device), idx.to(device), focus.to(device)
     labelled = probs.sum(-1) > 0  # [B, T]: only these rows enter the loss, so only they need logits
-    logits = ttt_logits(head, tokens, feats, steps, rows=labelled)
+    logits = ttt_logits(head, tokens, feats, steps, rows=labelled if rows_only else None)
+    if not rows_only:
+        logits = [lg[labelled] for lg in logits]
     position = torch.arange(T, device=device).expand_as(labelled)[labelled]  # [N]
     probs, idx, focus = probs[labelled], idx[labelled], focus[labelled]  # [N, K], [N, K], [N, steps]
     total = 0.0
