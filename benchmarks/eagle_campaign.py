@@ -53,6 +53,8 @@ def config(args) -> CampaignConfig:
         data = replace(t.data, steps=args.train_steps) if args.train_steps else t.data
         tuned = replace(t.on_policy, steps=args.on_policy_steps) if args.on_policy_steps else t.on_policy
         cfg = replace(cfg, train=replace(t, data=data, on_policy=tuned))
+    if args.skip_on_policy:
+        cfg = replace(cfg, on_policy_stage=False)
     if args.slice:  # every stage on a few prompts: checks the pipeline end to end in minutes
         t = TrainConfig()
         cfg = replace(cfg, prompts=replace(cfg.prompts, requests=48, shard_size=24, extra=[], more=[]),
@@ -75,6 +77,8 @@ def main() -> None:
     ap.add_argument("--train-steps", type=int, default=None,
                     help="steps of the data training (default: TrainConfig's); a checkpoint resumes only at its own")
     ap.add_argument("--on-policy-steps", type=int, default=None, help="steps of the on-policy fine-tune")
+    ap.add_argument("--skip-on-policy", action="store_true",
+                    help="evaluate the data head without the on-policy fine-tune (a later run can add it)")
     ap.add_argument("--slice", action="store_true", help="a small run of every stage (use other --data/--work)")
     args = ap.parse_args()
     cfg = config(args)

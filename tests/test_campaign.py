@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
@@ -267,6 +268,24 @@ def test_every_stage_resumes_after_a_kill_and_ends_as_an_uninterrupted_run(tiny_
     assert report["decision"] in ("ship data", "ship on_policy", "keep the shipped head")
     lines = status(killed)
     assert lines[0].startswith("prompts: 2/2 request shards") and lines[-1] == "eval: done", lines
+
+    # without the on-policy stage: the data head alone is measured against the shipped one
+    alone = replace(straight, data=tmp_path / "c" / "data", work=tmp_path / "c" / "work", ship_to=tmp_path / "c" / "shipped",
+                    on_policy_stage=False)
+    shutil.copytree(straight.data, alone.data)
+    shutil.copytree(straight.ship_to, alone.ship_to)
+    (alone.data / "eval-report.json").unlink()
+    alone.work.mkdir()
+    for part in ("features", "train", "heads"):
+        shutil.copytree(straight.work / part, alone.work / part)
+    shutil.rmtree(alone.work / "heads" / "on_policy")
+    (alone.work / "train" / "on_policy.ckpt").unlink()
+    logs: list[str] = []
+    only = run_campaign(alone, log=logs.append)
+    assert set(only["candidates"]) == {"data"} and "on_policy: skipped (on_policy_stage is off)" in logs
+    assert only["candidates"]["data"]["agreement"] == report["candidates"]["data"]["agreement"]
+    assert not (alone.work / "on_policy").exists() and not (alone.work / "heads" / "on_policy").exists()
+    assert status(alone)[-1] == "eval: done"
 
 
 def test_a_later_request_round_appends_prompts_and_keeps_their_ids(tiny_target, tmp_path):

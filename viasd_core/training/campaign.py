@@ -58,6 +58,7 @@ class CampaignConfig:
     held_out_every: int = 20
     teacher_batch_size: int = 8
     threads: int = 1
+    on_policy_stage: bool = True  # False: evaluate the data head alone (the fine-tune is left for a later run)
     ship_to: Optional[Path] = None  # the shipped head: measured, and replaced only by a better one
 
     def held_out(self, prompt_index: int) -> bool:
@@ -94,6 +95,9 @@ def run_campaign(config: CampaignConfig, until: Optional[str] = None, log: Calla
     data_head = train_on_data(model, layers, train, held, config.train, work, eos, log)
     if stop < 4:
         return {}
+    if not config.on_policy_stage:
+        log("on_policy: skipped (on_policy_stage is off)")
+        return evaluate(config, target, layers, {"data": data_head}, log) if stop >= 5 else {}
     greedy = answer_shards(data, "greedy", len(prompts), config.answers)
     on_policy = CampaignRecords(greedy, features, keep=lambda i: not config.held_out(i), categories=categories)
     if not (work / "heads" / "on_policy").exists():
