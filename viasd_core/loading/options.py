@@ -14,7 +14,7 @@ class ModelOptions:
     revision: str | None = None
     dtype: str | None = None
     device: str | None = None
-    quant: str = "auto"  # auto: int4 for the embedded target on CPU (loading.models.resolve_format), else none
+    quant: str = "auto"  # auto: on a CPU, the embedded target's fastest measured format (loading.models.resolve_format), else none
     draft_quant: str = "none"
     trust_remote_code: bool = False
     allow_pickle: bool = False
