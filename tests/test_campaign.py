@@ -318,8 +318,14 @@ def test_the_thin_mix_asks_for_writing_and_reasoning():
     assert build_requests(50, seed=3) == build_requests(50, seed=3, mix="all")  # the first round is unchanged
 
 
-def test_the_ship_rule_needs_both_figures_better():
-    shipped = {"agreement": [0.35], "tau_default": {"tau": 1.5}}
-    assert better({"agreement": [0.5], "tau_default": {"tau": 1.6}}, shipped)
-    assert not better({"agreement": [0.5], "tau_default": {"tau": 1.5}}, shipped)
-    assert not better({"agreement": [0.3], "tau_default": {"tau": 2.0}}, shipped)
+def head_figures(agreement: float, fixed: float, default: float) -> dict:
+    return {"agreement": [agreement], "tau_fixed": {"tau": fixed}, "tau_default": {"tau": default}}
+
+
+def test_the_ship_rule_needs_the_head_better_and_the_default_tau_not_lower_than_2_percent():
+    shipped = head_figures(0.35, 1.44, 1.318)
+    assert better(head_figures(0.43, 1.56, 1.311), shipped)  # the campaign's data head (0.5% lower default tau)
+    assert better(head_figures(0.5, 1.6, 1.6), shipped)
+    assert not better(head_figures(0.5, 1.6, 1.28), shipped)  # default tau 2.9% lower
+    assert not better(head_figures(0.5, 1.44, 1.6), shipped)  # the head alone no better
+    assert not better(head_figures(0.3, 2.0, 2.0), shipped)  # lower agreement

@@ -106,10 +106,17 @@ def measure(name: str, head: Path, target: Loaded, target_ref: str, records, con
     return result
 
 
+DEFAULT_TAU_SLACK = 0.02  # how far below the shipped head's default-draft tau a candidate may land
+
+
 def better(candidate: dict, shipped: dict) -> bool:
-    """The ship rule: higher first-position agreement and higher default-draft tau, both."""
+    """The ship rule: a higher first-position agreement and a higher tau of the head alone (blocks of
+    a fixed length: the same on any machine), and a default-draft tau at most 2% below the shipped
+    head's. The default policy's plain steps follow this machine's wall times (on a CPU it drafts
+    only where a block pays), so that tau measures the machine as much as the head."""
     return (candidate["agreement"][0] > shipped["agreement"][0]
-            and candidate["tau_default"]["tau"] > shipped["tau_default"]["tau"])
+            and candidate["tau_fixed"]["tau"] > shipped["tau_fixed"]["tau"]
+            and candidate["tau_default"]["tau"] >= (1 - DEFAULT_TAU_SLACK) * shipped["tau_default"]["tau"])
 
 
 def ship(folder: Path, to: Path) -> None:
