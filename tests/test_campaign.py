@@ -286,6 +286,13 @@ def test_every_stage_resumes_after_a_kill_and_ends_as_an_uninterrupted_run(tiny_
     assert only["candidates"]["data"]["agreement"] == report["candidates"]["data"]["agreement"]
     assert not (alone.work / "on_policy").exists() and not (alone.work / "heads" / "on_policy").exists()
     assert status(alone)[-1] == "eval: done"
+    # a cached measurement holds for its weights only: other weights under the same name are measured again
+    save_feature_head(eagle_train.init_head(target, (1, 2, 3), torch.arange(0, 256, 2), seed=11), alone.ship_to)
+    logs.clear()
+    again = run_campaign(alone, log=logs.append)
+    assert any(m.startswith("eval shipped:") for m in logs) and not any(m.startswith("eval data:") for m in logs)
+    assert again["shipped"]["weights_sha256"] != only["shipped"]["weights_sha256"]
+    assert again["candidates"]["data"] == only["candidates"]["data"]
 
 
 def test_a_later_request_round_appends_prompts_and_keeps_their_ids(tiny_target, tmp_path):

@@ -18,6 +18,7 @@ agreement and default-draft tau.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -88,16 +89,20 @@ def tau(target_ref: str, head: Path, config: EvalConfig, hybrid: bool, fixed: Op
 
 def measure(name: str, head: Path, target: Loaded, target_ref: str, records, config: EvalConfig, work: Path,
             log: Callable[[str], None]) -> dict:
-    """Agreement and tau of the head in folder `head` (cached in `work/eval/<name>.json`)."""
+    """Agreement and tau of the head in folder `head` (cached in `work/eval/<name>.json`, for these
+    weights only: once a head ships, "shipped" names other weights and is measured again)."""
     path = work / "eval" / f"{name}.json"
+    weights = hashlib.sha256((head / "model.safetensors").read_bytes()).hexdigest()
     if path.exists():
-        return json.loads(path.read_text())
+        cached = json.loads(path.read_text())
+        if cached.get("weights_sha256") == weights:
+            return cached
     model = target.model
     h = load_feature_head(head, model.config, embed=model.get_input_embeddings(), dtype=torch.float32)
     scores = eagle_train.evaluate_head(h, records, steps=config.positions)
     by_cat = {c: eagle_train.evaluate_head(h, [r for r in records if r.category == c])["agreement"][0]
               for c in sorted({r.category for r in records})}
-    result = {"head": name, "agreement": scores["agreement"], "tokens": scores["tokens"], "first_by_category": by_cat,
+    result = {"head": name, "weights_sha256": weights, "agreement": scores["agreement"], "tokens": scores["tokens"], "first_by_category": by_cat,
               "tau_default": tau(target_ref, head, config, hybrid=True),
               "tau_fixed": tau(target_ref, head, config, hybrid=False, fixed=config.fixed_gamma)}
     paths.atomic_write_json(path, result)
