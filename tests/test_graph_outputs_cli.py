@@ -98,7 +98,8 @@ def calibrations(tiny_dirs, shared_home, tmp_path_factory):
     words = [f"w{i}" for i in range(10, 60)]
     prompts.write_text("\n".join(" ".join(words[i : i + 6]) for i in range(0, 24, 6)) + "\n")
     common = ["calibrate", "-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "--prompts", prompts, "-n", N,
-              "--skip-ratio", "0.5", "--slim-formats", "int8", "--budget", "0.3", "--force", "--json"]
+              "--skip-ratio", "0.5", "--slim-formats", "int8", "--budget", "0.3", "--force", "--json",
+              "--threads", "1"]  # one count for both runs: --threads auto follows the load, and rounding with it
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(calibrate, "measure_costs", fixed_base_costs)
         mp.setattr(candidates, "pass_costs", fixed_costs)
