@@ -122,7 +122,8 @@ def batching(target, shard: Path) -> None:
 def train_step(target, shard: Path, features: Path, bf16: bool, rounds: int = 4) -> None:
     layers = eagle_train.default_feature_layers(target.model.config.num_hidden_layers)
     records = CampaignRecords([shard], features, keep=lambda i: True)
-    by_length = sorted(range(len(records)), key=lambda i: records.lengths()[i])
+    lengths = records.lengths()
+    by_length = sorted(range(len(records)), key=lengths.__getitem__)
     picks = [by_length[k : k + 8] for k in range(len(by_length) // 2, len(by_length), len(by_length) // 8)][:rounds]
     head = eagle_train.init_head(target.model, layers, torch.arange(8192))
     index = eagle_train.draft_index(head)
@@ -139,7 +140,7 @@ def train_step(target, shard: Path, features: Path, bf16: bool, rounds: int = 4)
             opt.step()
             if r:
                 seconds[name].append(time.perf_counter() - t0)
-    positions = [sum(records.lengths()[i] for i in idx) for idx in picks]
+    positions = [sum(lengths[i] for i in idx) for idx in picks]
     print(json.dumps({"threads": torch.get_num_threads(), "bf16": bf16, "positions": positions,
                       "step_s": {k: [round(x, 2) for x in v] for k, v in seconds.items()},
                       "ratio": round(sum(seconds["every row"]) / sum(seconds["labelled rows"]), 3)}))

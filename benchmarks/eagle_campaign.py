@@ -21,6 +21,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from viasd_core.errors import UsageError
 from viasd_core.training.campaign import STAGES, CampaignConfig, run_campaign, status
 from viasd_core.training.campaign_answers import AnswerConfig
 from viasd_core.training.campaign_eval import EvalConfig
@@ -85,7 +86,11 @@ def main() -> None:
     if args.action == "status":
         print("\n".join(status(cfg)))
         return
-    report = run_campaign(cfg, until=args.until, log=log)
+    try:
+        report = run_campaign(cfg, until=args.until, log=log)
+    except UsageError as e:  # e.g. a checkpoint planned for another --train-steps: one line, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     if report.get("decision"):
         log(report["decision"])
 
