@@ -1,12 +1,13 @@
-"""Short float32 passes on a CPU: the blocked product (decoding/short_products.py) against F.linear.
+"""Short float32 passes on a CPU: the blocked and packed products (decoding/short_products.py) against F.linear.
 
     python benchmarks/short_passes.py --threads 2 --widths 1,4,6,16
 
-First the raw products: a 1-row product over 90 distinct 1536x576 float32 weights (they stream from
-memory, as a model's do), as F.linear and as the blocked product, beside a plain sum over 540 MB
-(what the memory gives). Then the target's passes over w tokens after 256 cached positions
-(`pass_timing.time_passes`), with every product through F.linear (`short_rows` 0) and through the
-blocked product (`short_rows` 16): the best of `--rounds` interleaved rounds of `--repeats` passes.
+First the raw products: products of each width over 90 distinct 1536x576 float32 weights (they
+stream from memory, as a model's do), as F.linear, as the blocked product and as the packed one,
+beside a plain sum over 540 MB (what the memory gives). Then the target's passes over w tokens after
+256 cached positions (`pass_timing.time_passes`), with every product through F.linear, through the
+blocked product and through the packed one: the best of `--rounds` interleaved rounds of
+`--repeats` passes.
 Prints one JSON object (docs/benchmarks.md section 17).
 """
 
@@ -29,22 +30,22 @@ def best_seconds(fn, repeats: int = 7) -> float:
     return min(call_seconds(fn, repeats))
 
 
-def raw_products() -> dict:
-    weights = [torch.randn(1536, 576) for _ in range(90)]
+def raw_products(widths: tuple[int, ...]) -> dict:
     layers = []
-    for w in weights:
+    for _ in range(90):
         layer = torch.nn.Linear(576, 1536, bias=False)
-        layer.weight.data = w
+        layer.weight.data = torch.randn(1536, 576)
         layers.append(layer)
-    x = torch.randn(1, 576)
-    size = sum(w.numel() * 4 for w in weights)
+    size = sum(layer.weight.numel() * 4 for layer in layers)
     big = torch.randn(540 * 2**20 // 4)
+    out = {}
     with torch.no_grad():
-        plain = best_seconds(lambda: [F.linear(x, w) for w in weights])
-        blocked = best_seconds(lambda: [short_products.linear(x, layer) for layer in layers])
-        total = best_seconds(lambda: big.sum())
-    return {"F.linear_GBps": round(size / plain / 1e9, 1), "blocked_GBps": round(size / blocked / 1e9, 1),
-            "sum_GBps": round(big.numel() * 4 / total / 1e9, 1)}
+        for rows in widths:
+            x = torch.randn(rows, 576)
+            out[rows] = {way: round(size / best_seconds(lambda: [short_products.linear(x, layer, up_to) for layer in layers]) / 1e9, 1)
+                         for way, up_to in short_products.WAYS.items() if way != "packed" or short_products.packs(layers[0])}
+        out["sum"] = round(big.numel() * 4 / best_seconds(lambda: big.sum()) / 1e9, 1)
+    return out  # GB/s of weights read
 
 
 def main() -> None:
@@ -58,18 +59,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     widths = tuple(int(w) for w in args.widths.split(","))
     model = FastModel(load_model(args.model, device="cpu", quant="none", with_tokenizer=False).model, max_len=512)
-    best = {0: {}, short_products.SHORT_ROWS: {}}
+    ways = {w: r for w, r in short_products.WAYS.items() if w != "packed" or short_products.packs(model.lm_head)}
+    best = {way: {} for way in ways}
     for _ in range(args.rounds):
-        for rows in best:
+        for way, rows in ways.items():
             model.short_rows = rows
             for w, s in time_passes(model, widths, context=256, repeats=args.repeats).items():
-                best[rows][w] = min(s, best[rows].get(w, float("inf")))
+                best[way][w] = min(s, best[way].get(w, float("inf")))
     print(json.dumps({
         "device": device_name(torch.device("cpu")), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "threads": args.threads, "torch": torch.__version__, "model": args.model,
-        "raw_1_row": raw_products(),
-        "pass_ms": {"F.linear": {w: round(s * 1e3, 1) for w, s in best[0].items()},
-                    "blocked": {w: round(s * 1e3, 1) for w, s in best[short_products.SHORT_ROWS].items()}},
+        "raw_GBps": raw_products(widths),
+        "pass_ms": {way: {w: round(s * 1e3, 1) for w, s in best[way].items()} for way in best},
     }))
 
 

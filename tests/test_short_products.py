@@ -1,5 +1,6 @@
-"""The blocked float32 product of short passes (viasd_core/decoding/short_products.py) against its
-plain reference (the layers themselves), the rule that decides where it runs, and exactness with it."""
+"""The float32 products of short passes (viasd_core/decoding/short_products.py: blocked, packed)
+against their plain reference (the layers themselves), the rule that decides where each runs, and
+exactness with them."""
 
 import pytest
 import torch
@@ -25,6 +26,43 @@ def test_the_blocked_product_is_the_layers_product(rows, bias, monkeypatch):
         assert got.shape == (1, rows, 96) and calls == [(sp.CHUNKS, 96 // sp.CHUNKS, 48)]  # it ran, in blocks
         torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-5)
         assert torch.equal(sp.linear(x, layer, up_to=rows - 1), layer(x)) and len(calls) == 1  # over up_to: the layer
+
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_packed_product_is_the_layers_product(rows, bias, monkeypatch):
+    torch.manual_seed(rows)
+    layer = torch.nn.Linear(48, 90, bias=bias)  # 90 outputs: no blocks of 4 needed
+    x = torch.randn(1, rows, 48)
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape) or real(*a))
+    with torch.no_grad():
+        got = sp.linear(x, layer, sp.PACKED)
+        assert got.shape == (1, rows, 90) and calls == [(rows, 48)]  # it ran, packed
+        torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-5)
+        assert torch.equal(sp.linear(x, layer, sp.ShortRows(0, rows - 1)), layer(x)) and len(calls) == 1
+        # the blocked product up to its rows, the packed one above them
+        assert sp.ShortRows(1, 16).way(1) == "blocked" and sp.ShortRows(1, 16).way(rows) == ("packed" if rows > 1 else "blocked")
+
+
+@needs_onednn
+def test_the_packed_copy_follows_the_weight_and_stays_out_of_autograd():
+    layer = torch.nn.Linear(16, 8)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        first = sp.packed_weight(layer)
+        assert sp.packed_weight(layer) is first  # made once
+        layer.weight.mul_(2)  # changed in place (an optimizer step): packed again
+        assert sp.packed_weight(layer) is not first
+        torch.testing.assert_close(sp.linear(x, layer, sp.PACKED), layer(x), rtol=1e-5, atol=1e-5)
+    y = sp.linear(x, layer, sp.PACKED)  # with grad: the layer itself, so gradients flow
+    y.sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.shape == (8, 16)
 
 
 def test_only_cpu_float32_linear_layers_take_it():
@@ -63,7 +101,7 @@ def test_a_pass_with_it_matches_the_pass_without():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("rows", [0, 1, 16])
+@pytest.mark.parametrize("rows", [0, 1, 16, sp.PACKED, sp.ShortRows(4, 16)], ids=str)
 def test_sd_equals_ar_and_transformers_whichever_passes_take_it(family, rows):
     target = tiny_model(family, seed=11)
     draft = tiny_model(family, n_layers=1, seed=99)
@@ -79,30 +117,43 @@ def test_sd_equals_ar_and_transformers_whichever_passes_take_it(family, rows):
 
 
 # ---------------------------------------------------------------------- where it runs
-def timings(blocked_1, plain_1, blocked_6, plain_6):
-    return {("blocked", 1): blocked_1, ("plain", 1): plain_1, ("blocked", 6): blocked_6, ("plain", 6): plain_6}
+def timings(**ms):
+    """{(way, width): seconds} from keyword lists of ms at widths 1, MID, WIDE: blocked=[..], packed=[..], plain=[..]."""
+    return {(way, w): t / 1e3 for way, ts in ms.items() for w, t in zip(sp.TIMED, ts)}
 
 
 def test_the_rule_follows_the_timings():
-    rows, why = sp.pick_rows(timings(0.023, 0.053, 0.059, 0.073))  # two threads here: faster at both
-    assert rows == 16
-    assert why == "1-token 23.0 vs 53.0 ms, 6-token 59.0 vs 73.0 ms, blocked vs F.linear"
-    assert sp.pick_rows(timings(0.030, 0.052, 0.102, 0.088))[0] == 1  # one thread here: a wide pass loses
-    rows, why = sp.pick_rows(timings(0.060, 0.052, 0.102, 0.088))
-    assert rows == 0 and why.startswith("1-token 60.0 vs 52.0 ms")
+    # the AVX-512 EPYC with two threads: blocked at 1-4 rows, packed beyond
+    rows, why = sp.pick_rows(timings(blocked=[11.0, 12.2, 22.8], packed=[12.2, 12.3, 13.1], plain=[25.5, 35.6, 28.3]))
+    assert rows == sp.ShortRows(4, 16)
+    assert why == ("1-token blocked 11.0, packed 12.2, plain 25.5 ms; 4-token blocked 12.2, packed 12.3, plain 35.6 ms; "
+                   "6-token blocked 22.8, packed 13.1, plain 28.3 ms")
+    # one thread: packed from 2 rows on
+    assert sp.pick_rows(timings(blocked=[14.2, 22.2, 43.0], packed=[14.5, 15.5, 17.2], plain=[25, 37, 43]))[0] == (1, 16)
+    assert sp.pick_rows(timings(blocked=[15, 16, 17], packed=[14, 15, 16], plain=[20, 20, 20]))[0] == sp.PACKED
+    # no oneDNN: the old rule (blocked everywhere, at 1 row only, or never)
+    assert sp.pick_rows(timings(blocked=[23, 40, 59], plain=[53, 60, 73]))[0] == sp.BLOCKED
+    assert sp.pick_rows(timings(blocked=[30, 80, 102], plain=[52, 70, 88]))[0] == (1, 0)
+    assert sp.pick_rows(timings(blocked=[30, 60, 102], plain=[52, 70, 88]))[0] == (4, 0)
+    rows, why = sp.pick_rows(timings(blocked=[60, 70, 102], plain=[52, 60, 88]))
+    assert rows == sp.PLAIN and why.startswith("1-token blocked 60.0, plain 52.0 ms")
+    assert all(tuple(r) in sp._VALID for r in (sp.PLAIN, sp.BLOCKED, sp.PACKED, sp.DEFAULT))
+    assert sp.ShortRows(4, 16).describe() == "blocked up to 4 rows, packed up to 16"
+    assert sp.PLAIN.describe() == "F.linear" and sp.PACKED.describe() == "packed up to 16"
 
 
 def test_a_session_measures_it_and_applies_it_to_every_model_and_the_head():
     target = tiny_model("llama", seed=5)
     engine = make_engine(target, draft_model=tiny_model("llama", n_layers=1, seed=6))
     rows, why = sp.choose_rows(engine, repeats=1)
-    assert rows in (0, 1, 16) and {m.short_rows for m in engine.all_models()} == {rows}
-    assert "1-token" in why and "6-token" in why and engine.target.seen == 0  # the cache is left empty
+    assert tuple(rows) in sp._VALID and {m.short_rows for m in engine.all_models()} == {rows}
+    assert "1-token" in why and "4-token" in why and "6-token" in why and engine.target.seen == 0  # cache left empty
+    assert ("packed" in why) == torch.backends.mkldnn.is_available()
     low = make_engine(tiny_model("llama", seed=5).to(torch.bfloat16))
-    assert sp.choose_rows(low) == (0, "no float32 layers on a CPU") and low.target.short_rows == 0
+    assert sp.choose_rows(low) == (sp.PLAIN, "no float32 layers on a CPU") and low.target.short_rows == sp.PLAIN
 
 
-@pytest.mark.parametrize("rows", [0, 16])
+@pytest.mark.parametrize("rows", [sp.PLAIN, sp.BLOCKED, sp.ShortRows(1, 16)], ids=str)
 def test_the_eagle_head_takes_it_too_and_sd_stays_ar(rows):
     from test_feature_drafter import engine_with_head, make_head
 
@@ -126,21 +177,23 @@ def test_the_choice_is_cached_per_machine_and_measured_again_on_refresh(viasd_ho
     real = pass_timing.time_passes
     monkeypatch.setattr(pass_timing, "time_passes", lambda *a, **k: timed.append(1) or real(*a, **k))
     key = {"target": "tiny", "draft": "none", "format": "none", "dtype": "float32"}
+    ways = 3 if torch.backends.mkldnn.is_available() else 2
     rows, why = sp.choose_rows(engine, key, repeats=1)
-    assert len(timed) == 4 and not why.endswith("(cached)")  # 2 rounds x 2 ways
-    engine.set_short_rows(5)
+    assert len(timed) == 2 * ways and not why.endswith("(cached)")  # 2 rounds x each way
+    engine.set_short_rows(sp.ShortRows(5, 0))
     again, why_again = sp.choose_rows(engine, key, repeats=1)
-    assert (again, why_again) == (rows, why + " (cached)") and len(timed) == 4 and engine.target.short_rows == rows
+    assert (again, why_again) == (rows, why + " (cached)") and len(timed) == 2 * ways and engine.target.short_rows == rows
     sp.choose_rows(engine, key, refresh=True, repeats=1)
-    assert len(timed) == 8
+    assert len(timed) == 4 * ways
     sp.choose_rows(engine, {**key, "target": "other"}, repeats=1)  # other models: their own choice
-    assert len(timed) == 12
+    assert len(timed) == 6 * ways
     path = next((viasd_home / "cache" / "machine").glob("short-rows-*.json"))
-    for bad in ("{not json", '{"rows": 3, "reason": "x"}'):  # unreadable, or a value no rule gives: measured again
+    for bad in ("{not json", '{"blocked": 3, "packed": 0, "reason": "x"}', '{"rows": 16, "reason": "version 1"}'):
+        # unreadable, a value no rule gives, or an older record's fields: measured again
         for f in (viasd_home / "cache" / "machine").glob("short-rows-*.json"):
             f.write_text(bad)
         before = len(timed)
         sp.choose_rows(engine, key, repeats=1)
-        assert len(timed) == before + 4
+        assert len(timed) == before + 2 * ways
     assert path.exists()
 

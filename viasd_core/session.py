@@ -35,7 +35,7 @@ class Session:
     compile: CompileChoice | None = None  # --compile as resolved at start-up (compile_choice.py)
     tree: TreeChoice | None = None  # sd's draft trees, once `choose_tree` resolved --tree
     threads: ThreadChoice | None = None  # --threads as resolved at start-up (threads.py)
-    short_rows_reason: str = ""  # why short float32 passes take the blocked product or not (short_products.py)
+    short_rows_reason: str = ""  # why short float32 passes take the products they take (short_products.py)
 
     @property
     def tokenizer(self):
@@ -50,8 +50,7 @@ class Session:
         out = [("weights", fmt, self.target.format_reason.removeprefix(f"{fmt}: "))]
         if self.threads is not None:
             out.append(("threads", str(self.threads.threads), self.threads.reason))
-        rows = self.engine.target.short_rows
-        out.append(("short passes", f"blocked up to {rows} rows" if rows else "F.linear", self.short_rows_reason))
+        out.append(("short passes", self.engine.target.short_rows.describe(), self.short_rows_reason))
         if self.compile is not None:
             out.append(("compile", f"on ({compiled})" if compiled else "off", self.compile.reason))
         if self.tree is not None:

@@ -65,8 +65,8 @@ class Drafter(ABC):
         """torch.compile what the drafter runs per drafted token; False when nothing could be."""
         return any([m.compile() for m in self.fast_models()])
 
-    def set_short_rows(self, rows: int) -> None:
-        """Passes of up to `rows` rows take the blocked float32 product (short_products.py)."""
+    def set_short_rows(self, rows) -> None:
+        """Short float32 passes take the products `rows` (a short_products.ShortRows) gives them."""
         for m in self.fast_models():
             m.short_rows = rows
 
@@ -293,7 +293,7 @@ class HybridDrafter(Drafter):
     def fast_models(self) -> list[FastModel]:
         return self.model_drafter.fast_models()
 
-    def set_short_rows(self, rows: int) -> None:
+    def set_short_rows(self, rows) -> None:
         self.model_drafter.set_short_rows(rows)
 
     def compile(self) -> bool:

@@ -44,7 +44,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from viasd_core.errors import ViasdError
 from viasd_core.decoding import attention, graph_outputs
 from viasd_core.decoding.rope import apply_rope
-from viasd_core.decoding.short_products import linear, mlp
+from viasd_core.decoding.short_products import DEFAULT, linear, mlp
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -105,7 +105,7 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         self.midlayer = _MidLayer(cfg)
         self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, self.draft_vocab_size, bias=False)
-        self.short_rows = 1  # float32 passes of up to this many rows take the blocked product (short_products.py)
+        self.short_rows = DEFAULT  # which product float32 short passes take (short_products.ShortRows)
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
         self.max_len = 0

@@ -166,8 +166,8 @@ class Engine:
         """Every FastModel the engine runs: target, slim verifier, the drafter's models."""
         return self._models() + (self.drafter.fast_models() if self.drafter is not None else [])
 
-    def set_short_rows(self, rows: int) -> None:
-        """Every model's passes of up to `rows` rows take the blocked float32 product (short_products.py)."""
+    def set_short_rows(self, rows) -> None:
+        """Every model's short float32 passes take the products `rows` (a short_products.ShortRows) gives them."""
         for m in self._models():
             m.short_rows = rows
         if self.drafter is not None:

@@ -62,7 +62,7 @@ class FeatureDrafter(ChainDrafter):
     def compile(self) -> bool:
         return self.head.compile()  # its 1-token drafting step (CUDA graphs on CUDA)
 
-    def set_short_rows(self, rows: int) -> None:
+    def set_short_rows(self, rows) -> None:
         super().set_short_rows(rows)
         self.head.short_rows = rows
 

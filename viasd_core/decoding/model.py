@@ -40,7 +40,7 @@ from viasd_core.errors import ViasdError
 from viasd_core.decoding import attention, graph_outputs
 from viasd_core.decoding.rope import apply_rope, check_rope
 from viasd_core.decoding.pass_widths import PASS_WIDTHS, pass_width
-from viasd_core.decoding.short_products import linear, mlp
+from viasd_core.decoding.short_products import DEFAULT, linear, mlp
 from viasd_core.decoding.tree_pass import TreePasses
 from viasd_core.decoding.fused_projections import fused
 from viasd_core.decoding.weight_formats import has_weight_format, widen_once
@@ -144,10 +144,10 @@ class FastModel(attention.CachedPositions, TreePasses):
         # int8/int4 on CPU: q/k/v and gate/up as one product each (fused_projections.py)
         cpu_packed = self.weight_format and self.device.type == "cpu"
         self._fused = [fused(layer) if cpu_packed else None for layer in self.layers]
-        # Float32 layers on CPU: passes of up to `short_rows` rows multiply through short_products.linear
-        # (the weights read at the memory's speed). 1 until a session measures it (choose_rows); 0:
-        # every product through the layers themselves (F.linear).
-        self.short_rows = 1
+        # Float32 layers on CPU: which product short passes multiply through (short_products.ShortRows:
+        # the weights read at the memory's speed). The blocked product for 1-row passes until a session
+        # measures it (choose_rows); PLAIN: every product through the layers themselves (F.linear).
+        self.short_rows = DEFAULT
         self.vocab_limit: int | None = None  # logits at columns >= vocab_limit are -inf (None: no mask)
         self.max_len = 0
         self.seen = 0

@@ -1,39 +1,72 @@
 """The float32 matrix products of a short pass on a CPU, read at the memory's speed.
 
 A short pass (a decoded token, a verify block: at most SHORT_ROWS rows) multiplies every weight by a
-few rows, so its time is the time it takes to read the weights. On the CPU we measured (a 2-core AMD
-EPYC with AVX-512), PyTorch's float32 `linear` reads a layer's weight at about 11 GB/s for such a
-pass, with one thread or two, while a plain sum reads 27-30 GB/s. The same product as a batched
-matrix-vector product over CHUNKS blocks of the weight's rows (`torch.bmm(W.view(c, N / c, K), x.T)`)
-reads 20 GB/s on one thread and 23 GB/s on two (docs/benchmarks.md section 17). SmolLM2's float32
-1-token pass went from 57.8 ms to 25.2 ms (two threads), and from 55.3 ms to 28.6 ms with PyTorch,
-oneDNN and MKL held to AVX2 on the same CPU.
+few rows, so its time is the time it takes to read the weights. PyTorch's float32 `linear` does not
+read them at that speed on the CPUs we measured: for one row it reads ~11 GB/s where a plain sum
+reads 27-30 GB/s (a 2-core AMD EPYC with AVX-512), and for 6-16 rows it packs the weight again at
+every call. Two products do better, each where it is best (docs/benchmarks.md sections 17 and 25):
 
-Whether it pays depends on the machine: on one thread a wide pass is bound by arithmetic, and there
-F.linear's kernel is the faster one (SmolLM2's 6-token pass: 100.9 ms vs 112.0). So `choose_rows` times a 1-token
-and a 6-token pass both ways, at the session's thread count, and a model takes the blocked product for
-passes of up to 1 row, up to SHORT_ROWS rows, or never (`FastModel.short_rows`). A session caches the
-choice per machine, thread count and models; `viasd doctor` measures again.
+- **blocked**: a batched matrix-vector product over CHUNKS blocks of the weight's rows
+  (`torch.bmm(W.view(c, N / c, K), x.T)`): ~40 GB/s for 1-4 rows on that EPYC, but it slows
+  past 4 rows (MKL's small-matrix kernel), to about F.linear's speed at 16.
+- **packed**: oneDNN's product over a copy of the weight reordered once for it
+  (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's frozen CPU graphs use): about the
+  blocked product's speed for 1-4 rows, and 1.7-2.3x faster than it for 6-16 rows. The copy doubles
+  the float32 layers' memory; it is made on a layer's first packed call and kept while the layer
+  lives (made again if the weight changes).
 
-`linear(x, layer, up_to)` takes the blocked path for a CPU float32 `nn.Linear` and at most `up_to`
-rows, and is `layer(x)` (F.linear) otherwise, which is also the plain reference the tests compare it
-with. `mlp` is the gated MLP of every supported family (down(act(gate(x)) * up(x))) over `linear`.
+Which product a pass of r rows takes is a `ShortRows` value per model: the blocked product up to
+`blocked` rows, the packed one above that up to `packed` rows, F.linear beyond (and for every pass
+where neither applies). `choose_rows` times a 1-, a 4- and a WIDE-token pass each way at the
+session's thread count and `pick_rows` composes the value; a session caches it per machine, thread
+count and models, and `viasd doctor` measures again.
 
-Rounding: the blocked product sums each output in another order than F.linear (a difference of
-float32 rounding, ~1e-6 relative). F.linear's own rows already round differently with the number of
-rows in a pass on a CPU, so this changes nothing about exactness: in float32 `sd` and `exact` match
-`ar` token for token as before (tested), and a rounding flip needs a near-tie of that size.
+`linear(x, layer, up_to)` is `layer(x)` (F.linear: the plain reference the tests compare both
+products with) wherever `up_to` gives it no other product; `mlp` is the gated MLP of every supported
+family (down(act(gate(x)) * up(x))) over `linear`.
+
+Rounding: each product sums an output in its own order (a difference of float32 rounding, ~1e-6
+relative). F.linear's own rows already round differently with the number of rows in a pass on a
+CPU, and so does the packed product (its 1-row kernel differs for long inputs), so this changes
+nothing about exactness: in float32 `sd` and `exact` match `ar` token for token as before (tested),
+and a rounding flip needs a near-tie of that size.
 """
 
 from __future__ import annotations
 
 
+import weakref
+from typing import NamedTuple
+
 import torch
 
-SHORT_ROWS = 16  # passes of up to this many rows (PASS_WIDTHS[-1]) take the blocked product
-WIDE = 6  # the verify pass choose_rows times beside a 1-token pass
-CACHE_VERSION = 1
+SHORT_ROWS = 16  # passes of up to this many rows (PASS_WIDTHS[-1]) are short
+MID = 4  # the blocked product's last fast width on the CPUs measured
+WIDE = 6  # the verify pass choose_rows times beside a 1-token and a MID-token pass
+CACHE_VERSION = 2
 CHUNKS = 4  # blocks of the weight's rows; 2-16 measured alike, 4 divides every layer of the supported families
+
+
+class ShortRows(NamedTuple):
+    """Which product a short pass takes: the blocked one for passes of up to `blocked` rows, the packed
+    one for longer passes of up to `packed` rows, F.linear for the rest. An int n means (n, 0)."""
+
+    blocked: int = 0
+    packed: int = 0
+
+    def way(self, rows: int) -> str:
+        return "blocked" if rows <= self.blocked else "packed" if rows <= self.packed else "plain"
+
+    def describe(self) -> str:
+        parts = [f"blocked up to {self.blocked} rows"] if self.blocked else []
+        if self.packed > self.blocked:
+            parts.append(f"packed up to {self.packed}")
+        return ", ".join(parts) or "F.linear"
+
+
+PLAIN, BLOCKED, PACKED = ShortRows(0, 0), ShortRows(SHORT_ROWS, 0), ShortRows(0, SHORT_ROWS)
+DEFAULT = ShortRows(1, 0)  # until a session measures: the blocked product for 1-row passes
+_VALID = {(b, p) for b in (0, 1, MID, SHORT_ROWS) for p in (0, SHORT_ROWS)}
 
 
 def applies(layer: torch.nn.Module) -> bool:
@@ -44,11 +77,42 @@ def applies(layer: torch.nn.Module) -> bool:
             and layer.weight.is_contiguous())
 
 
-def linear(x: torch.Tensor, layer: torch.nn.Module, up_to: int = SHORT_ROWS) -> torch.Tensor:
-    """`layer(x)` for x [..., in]; through the blocked product where the layer `applies` and x holds
-    at most `up_to` rows."""
+def packs(layer: torch.nn.Module) -> bool:
+    """Whether `layer` can take the packed product: a CPU float32 nn.Linear, with oneDNN in this build."""
+    return (type(layer) is torch.nn.Linear and layer.weight.device.type == "cpu"
+            and layer.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available())
+
+
+# layer -> ((weight's address, version), its reordered copy); an entry goes with its layer
+_packed: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[int, int], torch.Tensor]]" = weakref.WeakKeyDictionary()
+
+
+def packed_weight(layer: torch.nn.Linear) -> torch.Tensor:
+    """`layer`'s weight reordered for oneDNN's product (made on first use; again if the weight changed)."""
+    w = layer.weight
+    key = (w.data_ptr(), w._version)
+    hit = _packed.get(layer)
+    if hit is None or hit[0] != key:
+        hit = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), SHORT_ROWS))
+        _packed[layer] = hit
+    return hit[1]
+
+
+def _short_rows(up_to: ShortRows | int) -> ShortRows:
+    return ShortRows(up_to) if isinstance(up_to, int) else up_to
+
+
+def linear(x: torch.Tensor, layer: torch.nn.Module, up_to: ShortRows | int = BLOCKED) -> torch.Tensor:
+    """`layer(x)` for x [..., in]; through the product `up_to` gives a pass of x's rows where the
+    layer takes it (the packed one only outside autograd and torch.compile's tracing)."""
     rows = x.numel() // x.shape[-1]
-    if rows > up_to or not applies(layer):
+    way = _short_rows(up_to).way(rows)
+    if way == "packed" and packs(layer) and not torch.compiler.is_compiling() and not (
+            torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad)):
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed_weight(layer), layer.bias,
+                                               "none", [], "")
+        return y.reshape(*x.shape[:-1], layer.out_features)
+    if way != "blocked" or not applies(layer):
         return layer(x)
     w = layer.weight  # [N, K]
     n, k = w.shape
@@ -58,33 +122,46 @@ def linear(x: torch.Tensor, layer: torch.nn.Module, up_to: int = SHORT_ROWS) -> 
     return y if layer.bias is None else y + layer.bias
 
 
-def mlp(x: torch.Tensor, module: torch.nn.Module, up_to: int = SHORT_ROWS) -> torch.Tensor:
+def mlp(x: torch.Tensor, module: torch.nn.Module, up_to: ShortRows | int = BLOCKED) -> torch.Tensor:
     """The gated MLP `module` (gate_proj, up_proj, down_proj, act_fn) applied to x, over `linear`."""
-    if up_to == 0 or not all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+    if _short_rows(up_to) == PLAIN or not all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return module(x)
     return linear(module.act_fn(linear(x, module.gate_proj, up_to)) * linear(x, module.up_proj, up_to),
                   module.down_proj, up_to)
 
 
-def pick_rows(seconds: dict[tuple[str, int], float]) -> tuple[int, str]:
-    """Up to how many rows the blocked product runs, from the measured seconds of a 1-token and a
-    6-token pass each way ({("blocked" | "plain", width): s}): SHORT_ROWS where it is faster at
-    both, 1 where only at one row, else 0 (never)."""
-    faster = {w: seconds[("blocked", w)] < seconds[("plain", w)] for w in (1, WIDE)}
-    rows = SHORT_ROWS if faster[1] and faster[WIDE] else 1 if faster[1] else 0
-    shown = ", ".join(f"{w}-token {seconds[('blocked', w)] * 1e3:.1f} vs {seconds[('plain', w)] * 1e3:.1f} ms"
-                      for w in (1, WIDE))
-    return rows, f"{shown}, blocked vs F.linear"
+WAYS = {"blocked": BLOCKED, "packed": PACKED, "plain": PLAIN}
+TIMED = (1, MID, WIDE)
 
 
-def choose_rows(engine, key: dict | None = None, refresh: bool = False, repeats: int = 3) -> tuple[int, str]:
-    """Time a 1-token and a WIDE-token pass of the first of the engine's models (target, slim,
-    draft) whose output head `applies`, with the blocked product and without, and give every model
-    and the drafter what `pick_rows` makes of them (Engine.set_short_rows): (rows, reason). Without
-    such a model (a GPU, low-bit or bfloat16 weights) rows is 0.
+def pick_rows(seconds: dict[tuple[str, int], float]) -> tuple[ShortRows, str]:
+    """Which product each short pass takes, from the measured seconds of a 1-, a MID- and a WIDE-token
+    pass each way ({("blocked" | "packed" | "plain", width): s}; "packed" may be missing): the
+    fastest way at each timed width, held from there to the next. The blocked product runs up to
+    the widest of 1 and MID where it is fastest there and below, or every short pass where it is
+    fastest at WIDE too; the packed one runs above that wherever it is fastest at some timed width."""
+    ways = [w for w in WAYS if (w, 1) in seconds]
+    best = {w: min(ways, key=lambda way: seconds[(way, w)]) for w in TIMED}
+    blocked = 0
+    for w in TIMED:
+        if best[w] != "blocked":
+            break
+        blocked = SHORT_ROWS if w == WIDE else w
+    packed = SHORT_ROWS if "packed" in best.values() and blocked < SHORT_ROWS else 0
+    shown = "; ".join(f"{w}-token " + ", ".join(f"{way} {seconds[(way, w)] * 1e3:.1f}" for way in ways) + " ms"
+                      for w in TIMED)
+    return ShortRows(blocked, packed), shown
+
+
+def choose_rows(engine, key: dict | None = None, refresh: bool = False, repeats: int = 3) -> tuple[ShortRows, str]:
+    """Time a 1-, a MID- and a WIDE-token pass of the first of the engine's models (target, slim,
+    draft) whose output head `applies`, each way (blocked, packed where the build has oneDNN,
+    F.linear), and give every model and the drafter what `pick_rows` makes of them
+    (Engine.set_short_rows): (rows, reason). Without such a model (a GPU, low-bit or bfloat16
+    weights) rows is PLAIN.
 
     With `key` (what the session runs: models, format, dtype) the choice is cached per machine and
-    thread count (devices.MachineRecord; `refresh` measures again): the timing costs about 2 s."""
+    thread count (devices.MachineRecord; `refresh` measures again): the timing costs a few seconds."""
     from viasd_core.decoding.pass_timing import time_passes
     from viasd_core.devices import MachineRecord
 
@@ -92,28 +169,29 @@ def choose_rows(engine, key: dict | None = None, refresh: bool = False, repeats:
     record = MachineRecord("short-rows", engine.device, key, CACHE_VERSION) if key is not None else None
     cached = _cached(record.load()) if timed is not None and record is not None and not refresh else None
     if timed is None:
-        rows, reason = 0, "no float32 layers on a CPU"
+        rows, reason = PLAIN, "no float32 layers on a CPU"
     elif cached is not None:
         rows, reason = cached
     else:
+        ways = {w: r for w, r in WAYS.items() if w != "packed" or packs(timed.lm_head)}
         seconds = {}
         for _ in range(2):  # interleaved rounds, each way's best kept
-            for way, up_to in (("blocked", SHORT_ROWS), ("plain", 0)):
-                timed.short_rows = up_to
-                for w, s in time_passes(timed, (1, WIDE), context=64, repeats=repeats).items():
+            for way, rows in ways.items():
+                timed.short_rows = rows
+                for w, s in time_passes(timed, TIMED, context=64, repeats=repeats).items():
                     seconds[(way, w)] = min(s, seconds.get((way, w), float("inf")))
         rows, reason = pick_rows(seconds)
         if record is not None:
-            record.store({"rows": rows, "reason": reason})
+            record.store({"blocked": rows.blocked, "packed": rows.packed, "reason": reason})
     engine.set_short_rows(rows)
     return rows, reason
 
 
-def _cached(data: dict | None) -> tuple[int, str] | None:
+def _cached(data: dict | None) -> tuple[ShortRows, str] | None:
     """(rows, reason) of a stored choice; None when there is none or its fields do not fit (measured again)."""
     try:
-        rows = int(data["rows"])
-        if rows not in (0, 1, SHORT_ROWS):
+        rows = ShortRows(int(data["blocked"]), int(data["packed"]))
+        if tuple(rows) not in _VALID:
             return None
         return rows, str(data["reason"]) + " (cached)"
     except (ValueError, KeyError, TypeError):

@@ -6,8 +6,8 @@ greedy token at 0.971 (int8) and 0.978 (int4) teacher-forced, over the 0.97 bar 
 section 10). Which of those is fastest is a question of the machine: on a CPU whose int4 kernel is
 slow (no AVX-512, an older PyTorch) int8 or fp32 can win. So each candidate is loaded and timed once,
 a 1-token pass (plain decoding) and a 4-token pass (a verify pass) after 64 cached positions
-(decoding/pass_timing.py; the best of three interleaved rounds; float32 with and without its
-blocked short products, decoding/short_products.py), and the smallest sum wins; a more precise format within TIE of it wins
+(decoding/pass_timing.py; the best of three interleaved rounds; float32 with each of its short
+products and without, decoding/short_products.py), and the smallest sum wins; a more precise format within TIE of it wins
 instead. Prefill is not in the sum.
 
 The choice is cached under the user's cache folder per model and machine (devices.machine_identity,
@@ -33,7 +33,7 @@ WIDTHS = (1, 4)
 CONTEXT = 64
 REPEATS = 5
 ROUNDS = 3
-CACHE_VERSION = 3  # 2: float32 timed with its blocked short products too; 3: int8/int4 products fused
+CACHE_VERSION = 4  # 2: float32 timed with its blocked short products too; 3: int8/int4 products fused; 4: float32 packed products
 
 
 @dataclass
@@ -59,7 +59,7 @@ def measure(ref: str, candidates: tuple[WeightFormat, ...], device: torch.device
     of load on a shared machine then slows one round, not one format."""
     from viasd_core.decoding.model import FastModel
     from viasd_core.decoding.pass_timing import time_passes
-    from viasd_core.decoding.short_products import SHORT_ROWS, applies
+    from viasd_core.decoding.short_products import BLOCKED, PACKED, PLAIN, applies, packs
     from viasd_core.loading.models import load_model
 
     models = {fmt: FastModel(load_model(ref, device=str(device), quant=fmt, with_tokenizer=False).model,
@@ -69,8 +69,9 @@ def measure(ref: str, candidates: tuple[WeightFormat, ...], device: torch.device
     best = {fmt: float("inf") for fmt in candidates}
     for _ in range(ROUNDS):
         for fmt, model in models.items():
-            # float32 at its best: with the blocked short products and without (a session picks one)
-            for rows in ((SHORT_ROWS, 0) if applies(model.lm_head) else (model.short_rows,)):
+            # float32 at its best: with each short product and without (a session picks)
+            ways = (BLOCKED, PLAIN) + ((PACKED,) if packs(model.lm_head) else ()) if applies(model.lm_head) else ()
+            for rows in ways or (model.short_rows,):
                 model.short_rows = rows
                 best[fmt] = min(best[fmt], sum(time_passes(model, WIDTHS, CONTEXT, REPEATS).values()))
     del models
