@@ -7,11 +7,11 @@ reads 27-30 GB/s (a 2-core AMD EPYC with AVX-512), and for 6-16 rows it packs th
 every call. Two products do better, each where it is best (docs/benchmarks.md sections 17 and 25):
 
 - **blocked**: a batched matrix-vector product over CHUNKS blocks of the weight's rows
-  (`torch.bmm(W.view(c, N / c, K), x.T)`): ~40 GB/s for 1-4 rows on that EPYC, but it slows
-  past 4 rows (MKL's small-matrix kernel), to about F.linear's speed at 16.
+  (`torch.bmm(W.view(c, N / c, K), x.T)`): ~31 GB/s for 1-4 rows on an AVX-512 BF16 EPYC (a plain
+  sum: 41 GB/s), but it slows past 4 rows, to about F.linear's speed at 16.
 - **packed**: oneDNN's product over a copy of the weight reordered once for it
   (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's frozen CPU graphs use): about the
-  blocked product's speed for 1-4 rows, and 1.7-2.3x faster than it for 6-16 rows. The copy doubles
+  blocked product's speed for 1-4 rows, and 1.4-2.1x its speed for 6-16 rows. The copy doubles
   the float32 layers' memory; it is made on a layer's first packed call and kept while the layer
   lives (made again if the weight changes).
 
