@@ -197,3 +197,24 @@ def test_the_choice_is_cached_per_machine_and_measured_again_on_refresh(viasd_ho
         assert len(timed) == before + 2 * ways
     assert path.exists()
 
+
+
+def test_the_packed_copies_are_left_out_where_they_would_crowd_the_memory(viasd_home, monkeypatch):
+    from viasd_core import devices
+
+    engine = make_engine(tiny_model("llama", seed=5))
+    need = sp.packed_bytes(engine.all_models())
+    layers = [m for m in engine.target.hf_model.modules() if isinstance(m, torch.nn.Linear)]
+    assert need == sum(m.weight.numel() * 4 for m in layers) > 0  # every float32 layer once
+    monkeypatch.setattr(devices, "free_memory_bytes", lambda device: int(need / sp.FREE_SHARE) - 1)
+    key = {"target": "tiny", "draft": "none", "format": "none", "dtype": "float32"}
+    rows, why = sp.choose_rows(engine, key, repeats=1)
+    assert rows.packed == 0 and "packed" not in why.split("; packed not taken")[0] and why.endswith("GiB)")  # not timed
+    assert "packed not taken" in why
+    # a cached choice with packed products, on a machine whose memory has filled since: packed dropped
+    path = next((viasd_home / "cache" / "machine").glob("short-rows-*.json"))
+    path.write_text('{"blocked": 1, "packed": 16, "reason": "measured"}')
+    rows, why = sp.choose_rows(engine, key, repeats=1)
+    assert rows == (1, 0) and why.startswith("measured (cached); packed not taken")
+    monkeypatch.setattr(devices, "free_memory_bytes", lambda device: int(need / sp.FREE_SHARE) + 1)
+    assert sp.choose_rows(engine, key, repeats=1)[0] == (1, 16)  # room again: the cached choice as it was

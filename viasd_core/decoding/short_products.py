@@ -13,7 +13,8 @@ every call. Two products do better, each where it is best (docs/benchmarks.md se
   (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's frozen CPU graphs use): about the
   blocked product's speed for 1-4 rows, and 1.4-2.1x its speed for 6-16 rows. The copy doubles
   the float32 layers' memory; it is made on a layer's first packed call and kept while the layer
-  lives (made again if the weight changes).
+  lives (made again if the weight changes). A session does not take it where the copies would fill
+  more than FREE_SHARE of the free memory (`packed_bytes`).
 
 Which product a pass of r rows takes is a `ShortRows` value per model: the blocked product up to
 `blocked` rows, the packed one above that up to `packed` rows, F.linear beyond (and for every pass
@@ -45,6 +46,7 @@ MID = 4  # the blocked product's last fast width on the CPUs measured
 WIDE = 6  # the verify pass choose_rows times beside a 1-token and a MID-token pass
 CACHE_VERSION = 2
 CHUNKS = 4  # blocks of the weight's rows; 2-16 measured alike, 4 divides every layer of the supported families
+FREE_SHARE = 0.5  # the packed copies may take at most this share of the free memory
 
 
 class ShortRows(NamedTuple):
@@ -96,6 +98,12 @@ def packed_weight(layer: torch.nn.Linear) -> torch.Tensor:
         hit = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), SHORT_ROWS))
         _packed[layer] = hit
     return hit[1]
+
+
+def packed_bytes(models) -> int:
+    """Bytes the packed copies of `models`' float32 CPU layers take (FastModels; shared layers once)."""
+    layers = {id(m): m for model in models for m in model.hf_model.modules() if packs(m)}
+    return sum(m.weight.numel() * m.weight.element_size() for m in layers.values())
 
 
 def _short_rows(up_to: ShortRows | int) -> ShortRows:
@@ -156,24 +164,29 @@ def pick_rows(seconds: dict[tuple[str, int], float]) -> tuple[ShortRows, str]:
 def choose_rows(engine, key: dict | None = None, refresh: bool = False, repeats: int = 3) -> tuple[ShortRows, str]:
     """Time a 1-, a MID- and a WIDE-token pass of the first of the engine's models (target, slim,
     draft) whose output head `applies`, each way (blocked, packed where the build has oneDNN,
-    F.linear), and give every model and the drafter what `pick_rows` makes of them
-    (Engine.set_short_rows): (rows, reason). Without such a model (a GPU, low-bit or bfloat16
+    F.linear; packed only where its copies fit, FREE_SHARE of the free memory), and give every
+    model and the drafter what `pick_rows` makes of them (Engine.set_short_rows): (rows, reason). Without such a model (a GPU, low-bit or bfloat16
     weights) rows is PLAIN.
 
     With `key` (what the session runs: models, format, dtype) the choice is cached per machine and
     thread count (devices.MachineRecord; `refresh` measures again): the timing costs a few seconds."""
     from viasd_core.decoding.pass_timing import time_passes
-    from viasd_core.devices import MachineRecord
+    from viasd_core.devices import MachineRecord, free_memory_bytes
 
     timed = next((m for m in engine.all_models() if applies(m.lm_head)), None)
     record = MachineRecord("short-rows", engine.device, key, CACHE_VERSION) if key is not None else None
     cached = _cached(record.load()) if timed is not None and record is not None and not refresh else None
+    need, free = (packed_bytes(engine.all_models()), free_memory_bytes(engine.device)) if timed is not None else (0, 0)
+    fits = need <= FREE_SHARE * free
+    crowded = f"; packed not taken: its copies ({need / 2**30:.2f} GiB) would fill over half the free memory ({free / 2**30:.2f} GiB)"
     if timed is None:
         rows, reason = PLAIN, "no float32 layers on a CPU"
     elif cached is not None:
         rows, reason = cached
+        if rows.packed and not fits:  # memory is not what it was when measured
+            rows, reason = rows._replace(packed=0), reason + crowded
     else:
-        ways = {w: r for w, r in WAYS.items() if w != "packed" or packs(timed.lm_head)}
+        ways = {w: r for w, r in WAYS.items() if w != "packed" or (packs(timed.lm_head) and fits)}
         seconds = {}
         for _ in range(2):  # interleaved rounds, each way's best kept
             for way, rows in ways.items():
@@ -183,6 +196,8 @@ def choose_rows(engine, key: dict | None = None, refresh: bool = False, repeats:
         rows, reason = pick_rows(seconds)
         if record is not None:
             record.store({"blocked": rows.blocked, "packed": rows.packed, "reason": reason})
+        if packs(timed.lm_head) and not fits:
+            reason += crowded
     engine.set_short_rows(rows)
     return rows, reason
 
