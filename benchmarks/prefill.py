@@ -8,7 +8,8 @@ chunks of 256; the last position's logits), and transformers' forward of the sam
 one warm-up, interleaved (the machine's drift falls on all alike); the median of each is reported.
 Two reference paths: `FMT-chunks` feeds the prompt as separate passes of 256 positions (each chunk
 through every layer in turn: an int8/int4 layer widened once a chunk, the path before layer-major
-prefill), and `int4-kernel` runs tinygemm's kernel for every row (no widened weight at all).
+prefill), and `int4-kernel` runs tinygemm's kernel for every row (no widened weight at all). `none-packed`
+runs float32's chunks through oneDNN's packed product (decoding/short_products.py).
 Prints one JSON object (docs/benchmarks.md).
 """
 
@@ -23,6 +24,7 @@ import torch
 
 from viasd_core.decoding import weight_formats as wf
 from viasd_core.decoding.model import PREFILL_CHUNK, FastModel
+from viasd_core.decoding.short_products import ShortRows
 from viasd_core.decoding.weight_format import WeightFormat
 from viasd_core.decoding.weight_formats import packed_copy
 from viasd_core.devices import device_name
@@ -66,8 +68,12 @@ def main() -> None:
     paths = {"transformers fp32": lambda: target.model(ids[None], logits_to_keep=1)}
     for name in args.formats.split(","):
         fmt = name.removesuffix("-kernel").removesuffix("-chunks")
+        fmt = fmt.removesuffix("-packed")
         model = target.model if fmt == "none" else packed_copy(target.model, WeightFormat.parse(fmt))
-        paths[f"viasd {name}"] = prefill_path(FastModel(model, max_len=args.tokens + 32), ids, name)
+        fast = FastModel(model, max_len=args.tokens + 32)
+        if name.endswith("-packed"):  # float32 chunks through oneDNN's packed product (short_products.py)
+            fast.short_rows = ShortRows(fast.short_rows.blocked, fast.short_rows.packed, prefill=True)
+        paths[f"viasd {name}"] = prefill_path(fast, ids, name)
     times: dict[str, list[float]] = {name: [] for name in paths}
     with torch.inference_mode():
         for fn in paths.values():

@@ -89,15 +89,17 @@ def test_the_mlp_over_it_is_the_familys_mlp(family):
 
 def test_a_pass_with_it_matches_the_pass_without():
     fast = FastModel(tiny_model("llama", seed=5), max_len=64)
-    ids = torch.randint(3, 256, (20,))
+    ids = torch.randint(3, 256, (40,))
     out = {}
-    for rows in (0, 16):
+    ways = (sp.PLAIN, sp.BLOCKED) + ((sp.PACKED, sp.ShortRows(1, 16)) if torch.backends.mkldnn.is_available() else ())
+    for rows in ways:
         fast.short_rows = rows
         fast.reset()
-        fast.forward(ids[:14], 0, 1)
-        out[rows] = (fast.forward(ids[14:15], 14, 1), fast.forward(ids[15:20], 15, 5))
-    for a, b in zip(out[0], out[16]):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        # a 34-token prompt (a long pass: packed with PACKED's prefill), then a decoded token and a block
+        out[rows] = (fast.forward(ids[:34], 0, 1), fast.forward(ids[34:35], 34, 1), fast.forward(ids[35:40], 35, 5))
+    for rows in ways[1:]:
+        for a, b in zip(out[sp.PLAIN], out[rows]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -129,17 +131,25 @@ def test_the_rule_follows_the_timings():
     assert why == ("1-token blocked 11.0, packed 12.2, plain 25.5 ms; 4-token blocked 12.2, packed 12.3, plain 35.6 ms; "
                    "6-token blocked 22.8, packed 13.1, plain 28.3 ms")
     # one thread: packed from 2 rows on
-    assert sp.pick_rows(timings(blocked=[14.2, 22.2, 43.0], packed=[14.5, 15.5, 17.2], plain=[25, 37, 43]))[0] == (1, 16)
-    assert sp.pick_rows(timings(blocked=[15, 16, 17], packed=[14, 15, 16], plain=[20, 20, 20]))[0] == sp.PACKED
+    assert sp.pick_rows(timings(blocked=[14.2, 22.2, 43.0], packed=[14.5, 15.5, 17.2], plain=[25, 37, 43]))[0] == sp.ShortRows(1, 16)
+    assert sp.pick_rows(timings(blocked=[15, 16, 17], packed=[14, 15, 16], plain=[20, 20, 20]))[0] == sp.ShortRows(0, 16)
     # no oneDNN: the old rule (blocked everywhere, at 1 row only, or never)
     assert sp.pick_rows(timings(blocked=[23, 40, 59], plain=[53, 60, 73]))[0] == sp.BLOCKED
-    assert sp.pick_rows(timings(blocked=[30, 80, 102], plain=[52, 70, 88]))[0] == (1, 0)
-    assert sp.pick_rows(timings(blocked=[30, 60, 102], plain=[52, 70, 88]))[0] == (4, 0)
+    assert sp.pick_rows(timings(blocked=[30, 80, 102], plain=[52, 70, 88]))[0] == sp.ShortRows(1, 0)
+    assert sp.pick_rows(timings(blocked=[30, 60, 102], plain=[52, 70, 88]))[0] == sp.ShortRows(4, 0)
     rows, why = sp.pick_rows(timings(blocked=[60, 70, 102], plain=[52, 60, 88]))
     assert rows == sp.PLAIN and why.startswith("1-token blocked 60.0, plain 52.0 ms")
     assert all(tuple(r) in sp._VALID for r in (sp.PLAIN, sp.BLOCKED, sp.PACKED, sp.DEFAULT))
     assert sp.ShortRows(4, 16).describe() == "blocked up to 4 rows, packed up to 16"
-    assert sp.PLAIN.describe() == "F.linear" and sp.PACKED.describe() == "packed up to 16"
+    assert sp.PLAIN.describe() == "F.linear" and sp.PACKED.describe() == "packed up to 16, packed prefill"
+    # a prefill chunk timed packed and plain: prefill takes the faster
+    long = {("packed", 256): 0.20, ("plain", 256): 0.35}
+    rows, why = sp.pick_rows({**timings(blocked=[11.0, 12.2, 22.8], packed=[12.2, 12.3, 13.1], plain=[25, 35, 28]), **long})
+    assert rows == sp.ShortRows(4, 16, prefill=True) and why.endswith("; 256-token prefill chunk packed 200, plain 350 ms")
+    slower = {("packed", 256): 0.40, ("plain", 256): 0.35}
+    assert sp.pick_rows({**timings(blocked=[11, 12, 22], packed=[12, 12, 13], plain=[25, 35, 28]), **slower})[0] == (4, 16, False)
+    assert [sp.ShortRows(1, 16, True).way(r) for r in (1, 2, 16, 17, 256)] == ["blocked"] + ["packed"] * 4
+    assert [sp.ShortRows(1, 16).way(r) for r in (16, 17)] == ["packed", "plain"]
 
 
 def test_a_session_measures_it_and_applies_it_to_every_model_and_the_head():
@@ -148,7 +158,7 @@ def test_a_session_measures_it_and_applies_it_to_every_model_and_the_head():
     rows, why = sp.choose_rows(engine, repeats=1)
     assert tuple(rows) in sp._VALID and {m.short_rows for m in engine.all_models()} == {rows}
     assert "1-token" in why and "4-token" in why and "6-token" in why and engine.target.seen == 0  # cache left empty
-    assert ("packed" in why) == torch.backends.mkldnn.is_available()
+    assert ("packed" in why) == ("prefill chunk" in why) == torch.backends.mkldnn.is_available()
     low = make_engine(tiny_model("llama", seed=5).to(torch.bfloat16))
     assert sp.choose_rows(low) == (sp.PLAIN, "no float32 layers on a CPU") and low.target.short_rows == sp.PLAIN
 
@@ -177,24 +187,25 @@ def test_the_choice_is_cached_per_machine_and_measured_again_on_refresh(viasd_ho
     real = pass_timing.time_passes
     monkeypatch.setattr(pass_timing, "time_passes", lambda *a, **k: timed.append(1) or real(*a, **k))
     key = {"target": "tiny", "draft": "none", "format": "none", "dtype": "float32"}
-    ways = 3 if torch.backends.mkldnn.is_available() else 2
+    per = 2 * (3 + 2) if torch.backends.mkldnn.is_available() else 2 * 2  # 2 rounds x (each way + the prefill chunk twice)
     rows, why = sp.choose_rows(engine, key, repeats=1)
-    assert len(timed) == 2 * ways and not why.endswith("(cached)")  # 2 rounds x each way
+    assert len(timed) == per and not why.endswith("(cached)")
     engine.set_short_rows(sp.ShortRows(5, 0))
     again, why_again = sp.choose_rows(engine, key, repeats=1)
-    assert (again, why_again) == (rows, why + " (cached)") and len(timed) == 2 * ways and engine.target.short_rows == rows
+    assert (again, why_again) == (rows, why + " (cached)") and len(timed) == per and engine.target.short_rows == rows
     sp.choose_rows(engine, key, refresh=True, repeats=1)
-    assert len(timed) == 4 * ways
+    assert len(timed) == 2 * per
     sp.choose_rows(engine, {**key, "target": "other"}, repeats=1)  # other models: their own choice
-    assert len(timed) == 6 * ways
+    assert len(timed) == 3 * per
     path = next((viasd_home / "cache" / "machine").glob("short-rows-*.json"))
-    for bad in ("{not json", '{"blocked": 3, "packed": 0, "reason": "x"}', '{"rows": 16, "reason": "version 1"}'):
+    for bad in ("{not json", '{"blocked": 3, "packed": 0, "prefill": false, "reason": "x"}',
+                '{"blocked": 1, "packed": 16, "prefill": 1, "reason": "x"}', '{"rows": 16, "reason": "version 1"}'):
         # unreadable, a value no rule gives, or an older record's fields: measured again
         for f in (viasd_home / "cache" / "machine").glob("short-rows-*.json"):
             f.write_text(bad)
         before = len(timed)
         sp.choose_rows(engine, key, repeats=1)
-        assert len(timed) == before + 2 * ways
+        assert len(timed) == before + per
     assert path.exists()
 
 
@@ -213,8 +224,24 @@ def test_the_packed_copies_are_left_out_where_they_would_crowd_the_memory(viasd_
     assert "packed not taken" in why
     # a cached choice with packed products, on a machine whose memory has filled since: packed dropped
     path = next((viasd_home / "cache" / "machine").glob("short-rows-*.json"))
-    path.write_text('{"blocked": 1, "packed": 16, "reason": "measured"}')
+    path.write_text('{"blocked": 1, "packed": 16, "prefill": true, "reason": "measured"}')
     rows, why = sp.choose_rows(engine, key, repeats=1)
-    assert rows == (1, 0) and why.startswith("measured (cached); packed not taken")
+    assert rows == sp.ShortRows(1, 0) and why.startswith("measured (cached); packed not taken")
     monkeypatch.setattr(devices, "free_memory_bytes", lambda device: int(need / sp.FREE_SHARE) + 1)
-    assert sp.choose_rows(engine, key, repeats=1)[0] == (1, 16)  # room again: the cached choice as it was
+    assert sp.choose_rows(engine, key, repeats=1)[0] == (1, 16, True)  # room again: the cached choice as it was
+
+
+@needs_onednn
+def test_prefill_chunks_take_the_packed_product_only_when_chosen(monkeypatch):
+    fast = FastModel(tiny_model("llama", seed=5), max_len=64)
+    ids = torch.randint(3, 256, (34,))
+    rows_seen = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: rows_seen.append(a[0].shape[0]) or real(*a))
+    for prefill in (False, True):
+        rows_seen.clear()
+        fast.short_rows = sp.ShortRows(1, 16, prefill)
+        fast.reset()
+        fast.forward(ids, 0, 1)
+        # every projection of every layer over the 34 positions, and the output head over the last one (1 row: blocked)
+        assert rows_seen == ([34] * 7 * len(fast.layers) if prefill else [])

@@ -18,9 +18,12 @@ every call. Two products do better, each where it is best (docs/benchmarks.md se
 
 Which product a pass of r rows takes is a `ShortRows` value per model: the blocked product up to
 `blocked` rows, the packed one above that up to `packed` rows, F.linear beyond (and for every pass
-where neither applies). `choose_rows` times a 1-, a 4- and a WIDE-token pass each way at the
-session's thread count and `pick_rows` composes the value; a session caches it per machine, thread
-count and models, and `viasd doctor` measures again.
+where neither applies), except that with `prefill` a prompt's chunks (long passes) take the packed
+product too: PyTorch's float32 F.linear ran at about half the packed product's speed on the AMD EPYC
+(a 768-token SmolLM2 prefill: 1.20 s against 0.67 s, docs/benchmarks.md section 25).
+`choose_rows` times a 1-, a 4- and a WIDE-token pass each way and a prefill chunk packed and plain,
+at the session's thread count, and `pick_rows` composes the value; a session caches it per machine,
+thread count and models, and `viasd doctor` measures again.
 
 `linear(x, layer, up_to)` is `layer(x)` (F.linear: the plain reference the tests compare both
 products with) wherever `up_to` gives it no other product; `mlp` is the gated MLP of every supported
@@ -50,25 +53,32 @@ FREE_SHARE = 0.5  # the packed copies may take at most this share of the free me
 
 
 class ShortRows(NamedTuple):
-    """Which product a short pass takes: the blocked one for passes of up to `blocked` rows, the packed
-    one for longer passes of up to `packed` rows, F.linear for the rest. An int n means (n, 0)."""
+    """Which product a pass takes: the blocked one for passes of up to `blocked` rows, the packed one
+    for longer passes of up to `packed` rows, F.linear for the rest, except that with `prefill` the
+    long passes (more than SHORT_ROWS rows: a prompt's chunks) take the packed one too. An int n
+    means (n, 0)."""
 
     blocked: int = 0
     packed: int = 0
+    prefill: bool = False
 
     def way(self, rows: int) -> str:
-        return "blocked" if rows <= self.blocked else "packed" if rows <= self.packed else "plain"
+        if rows <= self.blocked:
+            return "blocked"
+        return "packed" if rows <= self.packed or (self.prefill and rows > SHORT_ROWS) else "plain"
 
     def describe(self) -> str:
         parts = [f"blocked up to {self.blocked} rows"] if self.blocked else []
         if self.packed > self.blocked:
             parts.append(f"packed up to {self.packed}")
+        if self.prefill:
+            parts.append("packed prefill")
         return ", ".join(parts) or "F.linear"
 
 
-PLAIN, BLOCKED, PACKED = ShortRows(0, 0), ShortRows(SHORT_ROWS, 0), ShortRows(0, SHORT_ROWS)
+PLAIN, BLOCKED, PACKED = ShortRows(0, 0), ShortRows(SHORT_ROWS, 0), ShortRows(0, SHORT_ROWS, prefill=True)
 DEFAULT = ShortRows(1, 0)  # until a session measures: the blocked product for 1-row passes
-_VALID = {(b, p) for b in (0, 1, MID, SHORT_ROWS) for p in (0, SHORT_ROWS)}
+_VALID = {(b, p, f) for b in (0, 1, MID, SHORT_ROWS) for p in (0, SHORT_ROWS) for f in (False, True)}
 
 
 def applies(layer: torch.nn.Module) -> bool:
@@ -143,11 +153,13 @@ TIMED = (1, MID, WIDE)
 
 
 def pick_rows(seconds: dict[tuple[str, int], float]) -> tuple[ShortRows, str]:
-    """Which product each short pass takes, from the measured seconds of a 1-, a MID- and a WIDE-token
-    pass each way ({("blocked" | "packed" | "plain", width): s}; "packed" may be missing): the
-    fastest way at each timed width, held from there to the next. The blocked product runs up to
-    the widest of 1 and MID where it is fastest there and below, or every short pass where it is
-    fastest at WIDE too; the packed one runs above that wherever it is fastest at some timed width."""
+    """Which product each pass takes, from the measured seconds of a 1-, a MID- and a WIDE-token
+    pass each way ({("blocked" | "packed" | "plain", width): s}; "packed" may be missing), and of a
+    prefill chunk (a width over SHORT_ROWS) packed and plain where timed: the fastest way at each
+    timed short width, held from there to the next. The blocked product runs up to the widest of 1
+    and MID where it is fastest there and below, or every short pass where it is fastest at WIDE
+    too; the packed one runs above that wherever it is fastest at some timed width; prefill chunks
+    take the packed product where it was faster for one."""
     ways = [w for w in WAYS if (w, 1) in seconds]
     best = {w: min(ways, key=lambda way: seconds[(way, w)]) for w in TIMED}
     blocked = 0
@@ -158,18 +170,24 @@ def pick_rows(seconds: dict[tuple[str, int], float]) -> tuple[ShortRows, str]:
     packed = SHORT_ROWS if "packed" in best.values() and blocked < SHORT_ROWS else 0
     shown = "; ".join(f"{w}-token " + ", ".join(f"{way} {seconds[(way, w)] * 1e3:.1f}" for way in ways) + " ms"
                       for w in TIMED)
-    return ShortRows(blocked, packed), shown
+    long = next((w for way, w in seconds if w > SHORT_ROWS and way == "packed" and ("plain", w) in seconds), None)
+    prefill = long is not None and seconds[("packed", long)] < seconds[("plain", long)]
+    if long is not None:
+        shown += f"; {long}-token prefill chunk packed {seconds[('packed', long)] * 1e3:.0f}, plain {seconds[('plain', long)] * 1e3:.0f} ms"
+    return ShortRows(blocked, packed, prefill), shown
 
 
 def choose_rows(engine, key: dict | None = None, refresh: bool = False, repeats: int = 3) -> tuple[ShortRows, str]:
-    """Time a 1-, a MID- and a WIDE-token pass of the first of the engine's models (target, slim,
-    draft) whose output head `applies`, each way (blocked, packed where the build has oneDNN,
-    F.linear; packed only where its copies fit, FREE_SHARE of the free memory), and give every
-    model and the drafter what `pick_rows` makes of them (Engine.set_short_rows): (rows, reason). Without such a model (a GPU, low-bit or bfloat16
+    """Time a 1-, a MID- and a WIDE-token pass (and a prefill chunk, packed and plain) of the first
+    of the engine's models (target, slim, draft) whose output head `applies`, each way (blocked;
+    packed where the build has oneDNN and its copies fit in FREE_SHARE of the free memory;
+    F.linear), and give every model and the drafter what `pick_rows` makes of them
+    (Engine.set_short_rows): (rows, reason). Without such a model (a GPU, low-bit or bfloat16
     weights) rows is PLAIN.
 
     With `key` (what the session runs: models, format, dtype) the choice is cached per machine and
     thread count (devices.MachineRecord; `refresh` measures again): the timing costs a few seconds."""
+    from viasd_core.decoding.model import PREFILL_CHUNK
     from viasd_core.decoding.pass_timing import time_passes
     from viasd_core.devices import MachineRecord, free_memory_bytes
 
@@ -183,19 +201,24 @@ def choose_rows(engine, key: dict | None = None, refresh: bool = False, repeats:
         rows, reason = PLAIN, "no float32 layers on a CPU"
     elif cached is not None:
         rows, reason = cached
-        if rows.packed and not fits:  # memory is not what it was when measured
-            rows, reason = rows._replace(packed=0), reason + crowded
+        if (rows.packed or rows.prefill) and not fits:  # memory is not what it was when measured
+            rows, reason = rows._replace(packed=0, prefill=False), reason + crowded
     else:
         ways = {w: r for w, r in WAYS.items() if w != "packed" or (packs(timed.lm_head) and fits)}
+        # a prefill chunk, packed and plain (one pass each a round: about 0.3 s for SmolLM2 in float32)
+        long = min(PREFILL_CHUNK, timed.max_len - 2) if "packed" in ways else 0
         seconds = {}
         for _ in range(2):  # interleaved rounds, each way's best kept
             for way, rows in ways.items():
                 timed.short_rows = rows
-                for w, s in time_passes(timed, TIMED, context=64, repeats=repeats).items():
+                timings = time_passes(timed, TIMED, context=64, repeats=repeats)
+                if long > SHORT_ROWS and way != "blocked":
+                    timings[long] = time_passes(timed, (long,), context=1, repeats=1)[long]
+                for w, s in timings.items():
                     seconds[(way, w)] = min(s, seconds.get((way, w), float("inf")))
         rows, reason = pick_rows(seconds)
         if record is not None:
-            record.store({"blocked": rows.blocked, "packed": rows.packed, "reason": reason})
+            record.store({"blocked": rows.blocked, "packed": rows.packed, "prefill": rows.prefill, "reason": reason})
         if packs(timed.lm_head) and not fits:
             reason += crowded
     engine.set_short_rows(rows)
@@ -205,8 +228,8 @@ def choose_rows(engine, key: dict | None = None, refresh: bool = False, repeats:
 def _cached(data: dict | None) -> tuple[ShortRows, str] | None:
     """(rows, reason) of a stored choice; None when there is none or its fields do not fit (measured again)."""
     try:
-        rows = ShortRows(int(data["blocked"]), int(data["packed"]))
-        if tuple(rows) not in _VALID:
+        rows = ShortRows(int(data["blocked"]), int(data["packed"]), data["prefill"])
+        if tuple(rows) not in _VALID or not isinstance(rows.prefill, bool):
             return None
         return rows, str(data["reason"]) + " (cached)"
     except (ValueError, KeyError, TypeError):
