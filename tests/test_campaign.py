@@ -293,6 +293,12 @@ def test_every_stage_resumes_after_a_kill_and_ends_as_an_uninterrupted_run(tiny_
     assert any(m.startswith("eval shipped:") for m in logs) and not any(m.startswith("eval data:") for m in logs)
     assert again["shipped"]["weights_sha256"] != only["shipped"]["weights_sha256"]
     assert again["candidates"]["data"] == only["candidates"]["data"]
+    # ... and for the measuring code it records: a figure from an older one is measured again
+    cached = alone.work / "eval" / "data.json"
+    cached.write_text(json.dumps({**json.loads(cached.read_text()), "measured_with": 1}))
+    logs.clear()
+    run_campaign(alone, log=logs.append)
+    assert any(m.startswith("eval data:") for m in logs) and not any(m.startswith("eval shipped:") for m in logs)
 
 
 def test_a_later_request_round_appends_prompts_and_keeps_their_ids(tiny_target, tmp_path):

@@ -87,22 +87,29 @@ def tau(target_ref: str, head: Path, config: EvalConfig, hybrid: bool, fixed: Op
             "acceptance_by_position": total.acceptance_by_position[:8]}
 
 
+# What the cached figures were measured with; a change that moves them (the default tau follows the
+# verify passes' measured cost) bumps it, so every head of a comparison is measured alike.
+# 2: float32 verify passes through the packed short products (decoding/short_products.py).
+MEASURED_WITH = 2
+
+
 def measure(name: str, head: Path, target: Loaded, target_ref: str, records, config: EvalConfig, work: Path,
             log: Callable[[str], None]) -> dict:
     """Agreement and tau of the head in folder `head` (cached in `work/eval/<name>.json`, for these
-    weights only: once a head ships, "shipped" names other weights and is measured again)."""
+    weights and MEASURED_WITH only: once a head ships, "shipped" names other weights and is measured
+    again)."""
     path = work / "eval" / f"{name}.json"
     weights = hashlib.sha256((head / "model.safetensors").read_bytes()).hexdigest()
     if path.exists():
         cached = json.loads(path.read_text())
-        if cached.get("weights_sha256") == weights:
+        if cached.get("weights_sha256") == weights and cached.get("measured_with") == MEASURED_WITH:
             return cached
     model = target.model
     h = load_feature_head(head, model.config, embed=model.get_input_embeddings(), dtype=torch.float32)
     scores = eagle_train.evaluate_head(h, records, steps=config.positions)
     by_cat = {c: eagle_train.evaluate_head(h, [r for r in records if r.category == c])["agreement"][0]
               for c in sorted({r.category for r in records})}
-    result = {"head": name, "weights_sha256": weights, "agreement": scores["agreement"], "tokens": scores["tokens"], "first_by_category": by_cat,
+    result = {"head": name, "weights_sha256": weights, "measured_with": MEASURED_WITH, "agreement": scores["agreement"], "tokens": scores["tokens"], "first_by_category": by_cat,
               "tau_default": tau(target_ref, head, config, hybrid=True),
               "tau_fixed": tau(target_ref, head, config, hybrid=False, fixed=config.fixed_gamma)}
     paths.atomic_write_json(path, result)
