@@ -38,6 +38,23 @@ def test_compiled_passes_match_eager_logits(family):
     assert compiled.seen == eager.seen == 33
 
 
+def test_a_compiled_pass_over_packed_short_products_traces_the_plain_one():
+    """A session chooses the short products before it compiles (session.py): a compiled model whose
+    `short_rows` gives packed products compiles F.linear instead (the packed copy is eager-only)."""
+    from viasd_core.decoding.short_products import ShortRows
+
+    model = tiny_model("llama", seed=3)
+    eager, compiled = FastModel(model, max_len=96), FastModel(model, max_len=96)
+    for m in (eager, compiled):
+        m.short_rows = ShortRows(1, 16, prefill=True)
+    assert compiled.compile(None)
+    ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(4))
+    for start, length, n_logits in [(0, 20, 1), (20, 1, 1), (21, 5, 5), (26, 3, 3)]:
+        want = eager.forward(ids[start : start + length], start, n_logits)
+        got = compiled.forward(ids[start : start + length], start, n_logits)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_dynamic_row_count_compiles_fewer_graphs_with_the_same_logits():
     """compile(dynamic=True) (benchmarks/frozen_compile.py): one graph serves every width above 1."""
     model = tiny_model("llama", seed=3)

@@ -125,7 +125,8 @@ def linear(x: torch.Tensor, layer: torch.nn.Module, up_to: ShortRows | int = BLO
     layer takes it (the packed one only outside autograd and torch.compile's tracing)."""
     rows = x.numel() // x.shape[-1]
     way = _short_rows(up_to).way(rows)
-    if way == "packed" and packs(layer) and not torch.compiler.is_compiling() and not (
+    # torch.compile's tracing first: it cannot trace into `packs` (torch.backends.mkldnn is skipped)
+    if way == "packed" and not torch.compiler.is_compiling() and packs(layer) and not (
             torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad)):
         y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed_weight(layer), layer.bias,
                                                "none", [], "")
