@@ -141,6 +141,7 @@ def test_the_rule_follows_the_timings():
     assert rows == sp.PLAIN and why.startswith("1-token blocked 60.0, plain 52.0 ms")
     assert all(tuple(r) in sp._VALID for r in (sp.PLAIN, sp.BLOCKED, sp.PACKED, sp.DEFAULT))
     assert sp.ShortRows(4, 16).describe() == "blocked up to 4 rows, packed up to 16"
+    assert sp.ShortRows(1, 16, True).describe() == "blocked up to 1 row, packed up to 16, packed prefill"
     assert sp.PLAIN.describe() == "F.linear" and sp.PACKED.describe() == "packed up to 16, packed prefill"
     # a prefill chunk timed packed and plain: prefill takes the faster
     long = {("packed", 256): 0.20, ("plain", 256): 0.35}

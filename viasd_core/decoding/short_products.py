@@ -68,7 +68,7 @@ class ShortRows(NamedTuple):
         return "packed" if rows <= self.packed or (self.prefill and rows > SHORT_ROWS) else "plain"
 
     def describe(self) -> str:
-        parts = [f"blocked up to {self.blocked} rows"] if self.blocked else []
+        parts = [f"blocked up to {self.blocked} row{'s' if self.blocked > 1 else ''}"] if self.blocked else []
         if self.packed > self.blocked:
             parts.append(f"packed up to {self.packed}")
         if self.prefill:
