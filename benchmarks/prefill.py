@@ -67,8 +67,7 @@ def main() -> None:
            "repeats": args.repeats}
     paths = {"transformers fp32": lambda: target.model(ids[None], logits_to_keep=1)}
     for name in args.formats.split(","):
-        fmt = name.removesuffix("-kernel").removesuffix("-chunks")
-        fmt = fmt.removesuffix("-packed")
+        fmt = name.removesuffix("-kernel").removesuffix("-chunks").removesuffix("-packed")
         model = target.model if fmt == "none" else packed_copy(target.model, WeightFormat.parse(fmt))
         fast = FastModel(model, max_len=args.tokens + 32)
         if name.endswith("-packed"):  # float32 chunks through oneDNN's packed product (short_products.py)
