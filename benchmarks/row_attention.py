@@ -1,12 +1,13 @@
-"""What attending one position at a time costs an int4 verify pass on a CPU.
+"""What row-invariant attention costs an int4 verify pass on a CPU.
 
     python benchmarks/row_attention.py --threads 2 --rounds 3
 
 The embedded target at int4 (fused projections), passes over w tokens after 300 cached positions
-(`pass_timing.time_passes`), with `row_attention` on (each position attends in its own call over
-exactly its keys: exact, what the engine runs) and off (one attention call for the pass: not
-batch-invariant on a CPU, so not usable for sd == ar; timed only to size the loop's cost). Interleaved
-rounds; each setting keeps its best. Prints one JSON object (docs/benchmarks.md section 20).
+(`pass_timing.time_passes`), three ways: "kernel" (viasd_kernels' row-invariant attention, one call
+a layer: exact, what the engine runs where the kernel builds), "loop" (one SDPA call per position over
+exactly its keys: exact, the reference and the fallback) and "one call" (one SDPA call for the pass:
+not batch-invariant on a CPU, so not usable for sd == ar; timed only as a floor). Interleaved rounds;
+each setting keeps its best. Prints one JSON object (docs/benchmarks.md sections 20 and 26).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 
 import torch
 
+from viasd_core.decoding import attention
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.pass_timing import time_passes
 from viasd_core.devices import device_name
@@ -31,10 +33,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     widths = tuple(int(w) for w in args.widths.split(","))
     model = FastModel(load_model("embedded", quant="int4", with_tokenizer=False).model, max_len=1024, name="target")
-    best = {setting: {w: float("inf") for w in widths} for setting in ("by row", "one call")}
+    best = {setting: {w: float("inf") for w in widths} for setting in ("kernel", "loop", "one call")}
     for _ in range(args.rounds):
         for setting in best:
-            model.row_attention = setting == "by row"
+            model.row_attention = setting != "one call"
+            attention.ROW_KERNEL = setting == "kernel"
             for w, s in time_passes(model, widths, context=300, repeats=7).items():
                 best[setting][w] = min(best[setting][w], s)
     print(json.dumps({"device": device_name(model.device), "threads": args.threads,

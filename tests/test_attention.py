@@ -4,8 +4,11 @@ calling it; plus the one meaning of rollback."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from viasd_kernels import cpu_row_attention
 
 from conftest import tiny_model
 from viasd_core.decoding import attention
@@ -69,21 +72,44 @@ def test_a_pass_over_a_static_cache_ignores_the_stale_positions_past_it():
 @pytest.mark.parametrize("ratio", [1, 2, 4, 7])
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attend_by_row_is_the_masked_pass_and_each_row_is_its_own_one_row_pass(ratio, window, dtype):
-    T, end, D = 5, 11, 24
+@pytest.mark.parametrize("D", [24, 32])  # 24: the reference's loop (the kernel takes multiples of 16); 32: the kernel
+def test_attend_by_row_is_the_masked_pass_and_each_row_is_its_own_one_row_pass(ratio, window, dtype, D):
+    T, end = 5, 11
     q, k, v = qkv(1, 2 * ratio, 2, T, end + 4, D, dtype, seed=ratio)  # 4 positions of slack past the pass
     by_row = attention.attend_by_row(q, k, v, end, window, 0.3)
+    loop = attention.attend_by_row_reference(q, k, v, end, window, 0.3)
     mask = attention.causal_mask(torch.arange(end - T, end), torch.arange(end), window)
+    want = reference(q, k[:, :, :end], v[:, :, :end], mask, 0.3)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for got in (by_row, loop):
+        torch.testing.assert_close(got.double(), want, **tol)
     if dtype == torch.float32:
-        torch.testing.assert_close(by_row, attention.attend(q, k[:, :, :end], v[:, :, :end], mask, 0.3), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(by_row.double(), reference(q, k[:, :, :end], v[:, :, :end], mask, 0.3), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loop, attention.attend(q, k[:, :, :end], v[:, :, :end], mask, 0.3), rtol=1e-5, atol=1e-5)
     for i in range(T):  # batch invariance: row i's numbers are those of a pass holding only row i
         stop = end - T + i + 1
         alone = attention.attend_by_row(q[:, :, i : i + 1], k, v, stop, window, 0.3)
         assert torch.equal(by_row[:, i], alone[:, 0])
-        lo = 0 if window is None else max(0, stop - window)  # and of the plain call over exactly its keys
+        lo = 0 if window is None else max(0, stop - window)  # the reference: the plain call over exactly its keys
         plain = attention.attend(q[:, :, i : i + 1], k[:, :, lo:stop], v[:, :, lo:stop], None, 0.3)
-        assert torch.equal(by_row[:, i], plain[:, 0])
+        assert torch.equal(loop[:, i], plain[:, 0])
+
+
+def test_attend_by_row_takes_the_kernel_on_a_cpu_where_it_builds(monkeypatch):
+    """With D a multiple of 16 on a CPU the kernel runs (its numbers differ from the loop's in the
+    last bits); with ROW_KERNEL off the loop does."""
+    q, k, v = qkv(1, 4, 2, 6, 40, 32, torch.bfloat16, seed=3)
+    if cpu_row_attention.row_attention(q, k, v, 40, build_dir=attention.kernel_dir()) is None:
+        assert not os.environ.get("CI"), f"the row-attention kernel must build in CI: {cpu_row_attention.why_not()}"
+        pytest.skip(f"the row-attention kernel cannot be built here: {cpu_row_attention.why_not()}")
+    calls = []
+    real = cpu_row_attention.row_attention
+    monkeypatch.setattr(cpu_row_attention, "row_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    kernel = attention.attend_by_row(q, k, v, 40)
+    assert calls == [1]
+    assert torch.equal(kernel, real(q, k, v, 40, build_dir=attention.kernel_dir()))
+    monkeypatch.setattr(attention, "ROW_KERNEL", False)
+    assert torch.equal(attention.attend_by_row(q, k, v, 40), attention.attend_by_row_reference(q, k, v, 40))
+    assert calls == [1]
 
 
 def test_masks_follow_their_definitions():
@@ -147,7 +173,15 @@ def test_every_user_attends_through_the_shared_routine(monkeypatch):
     assert calls.take() == (3, 3)
     fast.forward(ids[6:7], 6, 1)
     assert calls.take() == (3, 3)
-    fast.row_attention = True  # by row: one call a layer and position
+    fast.row_attention = True  # by row on a CPU: one call of the row kernel a layer
+    kernel_calls = []
+    real = cpu_row_attention.row_attention
+    monkeypatch.setattr(cpu_row_attention, "row_attention", lambda *a, **kw: kernel_calls.append(1) or real(*a, **kw))
+    fast.forward(ids[7:10], 7, 3)
+    built = cpu_row_attention.why_not() is None
+    assert len(kernel_calls) == 3 and calls.take() == ((0, 0) if built else (9, 9))
+    monkeypatch.setattr(attention, "ROW_KERNEL", False)  # the reference: one call a layer and position
+    fast.rollback(7)
     fast.forward(ids[7:10], 7, 3)
     assert calls.take() == (9, 9)
 

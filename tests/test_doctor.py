@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
 from viasd_core import compile_choice
+from viasd_core.decoding import attention
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.frontends.doctor import FAIL, PASS, SKIP, check_exact_mode, environment, run_doctor
 from viasd_core.loading.options import ModelOptions
@@ -47,6 +48,7 @@ def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home, monk
     env = report["environment"]
     assert env["device"] == "cpu" and env["dtype"] == "float32" and env["compiled"] == []
     assert env["cuda_graphs"] is False and env["cuda_graphs_recorded"] == 0 and env["torch"] == torch.__version__
+    assert env["row_attention"] is None  # float32 layers attend in one call: no pass is compared row by row
     assert len(timings) == 1 and env["compile_reason"].startswith("auto: eager, compiled is not 5% faster here")
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status == {"compiled == eager": SKIP, "sd == ar (greedy)": PASS, "exact == ar (greedy)": PASS,
@@ -65,6 +67,18 @@ def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home, monk
     assert _shown("bf16_products", {"pays": False, "bf16_ms": 192.779, "fp32_ms": 2.383}) == \
         "do not pay: int8/int4 prefill and training use float32 (a product: 192.779 ms bfloat16, 2.383 ms float32)"
     assert _shown("bf16_products", {"pays": True}) == "pay"  # a GPU: no timing
+
+
+def test_doctor_says_how_the_int_formats_attend_row_by_row(tiny_dirs, viasd_home, monkeypatch):
+    r = doctor("-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "--quant", "int4", "--prompts", 1, "-n", 8,
+               "--threads", 1, "--no-speed", "--json")
+    assert r.exit_code == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["environment"]["row_attention"] == attention.by_row_way()
+    assert report["environment"]["row_attention"].startswith(("viasd_kernels' row-invariant kernel", "one call a position: "))
+    assert {c["name"]: c["status"] for c in report["checks"]}["sd == ar (greedy)"] == PASS
+    monkeypatch.setattr(attention, "ROW_KERNEL", False)
+    assert attention.by_row_way() == "one call a position (the kernel is turned off)"
 
 
 def test_doctor_compares_the_compiled_pass_with_eager(tiny_dirs, viasd_home, monkeypatch):

@@ -17,9 +17,11 @@ transformers' `repeat_kv`), and the mask is repeated to match. SDPA then takes i
 mask, with no `enable_gqa` and no K/V repeat (tests/test_attention.py compares it with a plain
 softmax(QK^T)V over repeated K/V).
 
-`attend_by_row` attends one query position per call over exactly the keys it sees (no mask): a
-position's numbers then do not depend on how many positions its pass holds (FastModel.row_attention
-says when that matters). It calls `attend`, one row at a time.
+`attend_by_row` attends every query position over exactly the keys it sees, each row's numbers a
+function of that row alone: a position comes out the same whatever its pass holds
+(FastModel.row_attention says when that matters). On a CPU it is one call of viasd_kernels'
+row-invariant kernel (built once per machine; `ROW_KERNEL`); elsewhere, or where the kernel cannot be
+built, `attend_by_row_reference`: `attend` once per row, over exactly its keys.
 
 `CachedPositions.rollback(n)` is the one meaning of rollback for a static cache: keep the first n
 cached positions.
@@ -29,6 +31,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from viasd_kernels import cpu_row_attention
+
+from viasd_core import paths
+
+ROW_KERNEL = True  # attend_by_row through viasd_kernels.cpu_row_attention where it runs (benchmarks turn it off)
 
 
 class LayerCache(torch.nn.Module):
@@ -110,12 +117,38 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return o.reshape(B, Hq, T, D).transpose(1, 2).reshape(B, T, Hq * D)  # [B, Hkv, rep * T, D] -> [B, T, Hq * D]
 
 
+def kernel_dir():
+    """Where viasd_kernels' C kernels are built for this machine."""
+    return paths.cache_dir() / "kernels"
+
+
 def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, window: int | None = None,
                   scale: float | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of q [B, Hq, T, D] at positions end - T .. end - 1 over a cache k, v
-    [B, Hkv, >= end, D], one position per call over exactly its keys (no mask): [B, T, Hq * D].
-    With `key_mask` [T, end] (a token tree's rows) row i reads the slots it marks, gathered in
-    cache order (one host read per row: an eager CPU path)."""
+    """Causal attention of q [1, Hq, T, D] at positions end - T .. end - 1 over a cache k, v
+    [1, Hkv, >= end, D], each row over exactly its keys and computed as it would be alone:
+    [1, T, Hq * D]. With `key_mask` [T, end] (a token tree's rows) row i reads the slots it marks,
+    in cache order. One kernel call on a CPU (viasd_kernels.cpu_row_attention), else the reference."""
+    if ROW_KERNEL and q.device.type == "cpu" and q.shape[0] == 1:
+        out = cpu_row_attention.row_attention(q, k, v, end, window, scale, key_mask, build_dir=kernel_dir())
+        if out is not None:
+            return out
+    return attend_by_row_reference(q, k, v, end, window, scale, key_mask)
+
+
+def by_row_way() -> str:
+    """How `attend_by_row` runs on this CPU, and why (viasd doctor shows it)."""
+    if not ROW_KERNEL:
+        return "one call a position (the kernel is turned off)"
+    probe = torch.zeros(1, 1, 1, cpu_row_attention.LANES)
+    if cpu_row_attention.row_attention(probe, probe, probe, 1, build_dir=kernel_dir()) is not None:
+        return "viasd_kernels' row-invariant kernel, one call a layer (built for this CPU)"
+    return f"one call a position: {cpu_row_attention.why_not()}"
+
+
+def attend_by_row_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, window: int | None = None,
+                            scale: float | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """`attend_by_row` as one `attend` call per position over exactly its keys (no mask): [B, T, Hq * D].
+    A tree row's keys are gathered with one host read per row (an eager path)."""
     T = q.shape[2]
     outs = []
     for i in range(T):

@@ -1,0 +1,182 @@
+/* Row-invariant attention for short passes on a CPU (viasd_kernels.cpu_row_attention).
+ *
+ * Every query row attends over its own keys, and its numbers are a function of that row's query
+ * and keys alone: the same whether the row is decoded alone (a 1-token pass) or inside a verify
+ * block or a token tree's pass. Nothing in a row's arithmetic depends on how many rows the call
+ * holds, which thread runs it, or where its buffers sit in memory:
+ *
+ *   s_i   = scale * dot(q, k_i)        over d in 16 fixed partial sums, then folded pairwise
+ *   m     = max_i s_i
+ *   p_i   = exp(s_i - m)               one polynomial (below), the same at every call
+ *   den   = sum_i p_i                  in 16 fixed partial sums by i % 16, folded the same way
+ *   out_d = (sum_i p_i * v_i,d) / den  accumulated over i in order, each d on its own
+ *
+ * in float32 from float32 or bfloat16 inputs, keys visited in cache order.
+ * Built once per machine by viasd_kernels/cpu_row_attention.py with the system C compiler.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+#define MAX_HEAD_DIM 512
+#define MAX_BLOCKS (MAX_HEAD_DIM / LANES)
+#define MAX_GROUP 16
+
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+typedef uint16_t vh16 __attribute__((vector_size(32)));
+typedef uint32_t vu16 __attribute__((vector_size(64)));
+
+/* 16 values from `base` + offset (float32, or bfloat16 widened exactly) as one vector. */
+static inline vf16 load16(const void *base, int64_t offset, int dtype) {
+    vf16 out;
+    if (dtype == 0) {
+        memcpy(&out, (const float *)base + offset, sizeof out);
+    } else {
+        vh16 h;
+        memcpy(&h, (const uint16_t *)base + offset, sizeof h);
+        vu16 u = __builtin_convertvector(h, vu16) << 16;
+        memcpy(&out, &u, sizeof out);
+    }
+    return out;
+}
+
+/* A vector's 16 lanes added pairwise, halves folded in a fixed order. */
+static inline float fold(vf16 v) {
+    union { vf16 v; vf8 h[2]; } a = {v};
+    union { vf8 v; vf4 h[2]; } b = {a.h[0] + a.h[1]};
+    vf4 c = b.h[0] + b.h[1];
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* Round to nearest, ties to even (PyTorch's conversion, for finite values). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* exp(x) for x <= 0 (a score minus its row's max): Cephes' expf polynomial, about 1 ulp. */
+static inline float exp_nonpositive(float x) {
+    if (x < -87.0f) x = -87.0f;
+    float n = (float)(int32_t)(x * 1.44269504088896341f - 0.5f);  /* round to nearest (x <= 0) */
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* The keys of row t, in cache order, into `keys`; returns how many. */
+static int row_keys(int t, int T, int end, int window, const uint8_t *mask, int64_t mask_stride, int32_t *keys) {
+    int n = 0;
+    if (mask) {
+        const uint8_t *m = mask + (int64_t)t * mask_stride;
+        for (int l = 0; l < end; l++)
+            if (m[l]) keys[n++] = l;
+        return n;
+    }
+    int hi = end - T + t + 1;
+    int lo = (window > 0 && hi - window > 0) ? hi - window : 0;
+    for (int l = lo; l < hi; l++) keys[n++] = l;
+    return n;
+}
+
+/* Row t's query heads g * nh .. g * nh + nh - 1, which read KV head g: each key and value row is
+ * widened once for all of them; each head's arithmetic is the one above, whatever nh is. */
+static void one_group(const void *q, int64_t q_sh, int64_t q_st, const void *k, const void *v, int dtype, int t,
+                      int g, int nh, int Hq, int D, int64_t S, const int32_t *keys, int nk, float scale,
+                      float *scores, void *out) {
+    const int B = D / LANES;
+    vf16 qv[MAX_GROUP][MAX_BLOCKS], acc[MAX_GROUP][MAX_BLOCKS], row[MAX_BLOCKS];
+    float m[MAX_GROUP], den[MAX_GROUP];
+    const vf16 zero = {0};
+    int64_t head = (int64_t)g * S * D;
+    int h0 = g * nh;
+    for (int r = 0; r < nh; r++) {
+        for (int j = 0; j < B; j++) qv[r][j] = load16(q, (int64_t)(h0 + r) * q_sh + (int64_t)t * q_st + j * LANES, dtype);
+        m[r] = -3.0e38f;
+    }
+    for (int i = 0; i < nk; i++) {
+        for (int j = 0; j < B; j++) row[j] = load16(k, head + (int64_t)keys[i] * D + j * LANES, dtype);
+        for (int r = 0; r < nh; r++) {
+            vf16 part = zero;
+            for (int j = 0; j < B; j++) part += qv[r][j] * row[j];
+            float s = scale * fold(part);
+            scores[(int64_t)r * nk + i] = s;
+            if (s > m[r]) m[r] = s;
+        }
+    }
+    for (int r = 0; r < nh; r++) {
+        float *sr = scores + (int64_t)r * nk;
+        for (int i = 0; i < nk; i++) sr[i] = exp_nonpositive(sr[i] - m[r]);
+        vf16 part = zero;
+        int i = 0;
+        for (; i + LANES <= nk; i += LANES) {
+            vf16 x;
+            memcpy(&x, sr + i, sizeof x);
+            part += x;
+        }
+        for (int j = 0; i < nk; i++, j++) part[j] += sr[i];
+        den[r] = fold(part);
+        for (int j = 0; j < B; j++) acc[r][j] = zero;
+    }
+    for (int i = 0; i < nk; i++) {
+        for (int j = 0; j < B; j++) row[j] = load16(v, head + (int64_t)keys[i] * D + j * LANES, dtype);
+        for (int r = 0; r < nh; r++) {
+            float p = scores[(int64_t)r * nk + i];
+            for (int j = 0; j < B; j++) acc[r][j] += p * row[j];
+        }
+    }
+    for (int r = 0; r < nh; r++) {
+        int64_t at = ((int64_t)t * Hq + h0 + r) * D;
+        for (int j = 0; j < B; j++) {
+            vf16 o = acc[r][j] / den[r];
+            if (dtype == 0)
+                memcpy((float *)out + at + j * LANES, &o, sizeof o);
+            else
+                for (int l = 0; l < LANES; l++) ((uint16_t *)out)[at + j * LANES + l] = f32_to_bf16(o[l]);
+        }
+    }
+}
+
+/* q [Hq, T, D] at head stride q_sh and row stride q_st (elements; its last dimension contiguous);
+ * k, v [Hkv, S, D] (one layer's cache, S slots); out [T, Hq, D]. dtype: 0 float32, 1 bfloat16
+ * (q, k, v and out alike). Row t's keys: with `mask` ([T, mask_stride]
+ * bytes) the slots l < end it marks; without, the causal range ending at slot end - T + t
+ * (within `window` slots when window > 0). Returns 0, or -1 for arguments it cannot take. */
+int viasd_row_attention(const void *q, int64_t q_sh, int64_t q_st, const void *k, const void *v, int dtype, int T,
+                        int Hq, int Hkv, int D, int64_t S, int end, int window, const uint8_t *mask,
+                        int64_t mask_stride, float scale, void *out, int threads) {
+    if (D <= 0 || D % LANES || D > MAX_HEAD_DIM || Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_GROUP || T <= 0 || end <= 0 || end > S || (dtype != 0 && dtype != 1))
+        return -1;
+    if (!mask && end - T < 0)
+        return -1;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(|| : failed)
+    {
+        float *scores = (float *)malloc((size_t)end * (size_t)(Hq / Hkv) * sizeof(float));
+        int32_t *keys = (int32_t *)malloc((size_t)end * sizeof(int32_t));
+        int ok = scores && keys;
+        failed = !ok;
+        #pragma omp for schedule(static)
+        for (int task = 0; task < T * Hkv; task++) {
+            if (!ok) continue;  /* this thread's rows stay unwritten: the call returns -2 */
+            int t = task / Hkv, g = task % Hkv;
+            int nk = row_keys(t, T, end, window, mask, mask_stride, keys);
+            one_group(q, q_sh, q_st, k, v, dtype, t, g, Hq / Hkv, Hq, D, S, keys, nk, scale, scores, out);
+        }
+        free(scores);
+        free(keys);
+    }
+    return failed ? -2 : 0;
+}
