@@ -83,9 +83,13 @@ def _build(source: Path, build_dir: Path) -> ctypes.CDLL | None:
         digest.update(b"\0")
     lib = build_dir / f"{source.stem}-{digest.hexdigest()[:16]}.so"
     if not lib.exists():
-        build_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=build_dir, prefix=f".{lib.name}.", suffix=".tmp")
-        os.close(fd)
+        try:
+            build_dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=build_dir, prefix=f".{lib.name}.", suffix=".tmp")
+            os.close(fd)
+        except OSError as e:
+            _why_not[source] = f"cannot write the build folder {build_dir}: {e}"
+            return None
         try:
             done = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True,
                                   timeout=BUILD_SECONDS)

@@ -104,6 +104,14 @@ def test_no_compiler_means_no_kernel_and_a_reason(tmp_path, monkeypatch):
     assert "no C compiler" in ra.why_not()
 
 
+def test_a_folder_it_cannot_write_means_no_kernel_and_a_reason(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    q, k, v = qkv(2, 1, 2, 8, 16, torch.float32, seed=6)
+    assert ra.row_attention(q, k, v, 8, build_dir=blocked / "kernels") is None
+    assert "cannot write the build folder" in ra.why_not()
+
+
 def test_a_failed_build_leaves_no_file_and_says_why(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_build, "FLAGS", cpu_build.FLAGS + ("-DVIASD_NOT_A_FLAG", "--not-a-flag"))
     if cpu_build.compiler() is None:
