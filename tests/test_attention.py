@@ -174,11 +174,11 @@ def test_every_user_attends_through_the_shared_routine(monkeypatch):
     fast.forward(ids[6:7], 6, 1)
     assert calls.take() == (3, 3)
     fast.row_attention = True  # by row on a CPU: one call of the row kernel a layer
+    built = attention.by_row_way().startswith("viasd_kernels'")
     kernel_calls = []
     real = cpu_row_attention.row_attention
     monkeypatch.setattr(cpu_row_attention, "row_attention", lambda *a, **kw: kernel_calls.append(1) or real(*a, **kw))
     fast.forward(ids[7:10], 7, 3)
-    built = attention.by_row_way().startswith("viasd_kernels'")
     assert len(kernel_calls) == 3 and calls.take() == ((0, 0) if built else (9, 9))
     monkeypatch.setattr(attention, "ROW_KERNEL", False)  # the reference: one call a layer and position
     fast.rollback(7)
