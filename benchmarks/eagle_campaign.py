@@ -49,9 +49,11 @@ def config(args) -> CampaignConfig:
                              more=[THIN]),
         evaluation=EvalConfig(prompts=ROOT / "docs/results/cpu-prompts.jsonl"),
         ship_to=None if args.slice else ROOT / "viasd_core/data/drafts/smollm2-135m-eagle3")
-    if args.train_steps or args.on_policy_steps:
+    if args.train_steps or args.on_policy_steps or args.extend_to:
         t = cfg.train
         data = replace(t.data, steps=args.train_steps) if args.train_steps else t.data
+        if args.extend_to:
+            data = replace(data, steps=args.extend_to, extend=True, lr=args.extend_lr)
         tuned = replace(t.on_policy, steps=args.on_policy_steps) if args.on_policy_steps else t.on_policy
         cfg = replace(cfg, train=replace(t, data=data, on_policy=tuned))
     if args.skip_on_policy:
@@ -77,6 +79,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--train-steps", type=int, default=None,
                     help="steps of the data training (default: TrainConfig's); a checkpoint resumes only at its own")
+    ap.add_argument("--extend-to", type=int, default=None,
+                    help="continue a finished data training to this many steps in all (a warm restart; "
+                         "the head it had made is kept as heads/data-<steps>)")
+    ap.add_argument("--extend-lr", type=float, default=5e-4, help="the extension's peak learning rate")
     ap.add_argument("--on-policy-steps", type=int, default=None, help="steps of the on-policy fine-tune")
     ap.add_argument("--skip-on-policy", action="store_true",
                     help="evaluate the data head without the on-policy fine-tune (a later run can add it)")

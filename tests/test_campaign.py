@@ -265,6 +265,8 @@ def test_every_stage_resumes_after_a_kill_and_ends_as_an_uninterrupted_run(tiny_
         assert one["agreement"] == other["agreement"] and one["tau_fixed"] == other["tau_fixed"], name
         assert one["tau_fixed"]["target_passes"] > 0
     assert set(report["candidates"]) == {"data", "on_policy"} and "shipped" in report
+    for figures in [*report["candidates"].values(), report["shipped"]]:  # every head, in the one interleaved loop
+        assert figures["tau_default"]["target_passes"] > 0 and figures["tau_default"]["new_tokens"] == 2 * 8
     assert report["decision"] in ("ship data", "ship on_policy", "keep the shipped head")
     lines = status(killed)
     assert lines[0].startswith("prompts: 2/2 request shards") and lines[-1] == "eval: done", lines
@@ -299,6 +301,20 @@ def test_every_stage_resumes_after_a_kill_and_ends_as_an_uninterrupted_run(tiny_
     logs.clear()
     run_campaign(alone, log=logs.append)
     assert any(m.startswith("eval data:") for m in logs) and not any(m.startswith("eval shipped:") for m in logs)
+    assert any(m.startswith("eval: default tau, every head in one interleaved loop: data ") for m in logs)
+
+    # a finished data training extended (a warm restart): the head it had made stays as data-<steps>
+    before = (alone.work / "heads" / "data" / "model.safetensors").read_bytes()
+    longer = replace(alone, train=replace(alone.train, data=replace(alone.train.data, steps=12, extend=True)))
+    logs.clear()
+    run_campaign(longer, log=logs.append)
+    assert (alone.work / "heads" / "data-8" / "model.safetensors").read_bytes() == before
+    assert any("a warm restart at step 8 towards 12 steps" in m for m in logs)
+    assert torch.load(alone.work / "train" / "head.ckpt", weights_only=True)["state"]["step"] == 12
+    assert status(longer)[3] == "train: step 12/12, head saved"
+    logs.clear()
+    run_campaign(longer, log=logs.append)  # done: nothing trained again
+    assert any(m.endswith("heads/data exists") for m in logs) and not any("warm restart" in m for m in logs)
 
 
 def test_a_later_request_round_appends_prompts_and_keeps_their_ids(tiny_target, tmp_path):

@@ -12,6 +12,7 @@ import torch
 
 from conftest import FAMILIES, TinyTokenizer, tiny_model
 from viasd_core.training import eagle_train
+from viasd_core.training.shared import cosine_lr
 from viasd_core.decoding.drafters import HybridDrafter
 from viasd_core.decoding import engine as engine_module
 from viasd_core.decoding.draft_policy import DraftPolicy
@@ -326,6 +327,66 @@ def test_training_resumes_from_its_checkpoint_exactly(tmp_path):
     assert log["steps"] == 20
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
+
+
+def test_a_finished_training_extends_with_a_warm_restart_and_resumes_exactly(tmp_path):
+    """`extend`: a finished run planned for fewer steps goes on (the learning rate warms up again and
+    decays over the added steps); a run not finished is refused; an extension killed and resumed ends
+    with the same weights as one that was not."""
+    target = tiny_model("llama", n_layers=5, seed=10)
+    records = teacher_records(target, n=8)
+    from viasd_core.training.teacher_answers import choose_vocab
+
+    vocab_map = choose_vocab(records, 96)
+    cfg = eagle_train.HeadTrainConfig(steps=10, batch_size=4, lr=3e-3, warmup=2, bf16=False, checkpoint_every=5,
+                                      eval_every=10 ** 9)
+    more = replace(cfg, steps=20, lr=1e-3, extend=True)
+
+    def fresh():
+        return eagle_train.init_head(target, LAYERS, vocab_map, seed=0)
+
+    def killed(head):
+        raise KeyboardInterrupt  # the session ends at the first evaluation
+
+    half = tmp_path / "half.ckpt"  # a run killed at step 5's evaluation: its last checkpoint is step 4's
+    with pytest.raises(KeyboardInterrupt):
+        eagle_train.train_head(fresh(), records, replace(cfg, eval_every=5, checkpoint_every=2), checkpoint=half,
+                               eval_fn=killed)
+    assert torch.load(half, weights_only=True)["state"]["step"] == 4
+    with pytest.raises(UsageError, match="only a finished run can be extended"):
+        eagle_train.train_head(fresh(), records, more, checkpoint=half)
+    with pytest.raises(UsageError, match="trained towards 10 steps, not 20"):  # without extend: refused too
+        eagle_train.train_head(fresh(), records, replace(more, extend=False), checkpoint=half)
+
+    runs = {}
+    for name in ("straight", "killed"):
+        ckpt = tmp_path / f"{name}.ckpt"
+        eagle_train.train_head(fresh(), records, cfg, checkpoint=ckpt)
+        first = torch.load(ckpt, weights_only=True)["state"]
+        assert first["step"] == 10 and "restarts" not in first
+        head, lines = fresh(), []
+        if name == "killed":  # killed at step 15's evaluation: the last checkpoint is step 14's
+            with pytest.raises(KeyboardInterrupt):
+                eagle_train.train_head(fresh(), records, replace(more, eval_every=5, checkpoint_every=2),
+                                       checkpoint=ckpt, eval_fn=killed)
+            assert torch.load(ckpt, weights_only=True)["state"]["step"] == 14
+        log = eagle_train.train_head(head, records, more, checkpoint=ckpt, log=lines.append)
+        assert log["steps"] == 20
+        state = torch.load(ckpt, weights_only=True)["state"]
+        assert state["restarts"] == [10] and state["steps"] == 20
+        runs[name] = (head, lines)
+    lines = runs["straight"][1]
+    assert any("a warm restart at step 10 towards 20 steps" in m for m in lines)
+    last = [m for m in lines if m.startswith("step 20/20 ")][0]  # step 19's rate: the new cosine, 9 of 10 steps in
+    assert float(last.split(" lr ")[1].split()[0]) == pytest.approx(cosine_lr(9, 10, 2, 1e-3), rel=0.05)  # printed to 2 digits
+    for (name, a), b in zip(runs["straight"][0].state_dict().items(), runs["killed"][0].state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_the_schedule_restarts_at_an_extension():
+    assert cosine_lr(0, 10, 2, 1e-3) == pytest.approx(5e-4)  # warm-up, step 1 of 2
+    assert cosine_lr(10 - 10, 20 - 10, 2, 5e-4) == pytest.approx(2.5e-4)  # the extension warms up again
+    assert cosine_lr(20 - 10, 20 - 10, 2, 5e-4) == pytest.approx(5e-5)  # and ends at a tenth of its peak
 
 
 # ---------------------------------------------------------------------- through the session and the CLI

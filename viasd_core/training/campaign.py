@@ -34,7 +34,7 @@ from viasd_core.loading.models import load_model
 from viasd_core.loading.prompts import load_prompts
 from viasd_core.training import campaign_store as store
 from viasd_core.training.campaign_answers import SPLITS, AnswerConfig, answer_shards, run_answer_stage
-from viasd_core.training.campaign_eval import EvalConfig, better, eval_records, measure, ship
+from viasd_core.training.campaign_eval import EvalConfig, better, eval_records, measure, ship, tau_default
 from viasd_core.training.campaign_features import CampaignRecords, run_feature_stage
 from viasd_core.training.campaign_prompts import PROMPTS, PromptConfig, raw_shards, run_prompt_stage
 from viasd_core.training.campaign_train import TrainConfig, rejection_focus, train_on_data, train_on_policy
@@ -119,9 +119,17 @@ def evaluate(config: CampaignConfig, target, layers, heads: dict[str, Path], log
     results = {name: measure(name, folder, target, config.target, records, config.evaluation, work, log)
                for name, folder in heads.items()}
     report: dict = {"candidates": results}
+    compared = dict(heads)
     if config.ship_to is not None and (Path(config.ship_to) / "config.json").exists():
-        shipped = measure("shipped", Path(config.ship_to), target, config.target, records, config.evaluation, work, log)
-        report["shipped"] = shipped
+        report["shipped"] = measure("shipped", Path(config.ship_to), target, config.target, records, config.evaluation, work, log)
+        compared["shipped"] = Path(config.ship_to)
+    defaults = tau_default(config.target, compared, config.evaluation)
+    for name, figures in defaults.items():
+        (report["shipped"] if name == "shipped" else results[name])["tau_default"] = figures
+    log("eval: default tau, every head in one interleaved loop: "
+        + ", ".join(f"{name} {figures['tau']:.3f}" for name, figures in defaults.items()))
+    if "shipped" in report:
+        shipped = report["shipped"]
         winners = [n for n in results if better(results[n], shipped)]
         best = max(winners, key=lambda n: (results[n]["tau_default"]["tau"], results[n]["agreement"][0]), default=None)
         report["decision"] = f"ship {best}" if best else "keep the shipped head"

@@ -6,14 +6,15 @@ everything near them, and they are never answered for training):
 - first-position agreement (and positions 2-8), teacher-forced on the target's greedy answers: the
   same measure as `viasd distill --kind feature` (192 new tokens, prompts cut to their last 384
   tokens), so the shipped head scores what docs/distill.md reports;
-- tau, tokens per target pass of `sd` (greedy, 128 new tokens, context 1024): the default `sd` (the
-  head plus prompt lookup, the adaptive policy, as `viasd bench` runs it; on a CPU its plain-step
-  choices follow measured wall times, so it varies a little from run to run), and the head alone
-  in blocks of a fixed 4 drafts (no policy: a figure of the head only, the same on any machine).
+- tau, tokens per target pass of `sd` (greedy, 128 new tokens, context 1024): the head alone in
+  blocks of a fixed 4 drafts (no policy: a figure of the head only, the same on any machine), and the
+  default `sd` (the head plus prompt lookup, the adaptive policy, as `viasd bench` runs it). On a CPU
+  the default policy's plain-step choices follow measured wall times, so its tau moves with the
+  machine's load: every head of a comparison is measured in one loop, prompt by prompt, in turn.
 
-Each head's figures are written once (`eval/<name>.json`), so a killed run measures only what is
-missing. `ship` replaces the shipped head with the best candidate only when it beats it on both
-agreement and default-draft tau.
+The deterministic figures of each head are written once (`eval/<name>.json`), so a killed run
+measures only what is missing; the default tau is measured again at each evaluation. `ship`
+replaces the shipped head with the best candidate only when it beats it (`better`).
 """
 
 from __future__ import annotations
@@ -71,31 +72,55 @@ def head_session(target_ref: str, head: Path | str, max_context: int, hybrid: bo
                                       max_context=max_context, compile="off"), mode="sd")
 
 
-def tau(target_ref: str, head: Path, config: EvalConfig, hybrid: bool, fixed: Optional[int] = None) -> dict:
-    """Tokens per target pass of greedy `sd` with `head` over the evaluation prompts (one run each): the
-    default policy, or blocks of `fixed` drafts (no policy: a figure of the head alone, machine-independent)."""
-    session = head_session(target_ref, head, config.max_context, hybrid=hybrid)
-    total = RunStats(mode="sd")
-    gen = GenerationConfig(mode="sd", max_new_tokens=config.tau_tokens)
-    if fixed:
-        gen = GenerationConfig(mode="sd", max_new_tokens=config.tau_tokens, gamma=fixed, adaptive=False)
-    for p in load_prompts(config.prompts):
+def _run_sd(session, prompts, config: EvalConfig, gen: GenerationConfig, total: RunStats) -> None:
+    for p in prompts:
         ids = encode(session.tokenizer, p.text)[-(config.max_context - config.tau_tokens - 1) :]
         session.engine.reset()
         total.merge(session.engine.generate(ids, gen).stats)
+
+
+def _tau_figures(total: RunStats) -> dict:
     return {"tau": total.mean_accepted_length, "new_tokens": total.new_tokens, "target_passes": total.target_passes,
             "acceptance_by_position": total.acceptance_by_position[:8]}
+
+
+def tau_fixed(target_ref: str, head: Path, config: EvalConfig) -> dict:
+    """Tokens per target pass of greedy `sd` with `head` alone over the evaluation prompts, in blocks
+    of `config.fixed_gamma` drafts (no policy: a figure of the head alone, machine-independent)."""
+    session = head_session(target_ref, head, config.max_context)
+    total = RunStats(mode="sd")
+    gen = GenerationConfig(mode="sd", max_new_tokens=config.tau_tokens, gamma=config.fixed_gamma, adaptive=False)
+    _run_sd(session, load_prompts(config.prompts), config, gen, total)
+    return _tau_figures(total)
+
+
+def tau_default(target_ref: str, heads: dict[str, Path], config: EvalConfig) -> dict[str, dict]:
+    """Tokens per target pass of the default `sd` (each head plus prompt lookup, the adaptive policy)
+    over the evaluation prompts, for every head in one loop: prompt by prompt, the heads in turn (the
+    first one rotating), so that a change in the machine's load while measuring reaches every head
+    alike. The policy's plain steps follow wall times, which is why the heads are not measured one
+    after the other."""
+    sessions = {name: head_session(target_ref, folder, config.max_context, hybrid=True) for name, folder in heads.items()}
+    totals = {name: RunStats(mode="sd") for name in heads}
+    gen = GenerationConfig(mode="sd", max_new_tokens=config.tau_tokens)
+    names = list(heads)
+    for k, p in enumerate(load_prompts(config.prompts)):
+        for name in names[k % len(names):] + names[: k % len(names)]:
+            _run_sd(sessions[name], [p], config, gen, totals[name])
+    return {name: _tau_figures(totals[name]) for name in names}
 
 
 # What the cached figures were measured with; a change that moves them (the default tau follows the
 # verify passes' measured cost) bumps it, so every head of a comparison is measured alike.
 # 2: float32 verify passes through the packed short products (decoding/short_products.py).
-MEASURED_WITH = 2
+# 3: the cache holds the deterministic figures only; the default tau is measured at each evaluation,
+#    every head in one interleaved loop (tau_default).
+MEASURED_WITH = 3
 
 
 def measure(name: str, head: Path, target: Loaded, target_ref: str, records, config: EvalConfig, work: Path,
             log: Callable[[str], None]) -> dict:
-    """Agreement and tau of the head in folder `head` (cached in `work/eval/<name>.json`, for these
+    """Agreement and fixed-block tau of the head in folder `head` (cached in `work/eval/<name>.json`, for these
     weights and MEASURED_WITH only: once a head ships, "shipped" names other weights and is measured
     again)."""
     path = work / "eval" / f"{name}.json"
@@ -110,11 +135,10 @@ def measure(name: str, head: Path, target: Loaded, target_ref: str, records, con
     by_cat = {c: eagle_train.evaluate_head(h, [r for r in records if r.category == c])["agreement"][0]
               for c in sorted({r.category for r in records})}
     result = {"head": name, "weights_sha256": weights, "measured_with": MEASURED_WITH, "agreement": scores["agreement"], "tokens": scores["tokens"], "first_by_category": by_cat,
-              "tau_default": tau(target_ref, head, config, hybrid=True),
-              "tau_fixed": tau(target_ref, head, config, hybrid=False, fixed=config.fixed_gamma)}
+              "tau_fixed": tau_fixed(target_ref, head, config)}
     paths.atomic_write_json(path, result)
-    log(f"eval {name}: first-position agreement {scores['agreement'][0]:.3f}, tau {result['tau_default']['tau']:.3f} "
-        f"(head alone, {config.fixed_gamma} drafts a block: {result['tau_fixed']['tau']:.3f})")
+    log(f"eval {name}: first-position agreement {scores['agreement'][0]:.3f}, "
+        f"tau of the head alone ({config.fixed_gamma} drafts a block) {result['tau_fixed']['tau']:.3f}")
     return result
 
 

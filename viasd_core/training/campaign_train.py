@@ -15,6 +15,7 @@ head folder exists (published layout, bfloat16, recipe and figures in config.jso
 from __future__ import annotations
 
 import random
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -69,17 +70,28 @@ def _save(head: FeatureHead, folder: Path, info: dict) -> Path:
 
 def train_on_data(model, layers: Sequence[int], train: CampaignRecords, held: CampaignRecords, config: TrainConfig,
                   work: Path, eos: Optional[int], log: Callable[[str], None]) -> Path:
-    """Train (or resume) the head on `train`; returns its folder (`work/heads/data`)."""
+    """Train (or resume) the head on `train`; returns its folder (`work/heads/data`). With
+    `config.data.extend`, a finished training planned for fewer steps goes on (a warm restart); the
+    head it had made is kept as `work/heads/data-<its steps>`."""
     folder = work / "heads" / "data"
+    checkpoint = work / "train" / "head.ckpt"
     if folder.exists():
-        log(f"train: {folder} exists")
-        return folder
+        done = torch.load(checkpoint, weights_only=True)["state"]["step"] if checkpoint.exists() else None
+        if not (config.data.extend and done is not None and done < config.data.steps):
+            log(f"train: {folder} exists")
+            return folder
+        earlier = folder.with_name(f"data-{done}")
+        if earlier.exists():  # a restarted extension: that head was kept already
+            shutil.rmtree(folder)
+        else:
+            folder.rename(earlier)
+        log(f"train: extending the data training from step {done} to {config.data.steps}; the earlier head is {earlier}")
     vocab = _vocab(train, config.draft_vocab, eos, work / "train" / "vocab.npy")
     head = eagle_train.init_head(model, layers, vocab, seed=config.seed)
     held_few = [held[n] for n in range(min(config.held_out_eval, len(held)))]
     all_pos, gen_pos = train.positions()
     log(f"train: {len(train)} sequences ({all_pos} positions, {gen_pos} generated), {len(held)} held out")
-    result = eagle_train.train_head(head, train, config.data, checkpoint=work / "train" / "head.ckpt",
+    result = eagle_train.train_head(head, train, config.data, checkpoint=checkpoint,
                                     eval_fn=_held_score(held_few) if held_few else None, log=log,
                                     lengths=train.lengths())
     info = {"recipe": "viasd training campaign: data", "sequences": len(train), "positions": all_pos,

@@ -300,6 +300,10 @@ class HeadTrainConfig:
     time_limit_s: Optional[float] = None
     # > 0 (with `lengths`): batches of similar length, from runs of this many batches (epoch_order)
     group_by_length: int = 0
+    # a finished checkpoint planned for fewer steps goes on to `steps`: a warm restart (the learning
+    # rate warms up again to `lr` and follows a new cosine over the added steps; the best weights so
+    # far stay the best until an evaluation beats them)
+    extend: bool = False
 
 
 def draft_index(head: FeatureHead) -> torch.Tensor:
@@ -364,12 +368,18 @@ def train_head(head: FeatureHead, records: Sequence[FeatureRecord], config: Head
     if checkpoint is not None and Path(checkpoint).exists():
         saved = torch.load(checkpoint, weights_only=True)
         planned = saved["state"].get("steps", config.steps)
-        if planned != config.steps:  # the learning rate follows a cosine over the planned steps
+        extending = config.extend and planned < config.steps and saved["state"]["step"] >= planned
+        if planned != config.steps and not extending:  # the learning rate follows a cosine over the planned steps
             raise UsageError(f"{checkpoint} was trained towards {planned} steps, not {config.steps}: "
-                             f"resume with {planned} steps, or remove it to start again")
+                             f"resume with {planned} steps, or remove it to start again"
+                             + (" (only a finished run can be extended)" if config.extend else ""))
         head.load_state_dict(saved["head"], strict=False)
         opt.load_state_dict(saved["opt"])
         state = saved["state"]
+        if extending:
+            state["restarts"] = state.get("restarts", []) + [planned]
+            state["steps"] = config.steps
+            log(f"extending {checkpoint}: a warm restart at step {planned} towards {config.steps} steps")
         log(f"resumed at step {state['step']} from {checkpoint}")
     head.train()
     for p in params:
@@ -385,7 +395,9 @@ def train_head(head: FeatureHead, records: Sequence[FeatureRecord], config: Head
             state["order"] = state["order"] + more
         idx, state["order"] = state["order"][: config.batch_size], state["order"][config.batch_size :]
         elapsed = time.perf_counter() - t0
-        lr = cosine_lr(step, config.steps, config.warmup, config.lr, elapsed / config.time_limit_s if config.time_limit_s else 0.0)
+        start = max(state.get("restarts", [0]))  # the schedule restarts at the last extension
+        lr = cosine_lr(step - start, config.steps - start, config.warmup, config.lr,
+                       elapsed / config.time_limit_s if config.time_limit_s else 0.0)
         for g in opt.param_groups:
             g["lr"] = lr
         with torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bf16):
