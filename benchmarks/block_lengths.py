@@ -4,8 +4,8 @@
 
 One session (the default pair and `--quant auto`), the 26 held-out prompts of
 docs/results/cpu-prompts.jsonl, greedy, chains (no trees). Each prompt runs every method in turn
-(`ar`; `sd` with the default adaptive policy; adaptive `sd` from each `--start` length and with each
-`--min-confidence` stop; `sd --fixed -g G` for each G), and the rounds repeat
+(`ar`; `sd` with the default adaptive policy; adaptive `sd` from each `--start` length, under each
+`--cap` and with each `--min-confidence` stop; `sd --fixed -g G` for each G), and the rounds repeat
 that, so the machine's drift falls on all methods alike. tokens/s is new tokens over the wall time of
 the whole generate call (prefill included), as `viasd bench` reports it. Prints one JSON object
 (docs/benchmarks.md section 19).
@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("-n", "--max-new-tokens", type=int, default=64)
     ap.add_argument("--fixed", default="1,2,3,4")
     ap.add_argument("--start", default="", help="also adaptive sd from these first block lengths (default: 5)")
+    ap.add_argument("--cap", default="", help="also adaptive sd with its block length capped at each of these "
+                    "(first block min(5, cap))")
     ap.add_argument("--min-confidence", default="", help="also adaptive sd with these confidence stops (default: 0.15)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", default="docs/results/cpu-prompts.jsonl")
@@ -42,6 +44,8 @@ def main() -> None:
     methods = {"ar": GenerationConfig(mode="ar", max_new_tokens=n), "sd": GenerationConfig(mode="sd", max_new_tokens=n)}
     for g in (int(g) for g in args.start.split(",") if g):
         methods[f"sd -g {g}"] = GenerationConfig(mode="sd", max_new_tokens=n, gamma=g)
+    for c in (int(c) for c in args.cap.split(",") if c):
+        methods[f"sd --gamma-max {c}"] = GenerationConfig(mode="sd", max_new_tokens=n, gamma=min(5, c), gamma_max=c)
     for c in (float(c) for c in args.min_confidence.split(",") if c):
         methods[f"sd --min-confidence {c:g}"] = GenerationConfig(mode="sd", max_new_tokens=n, min_confidence=c)
     for g in map(int, args.fixed.split(",")):

@@ -371,7 +371,7 @@ def test_a_finished_training_extends_with_a_warm_restart_and_resumes_exactly(tmp
                                        checkpoint=ckpt, eval_fn=killed)
             assert torch.load(ckpt, weights_only=True)["state"]["step"] == 14
         log = eagle_train.train_head(head, records, more, checkpoint=ckpt, log=lines.append)
-        assert log["steps"] == 20
+        assert log["steps"] == 20 and log["restarts"] == [10]
         state = torch.load(ckpt, weights_only=True)["state"]
         assert state["restarts"] == [10] and state["steps"] == 20
         runs[name] = (head, lines)

@@ -437,7 +437,7 @@ def train_head(head: FeatureHead, records: Sequence[FeatureRecord], config: Head
         log(f"kept the weights of step {state['best']['step']} (held-out agreement {state['best']['score']:.4f})")
     return {"steps": state["step"], "losses": state["losses"], "evals": state["evals"],
             "best_step": state["best"]["step"] if state["best"] else state["step"], "train_wall_s": round(state["wall"], 1),
-            "bf16_autocast": bf16}
+            "bf16_autocast": bf16, "restarts": state.get("restarts", [])}
 
 
 @torch.no_grad()
