@@ -358,3 +358,28 @@ def test_the_ship_rule_needs_the_head_better_and_the_default_tau_not_lower_than_
     assert not better(head_figures(0.5, 1.6, 1.28), shipped)  # default tau 2.9% lower
     assert not better(head_figures(0.5, 1.44, 1.6), shipped)  # the head alone no better
     assert not better(head_figures(0.3, 2.0, 2.0), shipped)  # lower agreement
+
+
+def test_the_default_tau_measures_every_head_prompt_by_prompt_in_rotating_order(tmp_path, monkeypatch):
+    """Each prompt runs every head before the next prompt starts, the first head rotating, so a
+    change in the machine's load reaches every head alike."""
+    from viasd_core.training import campaign_eval
+
+    (tmp_path / "dev.jsonl").write_text("".join(json.dumps({"category": "qa", "prompt": f"p{i}"}) + "\n" for i in range(4)))
+    order: list[tuple[str, str]] = []
+    monkeypatch.setattr(campaign_eval, "head_session", lambda target, folder, ctx, hybrid=False: str(folder))
+
+    def run(session, prompts, config, gen, total):
+        assert gen.adaptive and len(prompts) == 1
+        order.append((prompts[0].text, session))
+        total.new_tokens += 3
+        total.target_passes += 2
+
+    monkeypatch.setattr(campaign_eval, "_run_sd", run)
+    heads = {name: tmp_path / name for name in ("a", "b", "shipped")}
+    out = campaign_eval.tau_default("t", heads, EvalConfig(prompts=tmp_path / "dev.jsonl"))
+    assert [str(Path(h).name) for _, h in order] == ["a", "b", "shipped", "b", "shipped", "a",
+                                                      "shipped", "a", "b", "a", "b", "shipped"]
+    assert [p for p, _ in order] == [f"p{i}" for i in range(4) for _ in range(3)]
+    assert {n: (f["new_tokens"], f["target_passes"], f["tau"]) for n, f in out.items()} == {
+        n: (12, 8, 1.5) for n in heads}
