@@ -67,10 +67,26 @@ def test_the_tree_option_is_parsed_with_a_one_line_error():
         assert shape.size == n and shape.candidates >= n
 
 
-def engine_with_tree_head():
+def engine_with_tree_head(head_seed: int = 11):
     target = tiny_model("llama", n_layers=5, seed=11)
     fast = FastModel(target, max_len=256)
-    return Engine(fast, TinyTokenizer(), drafter=FeatureDrafter(make_head(target, seed=11, full=True), fast))
+    return Engine(fast, TinyTokenizer(), drafter=FeatureDrafter(make_head(target, seed=head_seed, full=True), fast))
+
+
+def test_a_head_replaced_under_the_same_name_is_measured_again(viasd_home, monkeypatch):
+    key = {"target": "tiny", "draft": "head", "format": "none"}
+    first = tree_choice.resolve_tree(engine_with_tree_head(), PROMPTS, "auto", key)
+    assert "(cached)" not in first.reason
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(tree_choice, "measure_verify_curve", no_measuring)
+    assert tree_choice.resolve_tree(engine_with_tree_head(), PROMPTS, "auto", key).reason.endswith("(cached)")
+    retrained = engine_with_tree_head(head_seed=12)
+    assert retrained.drafter.weights_identity() != engine_with_tree_head().drafter.weights_identity()
+    with pytest.raises(AssertionError, match="measured again"):
+        tree_choice.resolve_tree(retrained, PROMPTS, "auto", key)
 
 
 def test_auto_measures_once_then_reads_its_cache(viasd_home, monkeypatch):

@@ -73,7 +73,8 @@ def probe_prompts(tokenizer, n: int = PROBE_PROMPTS) -> list[list[int]]:
 def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, key: dict, progress=None,
                  refresh: bool = False) -> TreeChoice:
     """The tree a session's sd steps grow. `prompts` (token ids) are what `auto` measures acceptance
-    on; `key` names the pair and format (the cache key, with the machine's identity)."""
+    on; `key` names the pair and format (the cache key, with the machine's identity and the draft's
+    weights fingerprint)."""
     choice = parse_tree(choice)
     if choice == "off":
         return TreeChoice(None, "--tree off", [], {})
@@ -82,6 +83,8 @@ def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, ke
                                 "sliding-window attention", [], {})
     if isinstance(choice, int):
         return TreeChoice(shape_for_size(choice), f"--tree {choice}", [], {})
+    if engine.drafter is not None and engine.drafter.weights_identity() is not None:
+        key = {**key, "draft_weights": engine.drafter.weights_identity()}  # a head retrained in place is measured again
     record = MachineRecord("tree", engine.device, key, CACHE_VERSION)
     data = None if refresh else record.load()
     if data is not None:

@@ -61,6 +61,12 @@ class Drafter(ABC):
         """The FastModels the drafter runs (the engine sizes them and checks their passes with its own)."""
         return []
 
+    def weights_identity(self) -> str | None:
+        """A short fingerprint of the weights this drafter proposes with (None: it has none, or does
+        not say). Measurements cached per machine that depend on the draft's acceptance key on it,
+        so a head retrained or replaced under the same name is measured again."""
+        return None
+
     def compile(self) -> bool:
         """torch.compile what the drafter runs per drafted token; False when nothing could be."""
         return any([m.compile() for m in self.fast_models()])
@@ -286,6 +292,9 @@ class HybridDrafter(Drafter):
     def rollback(self, n: int) -> None:
         self.model_drafter.rollback(n)
         self.ngram.rollback(n)
+
+    def weights_identity(self) -> str | None:
+        return self.model_drafter.weights_identity()
 
     def ensure_capacity(self, max_len: int) -> None:
         self.model_drafter.ensure_capacity(max_len)

@@ -23,6 +23,8 @@ takes a plain step, which runs the target over it.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from viasd_core.decoding.drafters import ChainDrafter
@@ -47,11 +49,28 @@ class FeatureDrafter(ChainDrafter):
         self.target = target
         self.slim: FastModel | None = None
         self.fed = 0  # head positions computed from a verifier's features (its state for committed text)
+        self._identity: str | None = None
         target.capture_features(head.feature_layers)
         # Draft columns whose target id the target may not emit (a masked vocabulary) are never proposed.
         limit = target.vocab_limit
         ids = vocab_map if vocab_map is not None else torch.arange(self.limit, device=target.device)
         self.blocked = (ids >= limit) if limit is not None and bool((ids >= limit).any()) else None
+
+    def weights_identity(self) -> str | None:
+        """sha256 over every parameter of the head but the target's shared embedding: its name, shape
+        and about 4,096 evenly strided values (training moves them all; an 8B target's head is not
+        read whole). Computed once."""
+        if self._identity is None:
+            digest = hashlib.sha256()
+            for name, p in sorted(self.head.named_parameters()):
+                if name.startswith("embed_tokens."):
+                    continue
+                flat = p.detach().reshape(-1)
+                sample = flat[:: max(1, flat.numel() // 4096)].to("cpu", torch.float32).contiguous()
+                digest.update(f"{name}{tuple(p.shape)}".encode())
+                digest.update(sample.numpy().tobytes())
+            self._identity = digest.hexdigest()[:16]
+        return self._identity
 
     def link_slim(self, slim: FastModel | None) -> None:
         """Use `slim`'s features where the target has not run (viasd's accept and slim tiers)."""
