@@ -303,12 +303,16 @@ def test_every_stage_resumes_after_a_kill_and_ends_as_an_uninterrupted_run(tiny_
     assert any(m.startswith("eval data:") for m in logs) and not any(m.startswith("eval shipped:") for m in logs)
     assert any(m.startswith("eval: default tau, every head in one interleaved loop: data ") for m in logs)
 
-    # a finished data training extended (a warm restart): the head it had made stays as data-<steps>
+    # a finished data training extended (a warm restart): the head it had made stays as data-<steps>,
+    # and what the on-policy stage made from it is set aside
     before = (alone.work / "heads" / "data" / "model.safetensors").read_bytes()
+    shutil.copytree(straight.work / "heads" / "on_policy", alone.work / "heads" / "on_policy")
     longer = replace(alone, train=replace(alone.train, data=replace(alone.train.data, steps=12, extend=True)))
     logs.clear()
     run_campaign(longer, log=logs.append)
     assert (alone.work / "heads" / "data-8" / "model.safetensors").read_bytes() == before
+    assert not (alone.work / "heads" / "on_policy").exists()
+    assert (alone.work / "on_policy-from-data-8" / "on_policy" / "model.safetensors").exists()
     assert any("a warm restart at step 8 towards 12 steps" in m for m in logs)
     assert torch.load(alone.work / "train" / "head.ckpt", weights_only=True)["state"]["step"] == 12
     assert status(longer)[3] == "train: step 12/12, head saved"

@@ -72,7 +72,8 @@ def train_on_data(model, layers: Sequence[int], train: CampaignRecords, held: Ca
                   work: Path, eos: Optional[int], log: Callable[[str], None]) -> Path:
     """Train (or resume) the head on `train`; returns its folder (`work/heads/data`). With
     `config.data.extend`, a finished training planned for fewer steps goes on (a warm restart); the
-    head it had made is kept as `work/heads/data-<its steps>`."""
+    head it had made is kept as `work/heads/data-<its steps>`, and whatever the on-policy stage made
+    from that head is moved to `work/on_policy-from-data-<its steps>/`."""
     folder = work / "heads" / "data"
     checkpoint = work / "train" / "head.ckpt"
     if folder.exists():
@@ -85,7 +86,14 @@ def train_on_data(model, layers: Sequence[int], train: CampaignRecords, held: Ca
             shutil.rmtree(folder)
         else:
             folder.rename(earlier)
-        log(f"train: extending the data training from step {done} to {config.data.steps}; the earlier head is {earlier}")
+        # what the on-policy stage made from the earlier head would pass for the new one's: set aside
+        aside = work / f"on_policy-from-data-{done}"
+        for part in (work / "heads" / "on_policy", work / "train" / "on_policy.ckpt", work / "on_policy"):
+            if part.exists():
+                aside.mkdir(exist_ok=True)
+                part.rename(aside / part.name)
+        log(f"train: extending the data training from step {done} to {config.data.steps}; the earlier head is {earlier}"
+            + (f", its on-policy outputs are in {aside}" if aside.exists() else ""))
     vocab = _vocab(train, config.draft_vocab, eos, work / "train" / "vocab.npy")
     head = eagle_train.init_head(model, layers, vocab, seed=config.seed)
     held_few = [held[n] for n in range(min(config.held_out_eval, len(held)))]
