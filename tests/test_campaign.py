@@ -319,6 +319,9 @@ def test_every_stage_resumes_after_a_kill_and_ends_as_an_uninterrupted_run(tiny_
     logs.clear()
     run_campaign(longer, log=logs.append)  # done: nothing trained again
     assert any(m.endswith("heads/data exists") for m in logs) and not any("warm restart" in m for m in logs)
+    with pytest.raises(UsageError, match="already ran 12 steps: extend it to more than that"):
+        run_campaign(replace(longer, train=replace(longer.train, data=replace(longer.train.data, steps=10))))
+    assert (alone.work / "heads" / "data").exists()  # nothing moved
 
 
 def test_a_later_request_round_appends_prompts_and_keeps_their_ids(tiny_target, tmp_path):

@@ -83,8 +83,9 @@ def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, ke
                                 "sliding-window attention", [], {})
     if isinstance(choice, int):
         return TreeChoice(shape_for_size(choice), f"--tree {choice}", [], {})
-    if engine.drafter is not None and engine.drafter.weights_identity() is not None:
-        key = {**key, "draft_weights": engine.drafter.weights_identity()}  # a head retrained in place is measured again
+    weights = engine.drafter.weights_identity() if engine.drafter is not None else None
+    if weights is not None:
+        key = {**key, "draft_weights": weights}  # a head retrained in place is measured again
     record = MachineRecord("tree", engine.device, key, CACHE_VERSION)
     data = None if refresh else record.load()
     if data is not None:

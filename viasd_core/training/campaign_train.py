@@ -26,6 +26,7 @@ import torch
 
 from viasd_core.decoding.eagle import FeatureHead
 from viasd_core.decoding.eagle_files import load_feature_head, save_feature_head
+from viasd_core.errors import UsageError
 from viasd_core.training import eagle_train
 from viasd_core.training.campaign_features import CampaignRecords
 from viasd_core.training.teacher_answers import choose_vocab
@@ -78,6 +79,8 @@ def train_on_data(model, layers: Sequence[int], train: CampaignRecords, held: Ca
     checkpoint = work / "train" / "head.ckpt"
     if folder.exists():
         done = torch.load(checkpoint, weights_only=True)["state"]["step"] if checkpoint.exists() else None
+        if config.data.extend and done is not None and done > config.data.steps:
+            raise UsageError(f"the data training already ran {done} steps: extend it to more than that")
         if not (config.data.extend and done is not None and done < config.data.steps):
             log(f"train: {folder} exists")
             return folder
