@@ -11,6 +11,7 @@ import torch
 from viasd_kernels import cpu_row_attention
 
 from conftest import tiny_model
+from viasd_core import paths
 from viasd_core.decoding import attention
 from viasd_core.decoding.model import FastModel
 from viasd_core.training import eagle_train
@@ -98,7 +99,7 @@ def test_attend_by_row_takes_the_kernel_on_a_cpu_where_it_builds(monkeypatch):
     """With D a multiple of 16 on a CPU the kernel runs (its numbers differ from the loop's in the
     last bits); with ROW_KERNEL off the loop does."""
     q, k, v = qkv(1, 4, 2, 6, 40, 32, torch.bfloat16, seed=3)
-    if cpu_row_attention.row_attention(q, k, v, 40, build_dir=attention.kernel_dir()) is None:
+    if cpu_row_attention.row_attention(q, k, v, 40, build_dir=paths.kernel_dir()) is None:
         assert not os.environ.get("CI"), f"the row-attention kernel must build in CI: {cpu_row_attention.why_not()}"
         pytest.skip(f"the row-attention kernel cannot be built here: {cpu_row_attention.why_not()}")
     calls = []
@@ -106,7 +107,7 @@ def test_attend_by_row_takes_the_kernel_on_a_cpu_where_it_builds(monkeypatch):
     monkeypatch.setattr(cpu_row_attention, "row_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     kernel = attention.attend_by_row(q, k, v, 40)
     assert calls == [1]
-    assert torch.equal(kernel, real(q, k, v, 40, build_dir=attention.kernel_dir()))
+    assert torch.equal(kernel, real(q, k, v, 40, build_dir=paths.kernel_dir()))
     monkeypatch.setattr(attention, "ROW_KERNEL", False)
     assert torch.equal(attention.attend_by_row(q, k, v, 40), attention.attend_by_row_reference(q, k, v, 40))
     assert calls == [1]

@@ -7,6 +7,7 @@ variables and their defaults are used.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -25,11 +26,21 @@ def home() -> Path | None:
 
 
 def cache_dir() -> Path:
+    return _cache_dirs(os.environ.get("VIASD_HOME"), os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"))[0]
+
+
+def kernel_dir() -> Path:
+    """Where viasd_kernels' C kernels are built for this machine (asked for at every kernel call of
+    a pass: looked up once per environment)."""
+    return _cache_dirs(os.environ.get("VIASD_HOME"), os.environ.get("XDG_CACHE_HOME"), os.environ.get("HOME"))[1]
+
+
+@functools.lru_cache(maxsize=16)
+def _cache_dirs(viasd_home: str | None, xdg: str | None, home_env: str | None) -> tuple[Path, Path]:
+    """(cache folder, kernel folder) for these values of VIASD_HOME, XDG_CACHE_HOME and HOME."""
     base = home()
-    if base is not None:
-        return base / "cache"
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "viasd"
+    cache = base / "cache" if base is not None else Path(xdg or str(Path.home() / ".cache")) / "viasd"
+    return cache, cache / "kernels"
 
 
 def config_dir() -> Path:

@@ -117,11 +117,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return o.reshape(B, Hq, T, D).transpose(1, 2).reshape(B, T, Hq * D)  # [B, Hkv, rep * T, D] -> [B, T, Hq * D]
 
 
-def kernel_dir():
-    """Where viasd_kernels' C kernels are built for this machine."""
-    return paths.cache_dir() / "kernels"
-
-
 def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, window: int | None = None,
                   scale: float | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [1, Hq, T, D] at positions end - T .. end - 1 over a cache k, v
@@ -129,7 +124,7 @@ def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, w
     [1, T, Hq * D]. With `key_mask` [T, end] (a token tree's rows) row i reads the slots it marks,
     in cache order. One kernel call on a CPU (viasd_kernels.cpu_row_attention), else the reference."""
     if ROW_KERNEL and q.device.type == "cpu" and q.shape[0] == 1:
-        out = cpu_row_attention.row_attention(q, k, v, end, window, scale, key_mask, build_dir=kernel_dir())
+        out = cpu_row_attention.row_attention(q, k, v, end, window, scale, key_mask, build_dir=paths.kernel_dir())
         if out is not None:
             return out
     return attend_by_row_reference(q, k, v, end, window, scale, key_mask)
@@ -140,7 +135,7 @@ def by_row_way() -> str:
     if not ROW_KERNEL:
         return "one call a position (the kernel is turned off)"
     probe = torch.zeros(1, 1, 1, cpu_row_attention.LANES)
-    if cpu_row_attention.row_attention(probe, probe, probe, 1, build_dir=kernel_dir()) is not None:
+    if cpu_row_attention.row_attention(probe, probe, probe, 1, build_dir=paths.kernel_dir()) is not None:
         return "viasd_kernels' row-invariant kernel, one call a layer (built for this CPU)"
     return f"one call a position: {cpu_row_attention.why_not()}"
 

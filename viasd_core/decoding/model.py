@@ -40,9 +40,10 @@ from viasd_core.errors import ViasdError
 from viasd_core.decoding import attention, graph_outputs
 from viasd_core.decoding.rope import apply_rope, check_rope
 from viasd_core.decoding.pass_widths import PASS_WIDTHS, pass_width
-from viasd_core.decoding.short_products import DEFAULT, linear, mlp
+from viasd_core.decoding.short_products import DEFAULT, linear
 from viasd_core.decoding.tree_pass import TreePasses
 from viasd_core.decoding.fused_projections import fused
+from viasd_core.decoding.layer_calls import layer_calls
 from viasd_core.decoding.weight_formats import has_weight_format, widen_once
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
@@ -144,6 +145,7 @@ class FastModel(attention.CachedPositions, TreePasses):
         # int8/int4 on CPU: q/k/v and gate/up as one product each (fused_projections.py)
         cpu_packed = self.weight_format and self.device.type == "cpu"
         self._fused = [fused(layer) if cpu_packed else None for layer in self.layers]
+        self._calls = [layer_calls(layer, f, self) for layer, f in zip(self.layers, self._fused)]  # layer_calls.py
         # Float32 layers on CPU: which product short passes multiply through (short_products.ShortRows:
         # the weights read at the memory's speed). The blocked product for 1-row passes until a session
         # measures it (choose_rows); PLAIN: every product through the layers themselves (F.linear).
@@ -345,35 +347,32 @@ class FastModel(attention.CachedPositions, TreePasses):
         """Run-layer `ci` over the states x [1, T, H] of slots `pos` [T], attending over cache[:end]."""
         s = self.shape
         T = x.shape[1]
-        up_to = self.short_rows  # float32 short passes on CPU: short_products.py
-        layer = self.layers[ci]
-        attn = layer.self_attn
-        f = self._fused[ci]
-        h = layer.input_layernorm(x)
-        if f is not None and f.qkv is not None:
-            q, k, v = f.qkv(h).split(f.qkv_split, dim=-1)
+        c = self._calls[ci]
+        h = c.input_norm(x)
+        if c.qkv is not None:
+            q, k, v = c.qkv(h).split(c.qkv_split, dim=-1)
         else:
-            q, k, v = linear(h, attn.q_proj, up_to), linear(h, attn.k_proj, up_to), linear(h, attn.v_proj, up_to)
+            q, k, v = c.q(h), c.k(h), c.v(h)
         q = q.view(1, T, s.n_heads, s.head_dim)
         k = k.view(1, T, s.n_kv_heads, s.head_dim)
         v = v.view(1, T, s.n_kv_heads, s.head_dim)
-        if hasattr(attn, "q_norm"):  # Qwen3
-            q = attn.q_norm(q)
-            k = attn.k_norm(k)
+        if c.q_norm is not None:  # Qwen3
+            q = c.q_norm(q)
+            k = c.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [1, Hq, T, D]
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [1, Hkv, T, D]
         k_cache, v_cache = self.cache.layers[ci].update(pos, k, v.transpose(1, 2))
         if by_row:
-            o = attention.attend_by_row(q, k_cache, v_cache, end, self.windows[ci], attn.scaling, key_mask)
+            o = attention.attend_by_row(q, k_cache, v_cache, end, self.windows[ci], c.scaling, key_mask)
         else:
             o = attention.attend(q, k_cache[:, :, :end], v_cache[:, :, :end], masks.get(self.windows[ci]),
-                                 attn.scaling)  # [1, T, Hq * D]
-        x = x + linear(o, attn.o_proj, up_to)
-        h = layer.post_attention_layernorm(x)
-        if f is not None and f.gate_up is not None:
-            gate, up = f.gate_up(h).split(f.gate_up_split, dim=-1)
-            return x + linear(layer.mlp.act_fn(gate) * up, layer.mlp.down_proj, up_to)
-        return x + mlp(h, layer.mlp, up_to)
+                                 c.scaling)  # [1, T, Hq * D]
+        x = x + c.o(o)
+        h = c.post_norm(x)
+        if c.gate_up is not None:
+            gate, up = c.gate_up(h).split(c.gate_up_split, dim=-1)
+            return x + c.down(c.act(gate) * up)
+        return x + c.mlp(h)
 
     def _products(self, ci: int) -> list[torch.nn.Module]:
         """The linear layers run-layer `ci`'s pass calls (its fused projections where it has them)."""

@@ -205,30 +205,33 @@ class PackedLinear(torch.nn.Module):
         and a 768-token prefill of SmolLM2 took 1546 ms through PyTorch's int8 kernel against
         1064 ms this way (docs/benchmarks.md section 14). The weight is the one `widen_once` holds
         (a prefill's chunks share it) or widened for this call."""
-        lead = x.shape[:-1]
+        # Called 4 times a layer in every pass: buffers and parameters are read from their dicts
+        # (nn.Module.__getattr__ costs ~0.7 us a name), and nothing is done that a pass does not need.
+        qdata, scale = self._buffers["qdata"], self._buffers["scale"]
+        bias = self._parameters.get("bias")
         x2 = x.reshape(-1, self.in_features)
         dense = None
-        if x2.device.type == "cpu" and x2.shape[0] >= DENSE_PREFILL_ROWS:
+        if x2.shape[0] >= DENSE_PREFILL_ROWS and qdata.is_cpu:
             dense = self.held if self.holding else self.widened(dense_dtype(x2.dtype))
         if dense is not None:
             y = torch.nn.functional.linear(x2.to(dense.dtype), dense).to(x2.dtype)
         elif self.kind == "int8":
-            y = _int8_mm(x2.contiguous(), self.qdata, self.scale)
+            y = _int8_mm(x2.contiguous(), qdata, scale)
         else:
             if self.packed_in != self.in_features:  # CUDA's tile layout: zero columns up to the packed width
                 x2 = torch.nn.functional.pad(x2, (0, self.packed_in - self.in_features))
             # tinygemm reads the scales as if contiguous: a layer fused with others (fuse_rows) views a column
             # slice, copied once on its first own call (transformers' forward: bench's baselines, fidelity)
-            scale = self.scale
             if not scale.is_contiguous():
                 if self._contiguous_scale is None:
                     self._contiguous_scale = scale.contiguous()
                 scale = self._contiguous_scale
-            y = _int4_mm(x2.contiguous(), self.qdata, self.group, scale)
-        y = y[:, : self.out_features]  # tinygemm pads the output width
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, self.out_features)
+            y = _int4_mm(x2.contiguous(), qdata, self.group, scale)
+        if y.shape[1] != self.out_features:
+            y = y[:, : self.out_features]  # tinygemm pads the output width
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         group = f", group={self.group}" if self.kind == "int4" else ""

@@ -1,0 +1,72 @@
+"""A decoder layer's calls looked up once (viasd_core/decoding/layer_calls.py): the pass computes
+bit for bit what it computes through nn.Module calls and attribute lookups at every pass, in every
+family and format, and float products follow the model's short-pass products as they are at the call."""
+
+import pytest
+import torch
+
+from conftest import FAMILIES, tiny_model
+from viasd_core.decoding import layer_calls as lc
+from viasd_core.decoding import short_products as sp
+from viasd_core.decoding import weight_formats as wf
+from viasd_core.decoding.model import FastModel
+from viasd_core.decoding.short_products import linear, mlp
+from viasd_core.decoding.weight_format import WeightFormat
+
+SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+
+
+def module_calls(layer, fused, model) -> lc.LayerCalls:
+    """The reference: every submodule called through nn.Module.__call__, looked up at each call."""
+    def prod(name):
+        return lambda x: linear(x, getattr(layer.self_attn, name) if name != "down_proj" else layer.mlp.down_proj,
+                                model.short_rows)
+
+    qkv = fused is not None and fused.qkv is not None
+    gate_up = fused is not None and fused.gate_up is not None
+    return lc.LayerCalls(
+        input_norm=lambda x: layer.input_layernorm(x), post_norm=lambda x: layer.post_attention_layernorm(x),
+        q_norm=(lambda x: layer.self_attn.q_norm(x)) if hasattr(layer.self_attn, "q_norm") else None,
+        k_norm=(lambda x: layer.self_attn.k_norm(x)) if hasattr(layer.self_attn, "k_norm") else None,
+        qkv=(lambda x: fused.qkv(x)) if qkv else None, qkv_split=fused.qkv_split if qkv else (0, 0, 0),
+        q=prod("q_proj"), k=prod("k_proj"), v=prod("v_proj"), o=prod("o_proj"),
+        gate_up=(lambda x: fused.gate_up(x)) if gate_up else None,
+        gate_up_split=fused.gate_up_split if gate_up else (0, 0),
+        act=(lambda x: layer.mlp.act_fn(x)) if gate_up else None, down=prod("down_proj") if gate_up else None,
+        mlp=lambda x: mlp(x, layer.mlp, model.short_rows), scaling=layer.self_attn.scaling)
+
+
+def passes(fast: FastModel, ids: torch.Tensor) -> torch.Tensor:
+    """A prefill, 1-token steps, a 4-token block and a 6-token one after a rollback, logits of all."""
+    out = [fast.forward(ids[:20], 0, 20)]
+    out += [fast.forward(ids[i : i + 1], i, 1) for i in range(20, 23)]
+    out.append(fast.forward(ids[23:27], 23, 4))
+    fast.rollback(24)
+    out.append(fast.forward(ids[24:30], 24, 6))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("fmt", ["none", "int8", "int4"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_looked_up_calls_compute_what_module_calls_do(family, fmt):
+    model = tiny_model(family, seed=3, **SHAPE)
+    if fmt != "none":
+        model = wf.packed_copy(model, WeightFormat.parse(fmt))
+    ids = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(4))
+    fast = FastModel(model, max_len=64)
+    fast.short_rows = sp.BLOCKED  # float32: every short pass through the blocked product
+    looked_up = passes(fast, ids)
+    fast._calls = [module_calls(layer, f, fast) for layer, f in zip(fast.layers, fast._fused)]
+    assert torch.equal(looked_up, passes(fast, ids))
+
+
+def test_float_products_read_the_models_short_rows_at_each_call(monkeypatch):
+    fast = FastModel(tiny_model("llama", seed=5, **SHAPE), max_len=64)
+    seen = []
+    monkeypatch.setattr(lc, "linear", lambda x, layer, up_to: seen.append(up_to) or layer(x))
+    ids = torch.randint(3, 256, (8,), generator=torch.Generator().manual_seed(6))
+    for rows in (sp.PLAIN, sp.BLOCKED):
+        fast.short_rows = rows  # a session measures and sets it after the model is built
+        seen.clear()
+        fast.forward(ids[:4], 0, 4)
+        assert seen and all(up_to == rows for up_to in seen)
