@@ -1,6 +1,6 @@
 """Prompt prefill time: viasd's static-cache pass in each weight format vs transformers' own forward.
 
-    python benchmarks/prefill.py --tokens 768 --formats none,int8,int4,int4-chunks --threads 2
+    python benchmarks/prefill.py --tokens 768 --formats none,int8,int4,int4-operators --threads 2
 
 One prompt of random token ids through `FastModel.forward` (one pass, run layer by layer over
 chunks of 256; the last position's logits), and transformers' forward of the same ids in one call
@@ -8,7 +8,9 @@ chunks of 256; the last position's logits), and transformers' forward of the sam
 one warm-up, interleaved (the machine's drift falls on all alike); the median of each is reported.
 Two reference paths: `FMT-chunks` feeds the prompt as separate passes of 256 positions (each chunk
 through every layer in turn: an int8/int4 layer widened once a chunk, the path before layer-major
-prefill), and `int4-kernel` runs tinygemm's kernel for every row (no widened weight at all). `none-packed`
+prefill), `int4-kernel` runs tinygemm's kernel for every row (no widened weight at all), and
+`int4-operators` widens each layer with PyTorch's operators instead of viasd_kernels' one-pass
+kernel (kernels/cpu_int4_widen.py). `none-packed`
 runs float32's chunks through oneDNN's packed product (decoding/short_products.py).
 Prints one JSON object (docs/benchmarks.md).
 """
@@ -21,6 +23,7 @@ import statistics
 import time
 
 import torch
+from viasd_kernels import cpu_int4_widen
 
 from viasd_core.decoding import weight_formats as wf
 from viasd_core.decoding.model import PREFILL_CHUNK, FastModel
@@ -34,12 +37,15 @@ from viasd_core.loading.models import load_model
 def prefill_path(fast: FastModel, ids: torch.Tensor, name: str):
     """The prefill that path `name` runs on `fast` (see the module doc)."""
     kernel_only = name.endswith("-kernel")
+    operators = name.endswith("-operators")
 
     def prefill():
         fast.reset()
-        dense = wf._int4_dense_cpu
+        dense, widen = wf._int4_dense_cpu, cpu_int4_widen.widen
         if kernel_only:
             wf._int4_dense_cpu = lambda *a: None
+        if operators:
+            cpu_int4_widen.widen = lambda *a, **kw: None
         try:
             if name.endswith("-chunks"):
                 for c in range(0, ids.shape[0], PREFILL_CHUNK):
@@ -47,7 +53,7 @@ def prefill_path(fast: FastModel, ids: torch.Tensor, name: str):
             else:
                 fast.forward(ids, 0, 1)
         finally:
-            wf._int4_dense_cpu = dense
+            wf._int4_dense_cpu, cpu_int4_widen.widen = dense, widen
 
     return prefill
 
@@ -67,7 +73,7 @@ def main() -> None:
            "repeats": args.repeats}
     paths = {"transformers fp32": lambda: target.model(ids[None], logits_to_keep=1)}
     for name in args.formats.split(","):
-        fmt = name.removesuffix("-kernel").removesuffix("-chunks").removesuffix("-packed")
+        fmt = name.removesuffix("-kernel").removesuffix("-chunks").removesuffix("-packed").removesuffix("-operators")
         model = target.model if fmt == "none" else packed_copy(target.model, WeightFormat.parse(fmt))
         fast = FastModel(model, max_len=args.tokens + 32)
         if name.endswith("-packed"):  # float32 chunks through oneDNN's packed product (short_products.py)
