@@ -15,7 +15,7 @@ import torch
 from conftest import tiny_model
 from viasd_core.errors import ViasdError
 from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.rope import STATIC_ROPE_TYPES
+from viasd_core.decoding.rope import STATIC_ROPE_TYPES, apply_rope, apply_rope_reference, signed_sin
 
 ORIGINAL = 16  # original_max_position_embeddings of the scaled types
 N = 40  # sequence length: well past ORIGINAL
@@ -69,7 +69,7 @@ def test_scaled_rope_matches_transformers_past_the_original_length(rope_type):
     # Our table is transformers' RoPE for every position, and the scaling really changes it.
     cos, sin = reference_table(model, rope_type, N)
     torch.testing.assert_close(fast.cache.cos[:N], cos, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(fast.cache.sin[:N], sin, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast.cache.sin_signed[:N], signed_sin(sin), rtol=1e-5, atol=1e-5)
     plain = FastModel(tiny_model("llama", seed=11, rope_parameters={"rope_type": "default", "rope_theta": ROPES[rope_type]["rope_theta"]}), max_len=N)
     assert (plain.cache.cos[ORIGINAL:N] - fast.cache.cos[ORIGINAL:N]).abs().max() > 0.1
 
@@ -202,4 +202,21 @@ def test_draft_of_a_llama3_target_has_the_targets_rope_tables(tmp_path):
     for model in (draft, loaded, legacy_draft):
         fast = FastModel(model, max_len=N, name="draft")
         torch.testing.assert_close(fast.cache.cos, target_fast.cache.cos, rtol=0, atol=0)
-        torch.testing.assert_close(fast.cache.sin, target_fast.cache.sin, rtol=0, atol=0)
+        torch.testing.assert_close(fast.cache.sin_signed, target_fast.cache.sin_signed, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------- the rotation
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rolled_rotation_is_transformers_bit_for_bit(dtype):
+    """apply_rope over the signed sine table gives exactly transformers' x * cos + rotate_half(x) * sin."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 9, 7, 64, generator=g).to(dtype), torch.randn(1, 3, 7, 64, generator=g).to(dtype)
+    angles = torch.randn(7, 32, generator=g) * 40
+    cos, sin = torch.cat([angles, angles], -1).cos().to(dtype), torch.cat([angles, angles], -1).sin().to(dtype)
+    for x in (q, k):
+        assert torch.equal(apply_rope(x, cos, signed_sin(sin)), apply_rope_reference(x, cos, sin))
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
+    assert torch.equal(apply_rope(q, cos, signed_sin(sin)), want_q)
+    assert torch.equal(apply_rope(k, cos, signed_sin(sin)), want_k)

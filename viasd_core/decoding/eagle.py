@@ -43,7 +43,7 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 
 from viasd_core.errors import ViasdError
 from viasd_core.decoding import attention, graph_outputs
-from viasd_core.decoding.rope import apply_rope
+from viasd_core.decoding.rope import apply_rope, signed_sin
 from viasd_core.decoding.short_products import DEFAULT, linear, mlp
 
 CONFIG = "config.json"
@@ -131,7 +131,7 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         with torch.no_grad():
             cos, sin = LlamaRotaryEmbedding(cfg)(self.fc.weight, positions[None])
         self.register_buffer("rope_cos", cos[0].to(self.dtype), persistent=False)  # [max_len, D]
-        self.register_buffer("rope_sin", sin[0].to(self.dtype), persistent=False)
+        self.register_buffer("rope_sin_signed", signed_sin(sin[0].to(self.dtype)), persistent=False)  # apply_rope's form
         self.cache = attention.LayerCache(cfg.num_key_value_heads, max_len, cfg.head_dim, self.dtype, device)
         self.max_len = int(max_len)
         self.seen = 0
@@ -149,7 +149,7 @@ class FeatureHead(nn.Module, attention.CachedPositions):
 
     def qkv(self, emb: torch.Tensor, fused: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The layer's attention inputs: emb, fused [B, T, H] -> q [B, heads, T, D], k, v [B, kv_heads, T, D],
-        RoPE applied (cos, sin [T, D]). Shared by drafting (one cache) and training (eagle_train)."""
+        RoPE applied (cos, sin [T, D], sin as rope.signed_sin makes it). Shared by drafting (one cache) and training (eagle_train)."""
         cfg = self.llama_config
         B, T = emb.shape[:2]
         layer, attn = self.midlayer, self.midlayer.self_attn
@@ -226,7 +226,7 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         positions rope_pos [K], written at cache slots slots [K], row i attending the slots
         key_mask[i] marks ([K, max_len]). Returns (logits [K, draft_vocab] float32, hidden [K, H])."""
         emb = self.embedding(token_ids).to(self.dtype)
-        q, k, v = self.qkv(emb[None], hidden[None], self.rope_cos[rope_pos], self.rope_sin[rope_pos])
+        q, k, v = self.qkv(emb[None], hidden[None], self.rope_cos[rope_pos], self.rope_sin_signed[rope_pos])
         k_cache, v_cache = self.cache.update(slots, k, v)
         out = self.finish(hidden, attention.attend(q, k_cache, v_cache, key_mask)[0])
         return self.logits(out), out
@@ -265,7 +265,7 @@ class FeatureHead(nn.Module, attention.CachedPositions):
             return logits, hidden
         fused = self.fuse(features) if features.shape[-1] != self.hidden_size else features.to(self.dtype)
         emb = self.embedding(token_ids).to(self.dtype)
-        q, k, v = self.qkv(emb[None], fused[None], self.rope_cos[start:end], self.rope_sin[start:end])
+        q, k, v = self.qkv(emb[None], fused[None], self.rope_cos[start:end], self.rope_sin_signed[start:end])
         pos = torch.arange(start, end, device=token_ids.device)
         k_cache, v_cache = self.cache.update(pos, k, v)
         mask = attention.causal_mask(pos, torch.arange(end, device=pos.device)) if T > 1 else None  # [T, end]

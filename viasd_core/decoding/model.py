@@ -38,7 +38,7 @@ import torch
 
 from viasd_core.errors import ViasdError
 from viasd_core.decoding import attention, graph_outputs
-from viasd_core.decoding.rope import apply_rope, check_rope
+from viasd_core.decoding.rope import apply_rope, check_rope, signed_sin
 from viasd_core.decoding.pass_widths import PASS_WIDTHS, pass_width
 from viasd_core.decoding.short_products import DEFAULT, linear
 from viasd_core.decoding.tree_pass import TreePasses
@@ -93,7 +93,7 @@ class StaticCache(torch.nn.Module):
         self.layers = torch.nn.ModuleList(attention.LayerCache(n_kv_heads, length, head_dim, dtype, device)
                                           for _ in range(n_layers))
         self.register_buffer("cos", cos, persistent=False)  # [length, head_dim]
-        self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("sin_signed", signed_sin(sin), persistent=False)  # as apply_rope takes it
         self.register_buffer("key_pos", torch.arange(length, device=device), persistent=False)
         self.register_buffer("features", None, persistent=False)  # [length, n * hidden] once features are captured
 
@@ -310,7 +310,7 @@ class FastModel(attention.CachedPositions, TreePasses):
         x = self.embed(input_ids[None])  # [1, T, H]
         rope_pos = input_pos if rope_pos is None else rope_pos
         cos = cache.cos.index_select(0, rope_pos)  # [T, D]
-        sin = cache.sin.index_select(0, rope_pos)
+        sin = cache.sin_signed.index_select(0, rope_pos)
         chunks = self._chunks(T, attn_len, masked, by_row) if key_mask is None else [(0, T, attn_len, masked, by_row)]
         masks = []  # per chunk: window -> [rows, keys]; by_row slices its keys instead
         for lo, hi, end, chunk_masked, chunk_by_row in chunks:

@@ -194,7 +194,7 @@ def ttt_logits(head: FeatureHead, tokens: torch.Tensor, features: torch.Tensor, 
     B, T = features.shape[:2]
     if head.max_len < T:
         head.allocate(T)
-    cos, sin = head.rope_cos[:T], head.rope_sin[:T]
+    cos, sin = head.rope_cos[:T], head.rope_sin_signed[:T]
     emb = head.embedding(tokens[:, 1 : T + 1]).to(head.dtype).detach()
     fused = head.fuse(features)
     keys, values, out = [], [], []
