@@ -86,6 +86,17 @@ def tiny_model(family: str = "llama", n_layers: int = 4, seed: int = 0, vocab: i
     return model
 
 
+def every_kind_of_pass(fast, ids: torch.Tensor) -> torch.Tensor:
+    """A prefill, 1-token steps, a 4-token block and a 6-token one after a rollback over ids[:30],
+    the logits of every position, concatenated: what a pass-level rewrite must leave unchanged."""
+    out = [fast.forward(ids[:20], 0, 20)]
+    out += [fast.forward(ids[i : i + 1], i, 1) for i in range(20, 23)]
+    out.append(fast.forward(ids[23:27], 23, 4))
+    fast.rollback(24)
+    out.append(fast.forward(ids[24:30], 24, 6))
+    return torch.cat(out)
+
+
 def record_forward(fast) -> list[tuple[int, int]]:
     """Wrap a FastModel's `forward` to record (start, length) of every pass it really runs."""
     calls: list[tuple[int, int]] = []

@@ -4,7 +4,7 @@ computes with the projections called one by one, and no weight is held twice."""
 import pytest
 import torch
 
-from conftest import FAMILIES, tiny_model
+from conftest import FAMILIES, every_kind_of_pass, tiny_model
 from viasd_core.decoding import fused_projections
 from viasd_core.decoding import weight_formats as wf
 from viasd_core.decoding.model import FastModel
@@ -12,16 +12,6 @@ from viasd_core.decoding.weight_format import WeightFormat
 
 # Wider than conftest's default: k and v (2 heads x 32) fill a block of PyTorch's CPU int4 layout (64 rows)
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
-
-
-def passes(fast: FastModel, ids: torch.Tensor) -> torch.Tensor:
-    """A prefill, 1-token steps, a 4-token block and a rollback: every kind of pass, logits of all."""
-    out = [fast.forward(ids[:20], 0, 20)]
-    out += [fast.forward(ids[i : i + 1], i, 1) for i in range(20, 23)]
-    out.append(fast.forward(ids[23:27], 23, 4))
-    fast.rollback(24)
-    out.append(fast.forward(ids[24:30], 24, 6))
-    return torch.cat(out)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -32,12 +22,12 @@ def test_fused_projections_compute_what_the_separate_ones_do(family, fmt, monkey
     with torch.no_grad():
         hf_before = model(ids[None]).logits
     monkeypatch.setattr(fused_projections, "ENABLED", False)
-    separate = passes(FastModel(model, max_len=64), ids)
+    separate = every_kind_of_pass(FastModel(model, max_len=64), ids)
     monkeypatch.setattr(fused_projections, "ENABLED", True)
     fast = FastModel(model, max_len=64)
     f = fast._fused[0]
     assert f is not None and f.qkv is not None and f.gate_up is not None  # both fused at this shape
-    assert torch.equal(passes(fast, ids), separate)
+    assert torch.equal(every_kind_of_pass(fast, ids), separate)
     # the model's own layers now view the fused data: one copy of every weight, and transformers'
     # forward over them (bench's baselines, fidelity) is unchanged
     attn = model.model.layers[0].self_attn

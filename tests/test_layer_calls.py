@@ -5,7 +5,7 @@ family and format, and float products follow the model's short-pass products as 
 import pytest
 import torch
 
-from conftest import FAMILIES, tiny_model
+from conftest import FAMILIES, every_kind_of_pass, tiny_model
 from viasd_core.decoding import layer_calls as lc
 from viasd_core.decoding import short_products as sp
 from viasd_core.decoding import weight_formats as wf
@@ -36,16 +36,6 @@ def module_calls(layer, fused, model) -> lc.LayerCalls:
         mlp=lambda x: mlp(x, layer.mlp, model.short_rows), scaling=layer.self_attn.scaling)
 
 
-def passes(fast: FastModel, ids: torch.Tensor) -> torch.Tensor:
-    """A prefill, 1-token steps, a 4-token block and a 6-token one after a rollback, logits of all."""
-    out = [fast.forward(ids[:20], 0, 20)]
-    out += [fast.forward(ids[i : i + 1], i, 1) for i in range(20, 23)]
-    out.append(fast.forward(ids[23:27], 23, 4))
-    fast.rollback(24)
-    out.append(fast.forward(ids[24:30], 24, 6))
-    return torch.cat(out)
-
-
 @pytest.mark.parametrize("fmt", ["none", "int8", "int4"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_looked_up_calls_compute_what_module_calls_do(family, fmt):
@@ -55,9 +45,9 @@ def test_looked_up_calls_compute_what_module_calls_do(family, fmt):
     ids = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(4))
     fast = FastModel(model, max_len=64)
     fast.short_rows = sp.BLOCKED  # float32: every short pass through the blocked product
-    looked_up = passes(fast, ids)
+    looked_up = every_kind_of_pass(fast, ids)
     fast._calls = [module_calls(layer, f, fast) for layer, f in zip(fast.layers, fast._fused)]
-    assert torch.equal(looked_up, passes(fast, ids))
+    assert torch.equal(looked_up, every_kind_of_pass(fast, ids))
 
 
 def test_float_products_read_the_models_short_rows_at_each_call(monkeypatch):
