@@ -517,3 +517,25 @@ def test_the_compiled_head_step_drafts_as_the_eager_one_and_reads_no_stale_outpu
     assert got_run.tokens == ar == eager.tokens
     assert got_run.stats.draft_tokens == eager.stats.draft_tokens
     assert proposals["compiled"] == proposals["eager"] and len(proposals["eager"]) > 3  # the same proposals
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_a_head_beside_a_packed_cpu_target_runs_int8_products_and_stays_exact(tiny_dirs, head_dir, viasd_home, quant):
+    """Where the target runs int8/int4 on a CPU the head's layer and output products are packed int8
+    (drafter_factory.HEAD_FORMAT), fc is not, and greedy sd still equals ar token for token."""
+    from viasd_core.decoding.engine import GenerationConfig
+    from viasd_core.decoding.weight_formats import PackedLinear
+    from viasd_core.loading.options import ModelOptions
+    from viasd_core.session import build_session
+
+    session = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=str(head_dir), quant=quant,
+                                         tree="off"), mode="sd")
+    head = session.engine.drafter.head
+    packed = {n: m.kind for n, m in head.named_modules() if isinstance(m, PackedLinear)}
+    assert packed["lm_head"] == "int8" and packed["midlayer.mlp.down_proj"] == "int8"
+    assert type(head.fc) is torch.nn.Linear and "fc" not in packed
+    assert set(packed.values()) == {"int8"}
+    ids = session.tokenizer("w1 w2 w3 w4 w5 w6 w1 w2")["input_ids"]
+    out = {mode: session.engine.generate(list(ids), GenerationConfig(mode=mode, max_new_tokens=16)) for mode in ("ar", "sd")}
+    assert out["sd"].tokens == out["ar"].tokens
+    assert out["sd"].stats.draft_tokens > 0

@@ -45,6 +45,8 @@ from viasd_core.errors import ViasdError
 from viasd_core.decoding import attention, graph_outputs
 from viasd_core.decoding.rope import apply_rope, signed_sin
 from viasd_core.decoding.short_products import DEFAULT, linear, mlp
+from viasd_core.decoding.weight_format import WeightFormat
+from viasd_core.decoding.weight_formats import apply_weight_format
 
 CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
@@ -123,6 +125,11 @@ class FeatureHead(nn.Module, attention.CachedPositions):
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
+
+    def pack_products(self, fmt: WeightFormat) -> None:
+        """The layer's and the output head's products in `fmt` (int8 or int4, weight_formats), in
+        place; `fc` stays as it is (its weight gives the head's dtype and device)."""
+        apply_weight_format(self, fmt, keep=("fc",))
 
     def allocate(self, max_len: int) -> None:
         """Allocate the one layer's KV cache and the RoPE tables for `max_len` positions (empties the cache)."""

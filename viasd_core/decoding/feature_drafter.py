@@ -57,12 +57,13 @@ class FeatureDrafter(ChainDrafter):
         self.blocked = (ids >= limit) if limit is not None and bool((ids >= limit).any()) else None
 
     def weights_identity(self) -> str | None:
-        """sha256 over every parameter of the head but the target's shared embedding: its name, shape
-        and about 4,096 evenly strided values (training moves them all; an 8B target's head is not
-        read whole). Computed once."""
+        """sha256 over every parameter of the head but the target's shared embedding, and the packed
+        data of its int8/int4 products: its name, shape and about 4,096 evenly strided values
+        (training moves them all; an 8B target's head is not read whole). Computed once."""
         if self._identity is None:
             digest = hashlib.sha256()
-            for name, p in sorted(self.head.named_parameters()):
+            packed = [(n, b) for n, b in self.head.named_buffers() if n.endswith((".qdata", ".scale"))]
+            for name, p in sorted([*self.head.named_parameters(), *packed], key=lambda item: item[0]):
                 if name.startswith("embed_tokens."):
                     continue
                 flat = p.detach().reshape(-1)

@@ -347,8 +347,9 @@ def _check_format(fmt: WeightFormat) -> None:
     _check_torchao()
 
 
-def apply_weight_format(model: torch.nn.Module, fmt: WeightFormat) -> None:
-    """Replace `model`'s linear layers in place by `fmt` (int8 or int4; see the module doc).
+def apply_weight_format(model: torch.nn.Module, fmt: WeightFormat, keep: tuple[str, ...] = ()) -> None:
+    """Replace `model`'s linear layers in place by `fmt` (int8 or int4; see the module doc), but
+    those named in `keep`.
 
     A tied output head gets its own int8 copy (the input embedding keeps its table: a lookup
     reads one row). Layers whose input width is not a multiple of the int4 group stay as they are.
@@ -359,7 +360,8 @@ def apply_weight_format(model: torch.nn.Module, fmt: WeightFormat) -> None:
     with torch.no_grad():
         for parent_name, parent in list(model.named_modules()):
             for name, child in list(parent.named_children()):
-                kind = _kind(model, f"{parent_name}.{name}".lstrip("."), child, fmt)
+                full = f"{parent_name}.{name}".lstrip(".")
+                kind = None if full in keep else _kind(model, full, child, fmt)
                 if kind is not None:
                     setattr(parent, name, _pack(child, kind))
 
