@@ -5,8 +5,9 @@ A prompt's prefill runs each int4 layer as one dense product over its weight wid
 operators widen it in five passes over a float32 copy: 41-51 ms for SmolLM2-135M's 30 layers on a
 2-core AMD EPYC, a fifth to a third of a 300-token prefill. `widen` computes each output's 16
 possible values per group of inputs once (the operators' arithmetic, step by step) and writes every
-weight as the value its 4 bits name: 12 ms for the same layers, bit for bit the operators' result
-(cpu_int4_widen.c says how; docs/benchmarks.md section 28).
+weight as the value its 4 bits name: 12 ms for the same layers with AVX-512 (the plain C loop, built
+for AVX2 only on the same CPU: about two thirds of the operators' time), bit for bit the operators'
+result (cpu_int4_widen.c says how; docs/benchmarks.md section 28).
 
 - **Kernel**: `widen(qdata, group, scale_and_zero, block, build_dir=...)`, a C function built once per
   machine (cpu_build.py); None where it does not apply or cannot be built (the caller then widens
