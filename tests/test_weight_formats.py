@@ -318,3 +318,14 @@ def test_cli_generate_with_int4_is_exact_and_says_so(tiny_dirs, viasd_home):
     assert "drop --dtype float16" in bad.output
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_packed_layer_traces_into_one_graph_with_its_eager_numbers(kind):
+    """PackedLinear.forward reads its buffers from the module's dictionaries (a hot-path saving); the
+    compiled passes (CUDA graphs on a GPU) trace it whole: fullgraph compile here, bit for bit eager."""
+    layer = torch.nn.Linear(64, 128, bias=kind == "int8").to(torch.bfloat16)
+    from viasd_core.decoding import weight_formats as wf
+
+    packed = wf._pack(layer, kind)
+    compiled = torch.compile(lambda x: packed(x), fullgraph=True)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert torch.equal(compiled(x), packed(x))
