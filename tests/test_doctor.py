@@ -7,7 +7,8 @@ from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
 from viasd_core import compile_choice
-from viasd_core.decoding import attention
+from viasd_core.decoding import attention, weight_formats
+from viasd_kernels import cpu_int4_widen
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.frontends.doctor import FAIL, PASS, SKIP, check_exact_mode, environment, run_doctor
 from viasd_core.loading.options import ModelOptions
@@ -49,6 +50,7 @@ def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home, monk
     assert env["device"] == "cpu" and env["dtype"] == "float32" and env["compiled"] == []
     assert env["cuda_graphs"] is False and env["cuda_graphs_recorded"] == 0 and env["torch"] == torch.__version__
     assert env["row_attention"] is None  # float32 layers attend in one call: no pass is compared row by row
+    assert env["int4_widening"] is None  # no int4 weights to widen
     assert len(timings) == 1 and env["compile_reason"].startswith("auto: eager, compiled is not 5% faster here")
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status == {"compiled == eager": SKIP, "sd == ar (greedy)": PASS, "exact == ar (greedy)": PASS,
@@ -69,7 +71,7 @@ def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home, monk
     assert _shown("bf16_products", {"pays": True}) == "pay"  # a GPU: no timing
 
 
-def test_doctor_says_how_the_int_formats_attend_row_by_row(tiny_dirs, viasd_home, monkeypatch):
+def test_doctor_says_how_the_int_formats_attend_row_by_row_and_widen_for_prefill(tiny_dirs, viasd_home, monkeypatch):
     r = doctor("-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "--quant", "int4", "--prompts", 1, "-n", 8,
                "--threads", 1, "--no-speed", "--json")
     assert r.exit_code == 0, r.stderr
@@ -77,6 +79,11 @@ def test_doctor_says_how_the_int_formats_attend_row_by_row(tiny_dirs, viasd_home
     assert report["environment"]["row_attention"] == attention.by_row_way()
     assert report["environment"]["row_attention"].startswith(("viasd_kernels' row-invariant kernel", "one call a position: "))
     assert {c["name"]: c["status"] for c in report["checks"]}["sd == ar (greedy)"] == PASS
+    # how an int4 prefill widens its weights: the one-pass kernel where it builds, else the operators and why
+    assert report["environment"]["int4_widening"] == weight_formats.int4_widening_way()
+    assert report["environment"]["int4_widening"].startswith(("viasd_kernels' one-pass kernel", "PyTorch's operators: "))
+    monkeypatch.setattr(cpu_int4_widen, "widen", lambda *a, **kw: None)
+    assert weight_formats.int4_widening_way().startswith("PyTorch's operators: ")
     monkeypatch.setattr(attention, "ROW_KERNEL", False)
     assert attention.by_row_way() == "one call a position (the kernel is turned off)"
 

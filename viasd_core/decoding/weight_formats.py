@@ -153,6 +153,14 @@ def _int4_dense_cpu(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tenso
     return _int4_dense_reference(qdata, group, scale_and_zero, block).to(dtype)
 
 
+def int4_widening_way() -> str:
+    """How a CPU int4 prefill widens each layer's weight on this machine, and why (viasd doctor shows it)."""
+    probe, shifts = torch.zeros(32, 16, dtype=torch.uint8), torch.zeros(1, 32, 2, dtype=torch.bfloat16)
+    if cpu_int4_widen.widen(probe, 32, shifts, 32, build_dir=paths.kernel_dir()) is not None:
+        return "viasd_kernels' one-pass kernel (built for this CPU)"
+    return f"PyTorch's operators: {cpu_int4_widen.why_not() or 'the kernel does not run here'}"
+
+
 def _int4_dense_reference(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, block: int) -> torch.Tensor:
     """`_int4_dense_cpu` with PyTorch's operators, in float32 (not rounded): each half of a block
     unpacked to float32, times the scales, plus the shifts, in place."""

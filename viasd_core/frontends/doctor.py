@@ -32,7 +32,7 @@ import torch
 
 from viasd_core.bench.files import versions
 from viasd_core.devices import device_name
-from viasd_core.decoding import attention
+from viasd_core.decoding import attention, weight_formats
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.tree import TreeShape
@@ -94,6 +94,8 @@ def environment(session: Session, refresh: bool = False) -> dict:
         "threads_reason": session.threads.reason if session.threads else None,
         "short_passes": session.short_rows_reason or None,
         "row_attention": attention.by_row_way() if engine.target.row_attention else None,
+        "int4_widening": (weight_formats.int4_widening_way()
+                          if str(session.target.format) == "int4" and device.type == "cpu" else None),
         "cuda_available": torch.cuda.is_available(),
         "bf16_supported": bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()),
         "bf16_products": bf16_verdict(device, refresh=refresh),
