@@ -5,8 +5,7 @@
 One session (the default pair and `--quant auto`), the 26 held-out prompts of
 docs/results/cpu-prompts.jsonl, greedy, chains (no trees). Each prompt runs every method in turn
 (`ar`; `sd` with the default adaptive policy; adaptive `sd` from each `--start` length, under each
-`--cap`, with each `--min-confidence` stop and, with `--no-curve`, without the verify curve's cap;
-`sd --fixed -g G` for each G), and the rounds repeat
+`--cap` and with each `--min-confidence` stop; `sd --fixed -g G` for each G), and the rounds repeat
 that, so the machine's drift falls on all methods alike. tokens/s is new tokens over the wall time of
 the whole generate call (prefill included), as `viasd bench` reports it: the mean of the prompts'
 rates (`x_ar`), and total tokens over total seconds (`total_x_ar`, also per category). Prints one
@@ -38,8 +37,6 @@ def main() -> None:
     ap.add_argument("--cap", default="", help="also adaptive sd with its block length capped at each of these "
                     "(first block min(5, cap))")
     ap.add_argument("--min-confidence", default="", help="also adaptive sd with these confidence stops (default: 0.15)")
-    ap.add_argument("--no-curve", action="store_true", help="also the default adaptive sd without the verify "
-                    "curve's cap (the block length from acceptance alone: the policy before 2026-11-27)")
     ap.add_argument("--quant", default="auto")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--prompts", default="docs/results/cpu-prompts.jsonl")
@@ -53,12 +50,9 @@ def main() -> None:
         methods[f"sd --gamma-max {c}"] = GenerationConfig(mode="sd", max_new_tokens=n, gamma=min(5, c), gamma_max=c)
     for c in (float(c) for c in args.min_confidence.split(",") if c):
         methods[f"sd --min-confidence {c:g}"] = GenerationConfig(mode="sd", max_new_tokens=n, min_confidence=c)
-    if args.no_curve:
-        methods["sd (no curve)"] = GenerationConfig(mode="sd", max_new_tokens=n)
     for g in map(int, args.fixed.split(",")):
         methods[f"sd --fixed -g {g}"] = GenerationConfig(mode="sd", max_new_tokens=n, gamma=g, adaptive=False)
     engine = session.engine
-    curve = engine.verify_curve
     listed = load_prompts(args.prompts)
     prompts = [encode(session.tokenizer, p.text) for p in listed]
     rates: dict[str, list[float]] = {m: [] for m in methods}
@@ -69,7 +63,6 @@ def main() -> None:
 
     def generate(name, ids):
         engine.reset()
-        engine.verify_curve = None if name == "sd (no curve)" else curve
         t = time.perf_counter()
         gen = engine.generate(ids, methods[name])
         return gen, time.perf_counter() - t
@@ -87,11 +80,10 @@ def main() -> None:
                 cat = by_category[name].setdefault(p.category or "", [0, 0.0])
                 cat[0] += len(gen.tokens)
                 cat[1] += took
-    engine.verify_curve = curve
     ar = statistics.mean(rates["ar"])
     out = {"device": device_name(engine.device), "threads": torch.get_num_threads(), "quant": session.options.quant,
            "draft": session.draft_id, "prompts": len(prompts), "rounds": args.rounds, "max_new_tokens": n,
-           "verify_curve_ms": {w: round(s * 1000, 3) for w, s in (curve or {}).items()}, "methods": {}}
+           "methods": {}}
     for name in methods:
         mean = statistics.mean(rates[name])
         cats = {c: (t / s) / (by_category["ar"][c][0] / by_category["ar"][c][1]) for c, (t, s) in by_category[name].items()}

@@ -69,8 +69,7 @@ def doctor(
         out = Console()
         env = Table(title="viasd doctor", show_header=False)
         for key, value in report.environment.items():
-            if key != "verify_curve":  # a table of its own below
-                env.add_row(key, _shown(key, value))
+            env.add_row(key, _shown(key, value))
         out.print(env)
         checks = Table("check", "result", "detail")
         style = {PASS: "green", FAIL: "bold red"}
@@ -84,12 +83,11 @@ def doctor(
                     out.print(f"{mode}: {s['tokens_per_s']:.1f} tokens/s, {s['tokens_per_target_pass']:.2f} tokens per target pass")
             if "sd_speedup" in report.speed:
                 out.print(f"sd / ar: {report.speed['sd_speedup']:.2f}x")
-        if report.environment.get("verify_curve"):
-            curve = Table("verify pass width", "ms", title="this machine's verify curve (target): sd's block cap and --tree auto read it")
-            for width, seconds in report.environment["verify_curve"].items():
-                curve.add_row(str(width), f"{seconds * 1000:.1f}")
-            out.print(curve)
         if report.tree and report.tree["options"]:
+            curve = Table("verify pass width", "ms", title="this machine's verify curve (target)")
+            for width, seconds in report.tree["verify_seconds"].items():
+                curve.add_row(width, f"{seconds * 1000:.1f}")
+            out.print(curve)
             options = Table("option", "tokens per pass", "draft ms", "expected tokens/s", title="--tree auto")
             for o in report.tree["options"]:
                 options.add_row(o["name"], f"{o['tau']:.2f}", f"{o['draft_seconds'] * 1000:.1f}", f"{o['tokens_per_s']:.1f}")

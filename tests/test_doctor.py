@@ -6,7 +6,7 @@ import torch
 from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
-from viasd_core import compile_choice, tree_choice
+from viasd_core import compile_choice
 from viasd_core.decoding import attention, weight_formats
 from viasd_kernels import cpu_int4_widen
 from viasd_core.decoding.engine import GenerationConfig
@@ -51,9 +51,6 @@ def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home, monk
     assert env["cuda_graphs"] is False and env["cuda_graphs_recorded"] == 0 and env["torch"] == torch.__version__
     assert env["row_attention"] is None  # float32 layers attend in one call: no pass is compared row by row
     assert env["int4_widening"] is None  # no int4 weights to widen
-    # the verify curve sd's block cap reads, measured again by the speed probe, shown as its own table
-    assert sorted(map(int, env["verify_curve"])) == list(tree_choice.CURVE_WIDTHS)
-    assert all(s > 0 for s in env["verify_curve"].values())
     assert len(timings) == 1 and env["compile_reason"].startswith("auto: eager, compiled is not 5% faster here")
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status == {"compiled == eager": SKIP, "sd == ar (greedy)": PASS, "exact == ar (greedy)": PASS,
@@ -63,7 +60,6 @@ def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home, monk
     table = doctor("-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "--prompts", 1, "-n", 8, "--threads", 1, "--no-speed")
     assert table.exit_code == 0 and "sd == ar (greedy)" in table.stdout and "pass" in table.stdout
     assert len(timings) == 1 and "(cached)" in table.stdout  # --no-speed measures nothing: the verdict is read
-    assert "this machine's verify curve" in table.stdout
     # whether bfloat16 products pay: measured (the speed probe refreshes it), shown with its timings
     products = env["bf16_products"]
     assert isinstance(products["pays"], bool) and products["bf16_ms"] > 0 and products["fp32_ms"] > 0

@@ -82,7 +82,6 @@ def test_a_head_replaced_under_the_same_name_is_measured_again(viasd_home, monke
         raise AssertionError("measured again")
 
     monkeypatch.setattr(tree_choice, "measure_verify_curve", no_measuring)
-    monkeypatch.setattr(tree_choice, "probe_options", no_measuring)
     assert tree_choice.resolve_tree(engine_with_tree_head(), PROMPTS, "auto", key).reason.endswith("(cached)")
     retrained = engine_with_tree_head(head_seed=12)
     assert retrained.drafter.weights_identity() != engine_with_tree_head().drafter.weights_identity()
@@ -107,15 +106,10 @@ def test_auto_measures_once_then_reads_its_cache(viasd_home, monkeypatch):
         raise AssertionError("measured again")
 
     monkeypatch.setattr(tree_choice, "measure_verify_curve", no_measuring)
-    monkeypatch.setattr(tree_choice, "probe_options", no_measuring)
     again = tree_choice.resolve_tree(eng, PROMPTS, "auto", key)
     assert again.shape == first.shape and again.reason.endswith("(cached)")
     with pytest.raises(AssertionError, match="measured again"):
         tree_choice.resolve_tree(eng, PROMPTS, "auto", key, refresh=True)
-    # the verify curve is its own record, shared with the adaptive block length: read, not measured
-    assert tree_choice.verify_curve(eng, key) == first.verify_seconds
-    with pytest.raises(AssertionError, match="measured again"):
-        tree_choice.verify_curve(eng, key, refresh=True)
     assert tree_choice.resolve_tree(eng, PROMPTS, "off", key).shape is None
     assert tree_choice.resolve_tree(eng, PROMPTS, 10, key).shape == tree_choice.shape_for_size(10)
 

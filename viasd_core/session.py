@@ -21,7 +21,7 @@ from viasd_core.loading.vocab_rows import cap_vocab, token_rows, tokenizer_size
 from viasd_core.decoding.router import Thresholds
 from viasd_core.decoding.slim_view import TARGET_WEIGHTS, slim_verifier, twin_bytes
 from viasd_core.threads import ThreadChoice, resolve_threads, usable_cores
-from viasd_core.tree_choice import TreeChoice, measure_verify_curve, probe_prompts, resolve_tree, verify_curve
+from viasd_core.tree_choice import TreeChoice, measure_verify_curve, probe_prompts, resolve_tree
 
 @dataclass
 class Session:
@@ -106,25 +106,16 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
         session.compile_seconds = engine.warm_up()
         if progress:
             progress(f"compiled the decoding graphs ({', '.join(engine.compiled_models)}) in {session.compile_seconds:.1f} s")
-    if drafter is not None:  # the adaptive block length reads this device's verify curve (draft_policy.py);
-        # measured once per machine in about a second, so said nowhere (doctor shows it)
-        engine.verify_curve = verify_curve(engine, machine_key(session), refresh=refresh)
     return session
-
-
-def machine_key(session: Session) -> dict:
-    """What the session's measured costs depend on, besides the machine: the cache key of the
-    verify curve and of `--tree auto`."""
-    return {"target": session.target.model_id, "draft": session.draft_id, "format": session.options.quant,
-            "dtype": str(session.engine.target.dtype).replace("torch.", ""), "compiled": session.engine.compiled,
-            "threads": torch.get_num_threads()}
 
 
 def choose_tree(session: Session, progress=None, refresh: bool = False) -> TreeChoice:
     """Resolve --tree for the session's sd steps (measured and cached for `auto`: tree_choice.py)
     and compile the tree's graphs when the engine is compiled."""
-    choice = resolve_tree(session.engine, probe_prompts(session.tokenizer), session.options.tree, machine_key(session),
-                          progress, refresh)
+    key = {"target": session.target.model_id, "draft": session.draft_id, "format": session.options.quant,
+           "dtype": str(session.engine.target.dtype).replace("torch.", ""), "compiled": session.engine.compiled,
+           "threads": torch.get_num_threads()}
+    choice = resolve_tree(session.engine, probe_prompts(session.tokenizer), session.options.tree, key, progress, refresh)
     if choice.shape is not None and session.engine.compiled:
         session.engine.warm_up_tree(choice.shape)
     session.tree = choice

@@ -31,7 +31,6 @@ CHAIN = 5  # the probe's chain: tau of every shorter chain comes from its per-po
 CURVE_WIDTHS = (1, 2, 3, 4, 6, 8, 11, 16)
 PROBE_PROMPTS = 2
 PROBE_TOKENS = 32
-CURVE_VERSION = 1
 CACHE_VERSION = 4  # 2: int8/int4 passes fused (their costs changed); 3: their rows attend through the row kernel; 4: the embedded head retrained (its acceptance changed)
 
 
@@ -85,9 +84,9 @@ def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, ke
     if isinstance(choice, int):
         return TreeChoice(shape_for_size(choice), f"--tree {choice}", [], {})
     weights = engine.drafter.weights_identity() if engine.drafter is not None else None
-    # a head retrained in place is measured again (its acceptance; the target's curve stays cached)
-    record = MachineRecord("tree", engine.device, key if weights is None else {**key, "draft_weights": weights},
-                           CACHE_VERSION)
+    if weights is not None:
+        key = {**key, "draft_weights": weights}  # a head retrained in place is measured again
+    record = MachineRecord("tree", engine.device, key, CACHE_VERSION)
     data = None if refresh else record.load()
     if data is not None:
         try:
@@ -95,8 +94,9 @@ def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, ke
         except (ValueError, KeyError, TypeError):
             pass  # fields that do not fit: measure again
     if progress:
-        progress("measuring the draft's acceptance for --tree auto (once; cached)...")
-    verify = verify_curve(engine, key, progress, refresh)
+        progress("measuring this machine's verify costs and the draft's acceptance for --tree auto "
+                 "(once; cached)...")
+    verify = measure_verify_curve(engine)
     options = probe_options(engine, prompts)
     best = choose(options, verify)
     result = TreeChoice(best.shape, f"auto: {best.name} has the most expected tokens/s here "
@@ -105,24 +105,6 @@ def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, ke
                           "tokens_per_s": o.rate(verify)} for o in options], verify)
     record.store(result.to_dict())
     return result
-
-
-def verify_curve(engine: Engine, key: dict, progress=None, refresh: bool = False) -> dict[int, float]:
-    """This device's verify curve (`measure_verify_curve`), measured once per machine and `key`
-    (the target, its format, dtype, compilation and threads) and cached: `--tree auto` and the
-    adaptive block length (draft_policy.py) read it."""
-    record = MachineRecord("verify-curve", engine.device, key, CURVE_VERSION)
-    data = None if refresh else record.load()
-    try:
-        if data is not None:
-            return {int(w): float(s) for w, s in data["verify_seconds"].items()}
-    except (KeyError, TypeError, ValueError, AttributeError):
-        pass  # fields that do not fit: measure again
-    if progress:
-        progress("measuring this machine's verify costs (once; cached)...")
-    curve = measure_verify_curve(engine)
-    record.store({"verify_seconds": {str(w): s for w, s in curve.items()}})
-    return curve
 
 
 def measure_verify_curve(engine: Engine, widths=CURVE_WIDTHS, context: int = 128, repeats: int = 5) -> dict[int, float]:

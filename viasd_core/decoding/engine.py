@@ -117,10 +117,6 @@ class Engine:
         self.tokens: list[int] = []  # committed tokens, host copy of ids[:len(tokens)]
         self.breakdown = False  # phase timings (synchronizes the device around each phase)
         self.host_reads = 0  # device-to-host reads of the decode loop (one per step, see read)
-        # seconds of a target pass over w tokens on this device (tree_choice.verify_curve): sd's
-        # adaptive block never grows past the length this curve and the measured acceptance favour
-        # (exact and viasd verify through the slim tier first, whose costs the curve does not hold)
-        self.verify_curve: dict[int, float] | None = None
         # Called with (engine, StepResult) after every committed step: calibration's recorder,
         # chat's live meter. The steps do not know about them.
         self.observers: list[Callable[[Engine, StepResult], None]] = []
@@ -279,20 +275,18 @@ class Engine:
         # What the target's prefill pass wrote, plus the last prompt token (the first step runs it).
         stats.prefill_processed = self.target.seen - stats.prefill_cached + 1
         stats.time_prefill = self.clock() - t0
-        policy = DraftPolicy(config.gamma, max(config.gamma, config.gamma_max), adaptive=config.adaptive,
-                             verify_seconds=self.verify_curve if config.mode == "sd" else None)
+        policy = DraftPolicy(config.gamma, max(config.gamma, config.gamma_max), adaptive=config.adaptive)
         try:
             while len(gen.tokens) < max_new:
                 g = 0 if plan.step is None else min(policy.block_length(), max_new - len(gen.tokens) - 1)
-                t_step, drafting = time.perf_counter(), stats.time_draft
+                t_step = time.perf_counter()
                 result = plan.step(self, run, g) if g > 0 else plain_step(self, run)
                 self._commit(result)
                 if stats.time_first_token is None and result.tokens:  # the step ended with its device read
                     stats.time_first_token = time.perf_counter() - t0
                 # adapt: the step ended with its device read, so its wall time is real
                 if "draft" in result.keep:  # a speculative step (its proposals may have been 0)
-                    policy.record_spec(result.drafted, result.kept, len(result.tokens), time.perf_counter() - t_step,
-                                       stats.time_draft - drafting)
+                    policy.record_spec(result.drafted, result.kept, len(result.tokens), time.perf_counter() - t_step)
                 else:
                     policy.record_plain(len(result.tokens), time.perf_counter() - t_step)
                 for observe in self.observers:
