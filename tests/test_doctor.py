@@ -51,6 +51,7 @@ def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home, monk
     assert env["cuda_graphs"] is False and env["cuda_graphs_recorded"] == 0 and env["torch"] == torch.__version__
     assert env["row_attention"] is None  # float32 layers attend in one call: no pass is compared row by row
     assert env["int4_widening"] is None  # no int4 weights to widen
+    assert env["packed_products"] is None  # nor int8/int4 products
     assert len(timings) == 1 and env["compile_reason"].startswith("auto: eager, compiled is not 5% faster here")
     status = {c["name"]: c["status"] for c in report["checks"]}
     assert status == {"compiled == eager": SKIP, "sd == ar (greedy)": PASS, "exact == ar (greedy)": PASS,
@@ -82,6 +83,11 @@ def test_doctor_says_how_the_int_formats_attend_row_by_row_and_widen_for_prefill
     # how an int4 prefill widens its weights: the one-pass kernel where it builds, else the operators and why
     assert report["environment"]["int4_widening"] == weight_formats.int4_widening_way()
     assert report["environment"]["int4_widening"].startswith(("viasd_kernels' one-pass kernel", "PyTorch's operators: "))
+    # how its short passes multiply: viasd_kernels' packed products where they run, else PyTorch's and why
+    assert report["environment"]["packed_products"] == weight_formats.short_products_way()
+    assert report["environment"]["packed_products"].startswith(("viasd_kernels' packed products", "PyTorch's kernels: "))
+    monkeypatch.setattr(weight_formats, "PACKED_KERNEL", False)
+    assert weight_formats.short_products_way() == "PyTorch's kernels (the packed products are turned off)"
     monkeypatch.setattr(cpu_int4_widen, "widen", lambda *a, **kw: None)
     assert weight_formats.int4_widening_way().startswith("PyTorch's operators: ")
     monkeypatch.setattr(attention, "ROW_KERNEL", False)

@@ -71,6 +71,8 @@ def check_dense_prefill_rows(monkeypatch, packed, name: str, weight: torch.Tenso
     rounding). Returns the row counts the kernel ran (it is wrapped to count them)."""
     from viasd_core.decoding import weight_formats as wf
 
+    monkeypatch.setattr(wf, "PACKED_KERNEL", False)  # PyTorch's kernels (viasd_kernels' own: test_kernels_cpu_packed_mm)
+    packed._short = None
     kernel_rows = []
     reference = getattr(wf, name)
     monkeypatch.setattr(wf, name, lambda x, *a: kernel_rows.append(x.shape[0]) or reference(x, *a))
@@ -319,11 +321,15 @@ def test_cli_generate_with_int4_is_exact_and_says_so(tiny_dirs, viasd_home):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_a_packed_layer_traces_into_one_graph_with_its_eager_numbers(kind):
+def test_a_packed_layer_traces_into_one_graph_with_its_eager_numbers(monkeypatch, kind):
     """PackedLinear.forward reads its buffers from the module's dictionaries (a hot-path saving); the
-    compiled passes (CUDA graphs on a GPU) trace it whole: fullgraph compile here, bit for bit eager."""
+    compiled passes (CUDA graphs on a GPU) trace it whole: fullgraph compile here, bit for bit eager.
+    A traced CPU pass takes PyTorch's kernels (viasd_kernels' CPU products are C calls; the engine
+    never compiles a packed CPU model: FastModel.compile), so eager is compared with those."""
     layer = torch.nn.Linear(64, 128, bias=kind == "int8").to(torch.bfloat16)
     from viasd_core.decoding import weight_formats as wf
+
+    monkeypatch.setattr(wf, "PACKED_KERNEL", False)
 
     packed = wf._pack(layer, kind)
     compiled = torch.compile(lambda x: packed(x), fullgraph=True)

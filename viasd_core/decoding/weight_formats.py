@@ -15,7 +15,10 @@ transformers' own forward (bench's baselines, fidelity) share one copy of the pa
 Both run with bfloat16 activations (on CPU tinygemm's int4 kernel is ~10x slower on float32
 inputs); embeddings and norms stay in bfloat16. torchao chooses the quantization parameters and
 packs the weights; the pass then calls PyTorch's kernels on plain tensors (`PackedLinear`), so
-it is fast eagerly and compiles like a float model. int8 on CUDA calls viasd_kernels' int8
+it is fast eagerly and compiles like a float model. On a CPU with AVX-512 BF16 the short passes
+(decoding, verify blocks) call viasd_kernels' packed products instead (cpu_packed_mm: a 6-token int4
+verify pass of SmolLM2 1.6x a 1-token pass, against 1.9x through PyTorch's kernels; docs/benchmarks.md
+section 30), over the same packed tensors. int8 on CUDA calls viasd_kernels' int8
 matmul instead (a Triton kernel in a custom op, which compiles and which CUDA graphs capture):
 the gpt-fast form it replaces, `mm(x, w.to(bf16)) * scale`, widened every weight to a bfloat16
 copy at every call, compiled or not (kernels/int8_mm.py says what that costs).
@@ -35,7 +38,7 @@ import contextlib
 import importlib.util
 
 import torch
-from viasd_kernels import cpu_int4_widen, int8_mm
+from viasd_kernels import cpu_int4_widen, cpu_packed_mm, int8_mm
 
 from viasd_core import paths
 from viasd_core.bf16_choice import bf16_products_pay
@@ -77,6 +80,7 @@ def _check_torchao() -> None:
 
 
 DENSE_PREFILL_ROWS = 17  # on CPU, a pass of this many rows or more (a prefill chunk) takes one dense product
+PACKED_KERNEL = True  # short CPU passes through viasd_kernels.cpu_packed_mm where it runs (benchmarks turn it off)
 
 
 def _int8_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -161,6 +165,16 @@ def int4_widening_way() -> str:
     return f"PyTorch's operators: {cpu_int4_widen.why_not() or 'the kernel does not run here'}"
 
 
+def short_products_way() -> str:
+    """How a CPU int8/int4 layer multiplies in short passes (decoding, verify blocks) on this machine,
+    and why (viasd doctor shows it)."""
+    if not PACKED_KERNEL:
+        return "PyTorch's kernels (the packed products are turned off)"
+    if cpu_packed_mm.available(paths.kernel_dir()):
+        return "viasd_kernels' packed products (each weight widened once a pass, AVX-512 BF16 dot products)"
+    return f"PyTorch's kernels: {cpu_packed_mm.why_not(paths.kernel_dir())}"
+
+
 def _int4_dense_reference(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, block: int) -> torch.Tensor:
     """`_int4_dense_cpu` with PyTorch's operators, in float32 (not rounded): each half of a block
     unpacked to float32, times the scales, plus the shifts, in place."""
@@ -203,6 +217,8 @@ class PackedLinear(torch.nn.Module):
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
         self.holding = False  # while `widen_once` holds the widened weight (`held`; None: no dense form)
         self._contiguous_scale: torch.Tensor | None = None  # int4 fused part: its scales, copied on first use
+        self.cpu_layout = True  # int4: packed in PyTorch's CPU layout (not torchao's CUDA tiles)
+        self._short: cpu_packed_mm.Bound | bool | None = None  # short CPU passes' kernel (False: PyTorch's; None: not decided)
         self.held: torch.Tensor | None = None
 
     def widened(self, dtype: torch.dtype) -> torch.Tensor | None:
@@ -221,7 +237,9 @@ class PackedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Passes of up to 16 rows (decoding, every verify block) run the format's kernel, so a
-        row's numbers never depend on its pass (sd == ar). On CPU, longer ones (prompt prefill
+        row's numbers never depend on its pass (sd == ar): on a CPU with AVX-512 BF16 viasd_kernels'
+        packed products (cpu_packed_mm: each weight widened once a pass, where PyTorch's kernels
+        widen it again for every 4 rows), else PyTorch's. On CPU, longer ones (prompt prefill
         chunks, which every mode runs alike) take one dense product over the widened weight: the
         kernels are built for few rows (tinygemm streams the whole weight again for every 4 rows),
         and a 768-token prefill of SmolLM2 took 1546 ms through PyTorch's int8 kernel against
@@ -237,23 +255,49 @@ class PackedLinear(torch.nn.Module):
             dense = self.held if self.holding else self.widened(dense_dtype(x2.dtype))
         if dense is not None:
             y = torch.nn.functional.linear(x2.to(dense.dtype), dense).to(x2.dtype)
+        elif (qdata.is_cpu and x2.dtype == torch.bfloat16 and x2.shape[0] <= cpu_packed_mm.MAX_ROWS
+              and not torch.compiler.is_compiling() and (short := self._short_product(qdata, scale)) is not None):
+            y = short(x2.contiguous())
         elif self.kind == "int8":
             y = _int8_mm(x2.contiguous(), qdata, scale)
         else:
             if self.packed_in != self.in_features:  # CUDA's tile layout: zero columns up to the packed width
                 x2 = torch.nn.functional.pad(x2, (0, self.packed_in - self.in_features))
-            # tinygemm reads the scales as if contiguous: a layer fused with others (fuse_rows) views a column
-            # slice, copied once on its first own call (transformers' forward: bench's baselines, fidelity)
-            if not scale.is_contiguous():
-                if self._contiguous_scale is None:
-                    self._contiguous_scale = scale.contiguous()
-                scale = self._contiguous_scale
-            y = _int4_mm(x2.contiguous(), qdata, self.group, scale)
+            y = _int4_mm(x2.contiguous(), qdata, self.group, self._scales(scale))  # tinygemm reads them as contiguous
         if y.shape[1] != self.out_features:
             y = y[:, : self.out_features]  # tinygemm pads the output width
         if bias is not None:
             y = y + bias
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _scales(self, scale: torch.Tensor) -> torch.Tensor:
+        """int4's scales as the kernels read them, contiguous: a layer fused with others (fuse_rows)
+        views a column slice, copied once on its first own call (transformers' forward: bench's
+        baselines, fidelity)."""
+        if scale.is_contiguous():
+            return scale
+        if self._contiguous_scale is None:
+            self._contiguous_scale = scale.contiguous()
+        return self._contiguous_scale
+
+    def _short_product(self, qdata: torch.Tensor, scale: torch.Tensor) -> cpu_packed_mm.Bound | None:
+        """This layer's product for short CPU passes from viasd_kernels (cpu_packed_mm), bound to its
+        weight, or None (PyTorch's kernel): decided once per layer from its tensors and the machine,
+        never from a pass's width, so every pass of the layer takes the same kernel (sd == ar); bound
+        again if the layer's tensors were replaced."""
+        bound = self._short
+        if bound is False:
+            return None
+        if bound is None or bound.weights[0] is not qdata or bound.weights[1] is not self._scales(scale):
+            bound = None
+            if PACKED_KERNEL and self.kind == "int4" and self.cpu_layout:
+                bound = cpu_packed_mm.bind_int4(qdata, self.group, self._scales(scale),
+                                                _int4_cpu_block(qdata.shape[0], qdata.shape[1] * 2),
+                                                build_dir=paths.kernel_dir())
+            elif PACKED_KERNEL:
+                bound = cpu_packed_mm.bind_int8(qdata, scale, build_dir=paths.kernel_dir())
+            self._short = False if bound is None else bound
+        return bound
 
     def extra_repr(self) -> str:
         group = f", group={self.group}" if self.kind == "int4" else ""
@@ -290,7 +334,7 @@ def fuse_rows(parts: list[torch.nn.Module]) -> PackedLinear | None:
             hi = lo + p.out_features
             p.qdata = qdata[lo:hi]
             p.scale = scale[:, lo:hi] if first.kind == "int4" else scale[lo:hi]
-            p._contiguous_scale = None
+            p._contiguous_scale, p._short = None, None
             if bias is not None:
                 p.bias = torch.nn.Parameter(fused.bias[lo:hi], requires_grad=False)
             lo = hi
@@ -323,8 +367,11 @@ def _pack(linear: torch.nn.Linear, kind: str, dtype: torch.dtype | None = None) 
         q = tq.Int8Tensor.from_hp(w, granularity=tq.PerRow())
         return PackedLinear("int8", q.qdata.contiguous(), q.scale.reshape(-1).to(w.dtype).contiguous(), w.shape[0],
                             w.shape[1], w.shape[1], bias)
-    q = _int4_layout(w.device).from_hp(w, [1, INT4_GROUP])
-    return PackedLinear("int4", q.qdata, q.scale_and_zero, w.shape[0], w.shape[1], INT4_GROUP, bias)
+    layout = _int4_layout(w.device)
+    q = layout.from_hp(w, [1, INT4_GROUP])
+    packed = PackedLinear("int4", q.qdata, q.scale_and_zero, w.shape[0], w.shape[1], INT4_GROUP, bias)
+    packed.cpu_layout = layout.__name__ == "Int4OpaqueTensor"
+    return packed
 
 
 def _int4_layout(device: torch.device):

@@ -1,0 +1,129 @@
+"""A CPU's short passes over int4 and int8 weights: each weight read and widened once a pass.
+
+PyTorch's CPU kernels for the int formats (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`)
+widen the weight and multiply in float32 for every 4 rows of a pass, so a 6-token verify pass costs
+about twice a 1-token pass (docs/benchmarks.md section 30). These kernels widen each weight once a
+pass, exactly, to bfloat16, and multiply every row through AVX-512 BF16's pair dot product
+(cpu_packed_mm.c says how). A row's arithmetic depends only on the row: the same in a pass of 1 or
+16 rows and on any thread count, so `sd` stays exact.
+
+- **Kernels**: `bind_int4(qdata, group, scale_and_zero, block, build_dir=...)` (PyTorch's CPU int4
+  layout in blocks of 64 outputs) and `bind_int8(qdata, scale, build_dir=...)` bind a layer's weight
+  once and return its product (`Bound`: 1 to MAX_ROWS bfloat16 rows a call), or None where the
+  kernel does not take the weight or cannot run here (no compiler, no AVX-512 BF16), and the caller
+  keeps PyTorch's kernels. Whether a layer takes it depends on the layer and the machine, never on
+  a pass's width, so every pass of a layer takes the same kernel.
+- **References**: `int4_mm_reference` and `int8_mm_reference`, the same sums in float64 with
+  PyTorch's ops (tests/test_kernels_cpu_packed_mm.py compares them, and checks rows bit for bit
+  across pass widths and thread counts).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from . import cpu_build
+
+SOURCE = Path(__file__).with_name("cpu_packed_mm.c")
+MAX_ROWS, BLOCK, MAX_GROUP, MAX_K8 = 16, 64, 256, 8192  # the C file's limits
+
+_functions: dict[Path, tuple | None] = {}
+_why_not: dict[Path, str] = {}
+
+
+def _functions_for(build_dir: Path) -> tuple | None:
+    if build_dir not in _functions:
+        lib = cpu_build.build(SOURCE, build_dir)
+        fns = None
+        if lib is None:
+            _why_not[build_dir] = cpu_build.why_not(SOURCE) or "the kernel could not be built"
+        elif not lib.viasd_packed_mm_available():
+            _why_not[build_dir] = "this CPU has no AVX-512 BF16 instructions"
+        else:
+            ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+            int4, int8 = lib.viasd_int4_mm, lib.viasd_int8_mm
+            int4.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, i32]
+            int8.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i32]
+            int4.restype = int8.restype = i32
+            fns = (int4, int8)
+        _functions[build_dir] = fns
+    return _functions[build_dir]
+
+
+def available(build_dir: Path) -> bool:
+    """Whether the kernels run on this machine (built, and the CPU has AVX-512 BF16)."""
+    return _functions_for(build_dir) is not None
+
+
+def why_not(build_dir: Path) -> str | None:
+    """Why the kernels do not run here (None: they do, or were not tried yet)."""
+    return _why_not.get(build_dir)
+
+
+class Bound:
+    """One layer's short-pass product, bound once to its weight: `bound(x)` for x [M, K] bfloat16,
+    contiguous, 1 <= M <= MAX_ROWS -> [M, N] bfloat16. A pass calls it for every layer, so it does no
+    more than allocate the output and call the kernel; `weights` are the tensors it reads (the
+    caller binds again if its tensors are replaced)."""
+
+    __slots__ = ("fn", "weights", "ptrs", "n", "k", "tail")
+
+    def __init__(self, fn, weights: tuple[torch.Tensor, torch.Tensor], tail: tuple[int, ...]):
+        self.fn, self.weights, self.tail = fn, weights, tail
+        self.ptrs = tuple(w.data_ptr() for w in weights)
+        self.n = weights[0].shape[0]
+        self.k = weights[0].shape[1] * (2 if weights[0].dtype == torch.uint8 else 1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = x.shape[0]
+        out = torch.empty(m, self.n, dtype=torch.bfloat16)
+        rc = self.fn(x.data_ptr(), *self.ptrs, m, self.n, self.k, *self.tail, out.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"the packed product refused its arguments (code {rc}): x {tuple(x.shape)}, "
+                             f"weight {tuple(self.weights[0].shape)}")
+        return out
+
+
+def bind_int4(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, block: int | None, *,
+              build_dir: Path) -> Bound | None:
+    """The short-pass product of a CPU int4 weight (qdata [N, K / 2] uint8 in PyTorch's layout with
+    blocks of `block` outputs, scale_and_zero [K / group, N, 2] bfloat16, contiguous), or None where
+    the kernel does not take it or cannot run here."""
+    n, k = qdata.shape[0], qdata.shape[1] * 2
+    takes = (qdata.device.type == "cpu" and qdata.dtype == torch.uint8 and qdata.is_contiguous() and block == BLOCK
+             and n % BLOCK == 0 and 0 < group <= MAX_GROUP and group % 2 == 0 and k % group == 0
+             and scale_and_zero.dtype == torch.bfloat16 and scale_and_zero.is_contiguous()
+             and tuple(scale_and_zero.shape) == (k // group, n, 2))
+    fns = _functions_for(build_dir) if takes else None
+    return None if fns is None else Bound(fns[0], (qdata, scale_and_zero), (group,))
+
+
+def bind_int8(qdata: torch.Tensor, scale: torch.Tensor, *, build_dir: Path) -> Bound | None:
+    """The short-pass product of an int8 weight qdata [N, K] with a bfloat16 scale per output, or None
+    where the kernel does not take it or cannot run here."""
+    k = qdata.shape[1]
+    takes = (qdata.device.type == "cpu" and qdata.dtype == torch.int8 and qdata.is_contiguous() and k % 32 == 0
+             and k <= MAX_K8 and scale.dtype == torch.bfloat16 and scale.is_contiguous()
+             and tuple(scale.shape) == (qdata.shape[0],))
+    fns = _functions_for(build_dir) if takes else None
+    return None if fns is None else Bound(fns[1], (qdata, scale), ())
+
+
+def int4_mm_reference(x: torch.Tensor, codes: torch.Tensor, group: int, scale_and_zero: torch.Tensor) -> torch.Tensor:
+    """What `int4_mm` computes, in float64 before its one rounding, from the weight's 4-bit codes
+    [N, K] (0..15, read back from the packed layout): for each output, over each group,
+    scale * sum(x * (q - 8)) + zero * sum(x). [M, N] float64."""
+    n, k = codes.shape
+    q = (codes.double() - 8).view(n, k // group, group)
+    scale, zero = scale_and_zero.double().permute(2, 1, 0)  # each [N, K / group]
+    xg = x.double().view(x.shape[0], k // group, group)
+    d = torch.einsum("mgk,ngk->mng", xg, q)
+    return (d * scale + xg.sum(-1)[:, None, :] * zero).sum(-1)
+
+
+def int8_mm_reference(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What `int8_mm` computes, in float64 before its one rounding. [M, N] float64."""
+    return (x.double() @ qdata.double().t()) * scale.double()
