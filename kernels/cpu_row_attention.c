@@ -5,13 +5,16 @@
  * block or a token tree's pass. Nothing in a row's arithmetic depends on how many rows the call
  * holds, which thread runs it, or where its buffers sit in memory:
  *
- *   s_i   = scale * dot(q, k_i)        over d in 16 fixed partial sums, then folded pairwise
+ *   s_i   = scale * dot(q, k_i)        over d in 16 fixed partial sums, then added in a fixed tree
  *   m     = max_i s_i
  *   p_i   = exp(s_i - m)               one polynomial (below), the same at every call
- *   den   = sum_i p_i                  in 16 fixed partial sums by i % 16, folded the same way
+ *   den   = sum_i p_i                  in 16 fixed partial sums by i % 16, folded pairwise
  *   out_d = (sum_i p_i * v_i,d) / den  accumulated over i in order, each d on its own
  *
- * in float32 from float32 or bfloat16 inputs, keys visited in cache order.
+ * in float32 from float32 or bfloat16 inputs, keys visited in cache order. The row's keys are taken
+ * 16 at a time from its first: the 16 dot products' partial sums are added together in one
+ * transposing tree (each key's sum in the same lane-position order whichever keys sit beside it, the
+ * last group padded with zeros), and the polynomial runs on 16 scores at a time, on vectors.
  * Built once per machine by viasd_kernels/cpu_row_attention.py with the system C compiler.
  */
 #include <stdint.h>
@@ -28,6 +31,7 @@ typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
 typedef uint16_t vh16 __attribute__((vector_size(32)));
 typedef uint32_t vu16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
 
 /* 16 values from `base` + offset (float32, or bfloat16 widened exactly) as one vector. */
 static inline vf16 load16(const void *base, int64_t offset, int dtype) {
@@ -58,22 +62,52 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* exp(x) for x <= 0 (a score minus its row's max): Cephes' expf polynomial, about 1 ulp. */
-static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) x = -87.0f;
-    float n = (float)(int32_t)(x * 1.44269504088896341f - 0.5f);  /* round to nearest (x <= 0) */
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
+/* exp(x) for x <= 0 (a score minus its row's max), 16 lanes at a time: Cephes' expf polynomial,
+ * about 1 ulp. */
+static inline vf16 exp16(vf16 x) {
+    const vf16 lowest = {0};
+    vi16 below = x < (lowest - 87.0f);
+    union { vf16 f; vi16 i; } a = {x}, b = {lowest - 87.0f};
+    a.i = (a.i & ~below) | (b.i & below);
+    x = a.f;
+    vf16 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi16), vf16);
+    vf16 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vf16 p = lowest + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    union { vi16 i; vf16 f; } scale = {(__builtin_convertvector(n, vi16) + 127) << 23};
+    return p * scale.f;
+}
+
+/* The lanes of a and b that idx names (0-15 a's, 16-31 b's). */
+static inline vf16 pick(vf16 a, vf16 b, const vi16 idx) {
+    return __builtin_shuffle(a, b, idx);
+}
+
+/* The lane sums of 16 vectors: out[i] = sum of v[i]'s 16 lanes, in a fixed tree (halves, quarters,
+ * pairs, lanes), each sum's order set by i alone. */
+static inline vf16 sum16(vf16 v[16]) {
+    const vi16 lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const vi16 hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const vi16 lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const vi16 hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const vi16 lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const vi16 hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const vi16 lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const vi16 hi1 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    vf16 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)  /* keys 2i, 2i + 1: 8 partial sums each */
+        a[i] = pick(v[2 * i], v[2 * i + 1], lo8) + pick(v[2 * i], v[2 * i + 1], hi8);
+    for (int i = 0; i < 4; i++)  /* keys 4i .. 4i + 3: 4 each */
+        b[i] = pick(a[2 * i], a[2 * i + 1], lo4) + pick(a[2 * i], a[2 * i + 1], hi4);
+    for (int i = 0; i < 2; i++)  /* keys 8i .. 8i + 7: 2 each */
+        c[i] = pick(b[2 * i], b[2 * i + 1], lo2) + pick(b[2 * i], b[2 * i + 1], hi2);
+    /* keys 0-15, one sum each, in the order 0 1 | 2 3 | ... of the lanes (a, b, c kept keys in order) */
+    return pick(c[0], c[1], lo1) + pick(c[0], c[1], hi1);
 }
 
 /* The keys of row t, in cache order, into `keys`; returns how many. */
@@ -106,27 +140,40 @@ static void one_group(const void *q, int64_t q_sh, int64_t q_st, const void *k, 
         for (int j = 0; j < B; j++) qv[r][j] = load16(q, (int64_t)(h0 + r) * q_sh + (int64_t)t * q_st + j * LANES, dtype);
         m[r] = -3.0e38f;
     }
-    for (int i = 0; i < nk; i++) {
-        for (int j = 0; j < B; j++) row[j] = load16(k, head + (int64_t)keys[i] * D + j * LANES, dtype);
+    vf16 keyrows[LANES][B];  /* 16 keys, widened */
+    for (int i0 = 0; i0 < nk; i0 += LANES) {
+        const int n = nk - i0 < LANES ? nk - i0 : LANES;
+        for (int i = 0; i < LANES; i++)
+            for (int j = 0; j < B; j++)
+                keyrows[i][j] = i < n ? load16(k, head + (int64_t)keys[i0 + i] * D + j * LANES, dtype) : zero;
         for (int r = 0; r < nh; r++) {
-            vf16 part = zero;
-            for (int j = 0; j < B; j++) part += qv[r][j] * row[j];
-            float s = scale * fold(part);
-            scores[(int64_t)r * nk + i] = s;
-            if (s > m[r]) m[r] = s;
+            vf16 parts[LANES];
+            for (int i = 0; i < LANES; i++) {
+                vf16 part = zero;
+                for (int j = 0; j < B; j++) part += qv[r][j] * keyrows[i][j];
+                parts[i] = part;
+            }
+            vf16 s = sum16(parts) * scale;
+            float *sr = scores + (int64_t)r * nk + i0;
+            for (int i = 0; i < n; i++) {
+                sr[i] = s[i];
+                if (s[i] > m[r]) m[r] = s[i];
+            }
         }
     }
     for (int r = 0; r < nh; r++) {
         float *sr = scores + (int64_t)r * nk;
-        for (int i = 0; i < nk; i++) sr[i] = exp_nonpositive(sr[i] - m[r]);
         vf16 part = zero;
-        int i = 0;
-        for (; i + LANES <= nk; i += LANES) {
-            vf16 x;
-            memcpy(&x, sr + i, sizeof x);
-            part += x;
+        for (int i0 = 0; i0 < nk; i0 += LANES) {
+            const int n = nk - i0 < LANES ? nk - i0 : LANES;
+            vf16 x = zero;
+            for (int i = 0; i < n; i++) x[i] = sr[i0 + i] - m[r];
+            x = exp16(x);
+            for (int i = 0; i < n; i++) {
+                sr[i0 + i] = x[i];
+                part[i] += x[i];
+            }
         }
-        for (int j = 0; i < nk; i++, j++) part[j] += sr[i];
         den[r] = fold(part);
         for (int j = 0; j < B; j++) acc[r][j] = zero;
     }
