@@ -17,7 +17,7 @@ inputs); embeddings and norms stay in bfloat16. torchao chooses the quantization
 packs the weights; the pass then calls PyTorch's kernels on plain tensors (`PackedLinear`), so
 it is fast eagerly and compiles like a float model. On a CPU with AVX-512 BF16 the short passes
 (decoding, verify blocks) call viasd_kernels' packed products instead (cpu_packed_mm: a 6-token int4
-verify pass of SmolLM2 1.6x a 1-token pass, against 1.9x through PyTorch's kernels; docs/benchmarks.md
+verify pass of SmolLM2 1.56x a 1-token pass, against 1.81x through PyTorch's kernels; docs/benchmarks.md
 section 30), over the same packed tensors. int8 on CUDA calls viasd_kernels' int8
 matmul instead (a Triton kernel in a custom op, which compiles and which CUDA graphs capture):
 the gpt-fast form it replaces, `mm(x, w.to(bf16)) * scale`, widened every weight to a bfloat16
