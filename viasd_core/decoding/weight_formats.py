@@ -255,7 +255,7 @@ class PackedLinear(torch.nn.Module):
             dense = self.held if self.holding else self.widened(dense_dtype(x2.dtype))
         if dense is not None:
             y = torch.nn.functional.linear(x2.to(dense.dtype), dense).to(x2.dtype)
-        elif (qdata.is_cpu and x2.dtype == torch.bfloat16 and x2.shape[0] <= cpu_packed_mm.MAX_ROWS
+        elif (not x2.is_cuda and x2.dtype == torch.bfloat16 and x2.shape[0] <= cpu_packed_mm.MAX_ROWS
               and not torch.compiler.is_compiling() and (short := self._short_product(qdata, scale)) is not None):
             y = short(x2.contiguous())
         elif self.kind == "int8":
