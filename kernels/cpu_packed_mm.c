@@ -31,6 +31,7 @@
  * AVX-512 BF16 the functions return -2 and the engine keeps PyTorch's kernels.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define VIASD_PACKED 1
@@ -156,7 +157,7 @@ static inline void store_bf16(const float *tot, int64_t M, uint16_t *out, int64_
 
 /* out [M, N] bfloat16 = x [M, K] bfloat16 times the int4 weight (q [N, K / 2] uint8 in blocks of 64
  * outputs, sz [K / group, N, 2] bfloat16). Returns 0; -1 for arguments it does not take; -2 where
- * the build has no AVX-512 BF16. */
+ * the build has no AVX-512 BF16; -3 out of memory. */
 int viasd_int4_mm(const uint16_t *x, const uint8_t *q, const uint16_t *sz, int64_t M, int64_t N, int64_t K,
                   int64_t group, uint16_t *out, int threads) {
 #ifndef VIASD_PACKED
@@ -168,7 +169,9 @@ int viasd_int4_mm(const uint16_t *x, const uint8_t *q, const uint16_t *sz, int64
         return -1;
     const int64_t groups = K / group, pairs = group / 2;
     /* each row's sum over each group (float32, in input order) */
-    float *xsums = __builtin_alloca(sizeof(float) * M * groups);
+    float *xsums = malloc(sizeof(float) * M * groups);
+    if (!xsums)
+        return -3;
     for (int64_t r = 0; r < M; r++)
         for (int64_t g = 0; g < groups; g++) {
             float s = 0.0f;
@@ -211,6 +214,7 @@ int viasd_int4_mm(const uint16_t *x, const uint8_t *q, const uint16_t *sz, int64
         }
         store_bf16(tot, M, out, N, nb * BLOCK);
     }
+    free(xsums);
     return 0;
 #endif
 }
@@ -275,7 +279,7 @@ static inline uint16_t int8_out(__m512 v, float scale) {
 #endif
 
 /* out [M, N] bfloat16 = (x [M, K] bfloat16 times q [N, K] int8, transposed) times scale [N] bfloat16.
- * K a multiple of 32, at most MAX_K8. Returns 0, -1 or -2 as viasd_int4_mm. */
+ * K a multiple of 32, at most MAX_K8. Returns 0, -1, -2 or -3 as viasd_int4_mm. */
 int viasd_int8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale, int64_t M, int64_t N, int64_t K,
                   uint16_t *out, int threads) {
 #ifndef VIASD_PACKED
@@ -285,11 +289,15 @@ int viasd_int8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale, int
     if (M <= 0 || M > MAX_ROWS || N <= 0 || K <= 0 || K % 32 || K > MAX_K8)
         return -1;
     const int64_t tiles = (N + OUTS - 1) / OUTS;
-    #pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    int failed = 0;
+    #pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(|| : failed)
     {
         __m512i (*buf)[OUTS] = M > CHUNK ? _mm_malloc(sizeof(__m512i) * OUTS * (K / 32), 64) : NULL;
+        failed = M > CHUNK && !buf;
         #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
+            if (failed)
+                continue;  /* this thread's outputs stay unwritten: the call returns -3 */
             const int64_t n0 = t * OUTS, n_here = N - n0 < OUTS ? N - n0 : OUTS;
             for (int64_t r0 = 0; r0 < M; r0 += CHUNK) {
                 const int R = M - r0 < CHUNK ? (int)(M - r0) : CHUNK;
@@ -306,6 +314,6 @@ int viasd_int8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale, int
         }
         _mm_free(buf);
     }
-    return 0;
+    return failed ? -3 : 0;
 #endif
 }

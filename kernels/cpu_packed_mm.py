@@ -82,8 +82,8 @@ class Bound:
         out = torch.empty(m, self.n, dtype=torch.bfloat16)
         rc = self.fn(x.data_ptr(), *self.ptrs, m, self.n, self.k, *self.tail, out.data_ptr(), torch.get_num_threads())
         if rc != 0:
-            raise ValueError(f"the packed product refused its arguments (code {rc}): x {tuple(x.shape)}, "
-                             f"weight {tuple(self.weights[0].shape)}")
+            why = "out of memory" if rc == -3 else f"arguments it does not take (code {rc})"
+            raise ValueError(f"the packed product failed: {why}: x {tuple(x.shape)}, weight {tuple(self.weights[0].shape)}")
         return out
 
 
