@@ -1,7 +1,7 @@
-"""The draft-length policy: block length from acceptance, plain steps while drafting does not pay."""
+"""The draft-length policy: block length from acceptance, plain steps while drafting clearly does not pay."""
 
 from conftest import TinyTokenizer, tiny_model
-from viasd_core.decoding.draft_policy import DraftPolicy
+from viasd_core.decoding.draft_policy import FLOOR, PLAIN_MARGIN, DraftPolicy
 from viasd_core.decoding.drafters import ModelDrafter
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.decoding.model import FastModel
@@ -11,13 +11,31 @@ def test_block_length_follows_acceptance():
     p = DraftPolicy(gamma=3, gamma_max=5)
     p.record_spec(drafted=3, kept=3, tokens=4, seconds=1.0)
     assert p.gamma == 4
-    p.record_spec(drafted=4, kept=1, tokens=2, seconds=1.0)  # rejected before the middle
+    p.record_spec(drafted=4, kept=1, tokens=2, seconds=1.0)  # something kept: unchanged
+    assert p.gamma == 4
+    p.record_spec(drafted=4, kept=0, tokens=1, seconds=1.0)  # nothing kept: one fewer
     assert p.gamma == 3
-    p.record_spec(drafted=3, kept=2, tokens=3, seconds=1.0)  # kept half or more: unchanged
-    assert p.gamma == 3
+    for _ in range(5):
+        p.record_spec(drafted=p.gamma, kept=0, tokens=1, seconds=1.0)
+    assert p.gamma == FLOOR == 2  # never below the floor
     for _ in range(5):
         p.record_spec(drafted=p.gamma, kept=p.gamma, tokens=p.gamma + 1, seconds=1.0)
     assert p.gamma == 5  # capped
+    one = DraftPolicy(gamma=1, gamma_max=5)  # started below the floor: not raised by a rejection
+    one.record_spec(drafted=1, kept=0, tokens=1, seconds=1.0)
+    assert one.gamma == 1
+
+
+def test_plain_steps_need_a_margin():
+    """Plain steps only where they measure PLAIN_MARGIN faster: the decayed rates are noisy."""
+    p = DraftPolicy(gamma=3, gamma_max=8, decay=1.0)
+    p.record_spec(3, 1, 2, 0.02)
+    p.record_spec(3, 1, 2, 0.02)  # 100 tokens/s drafting
+    assert p.block_length() == 0  # measure a plain step once
+    p.record_plain(1, 1 / (100 * (1 + PLAIN_MARGIN) - 5))  # faster, but within the margin
+    assert p.block_length() == 3
+    p.record_plain(1, 1 / (100 * (1 + PLAIN_MARGIN) + 10))  # now clearly faster on the running sums
+    assert p.plain_rate > p.spec_rate * (1 + PLAIN_MARGIN) and p.block_length() == 0
 
 
 def test_plain_steps_while_drafting_does_not_pay_and_probes_again():

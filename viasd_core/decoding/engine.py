@@ -51,8 +51,9 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     thresholds: Thresholds | None = None  # viasd mode
     # Adaptive only: a model draft stops before the token at which its own estimate that the whole
-    # block is accepted (the product of its token probabilities) falls below this (0 = off).
-    min_confidence: float = 0.15
+    # block is accepted (the product of its token probabilities) falls below this (0 = off, the
+    # default: the stop at 0.15 kept blocks shorter than they pay, docs/benchmarks.md section 30).
+    min_confidence: float = 0.0
     tree: TreeShape | None = None  # sd: draft token trees of this shape (None: chains)
 
     def validate(self) -> None:
