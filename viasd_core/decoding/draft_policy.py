@@ -11,15 +11,15 @@ Within speculative steps the block length follows acceptance: one more after a f
 block, one fewer after a block of which nothing was kept, never fewer than FLOOR drafts. Pure
 bookkeeping: no model, no tensor.
 
-Why these rules (docs/benchmarks.md section 30, 26 held-out prompts on a 2-core AVX-512 EPYC): the
+Why these rules (docs/benchmarks.md section 31, 26 held-out prompts on a 2-core AVX-512 EPYC): the
 earlier rule (one fewer after a block rejected before its middle, plain steps as soon as they
 measured faster, and the draft stopping at confidence 0.15) averaged 1.5-1.6 tokens a pass and ran
 2-6% behind the best fixed block of 3 drafts; shrinking only on empty blocks, a floor of 2, no
 confidence stop and no plain steps measured 1.210x `ar` at int4 (fixed 3: 1.197x) and 1.287x in
 float32 (fixed 3: 1.302x). Plain steps stay, for drafts that clearly do not pay (a draft that never
-agrees), but only where they measure PLAIN_MARGIN faster over about 20 steps of each kind: with no
-margin over about 5 steps, the noise of the rates sent the policy to plain steps it lost by (int4:
-1.160x with them, 1.189x without, 1.174x with this margin and decay, fixed 3 1.176x, one run).
+agrees), but only where they measure PLAIN_MARGIN faster over about 20 steps of each kind: over
+about 5 steps the noise of the rates sends the policy to plain steps it loses by (int4, one run: a 10%
+margin over ~5 steps 1.160x, no plain steps 1.189x, this margin and decay 1.174x, fixed 3 1.176x).
 """
 
 from __future__ import annotations
