@@ -14,7 +14,9 @@
  * in float32 from float32 or bfloat16 inputs, keys visited in cache order. The row's keys are taken
  * 16 at a time from its first: the 16 dot products' partial sums are added together in one
  * transposing tree (each key's sum in the same lane-position order whichever keys sit beside it, the
- * last group padded with zeros), and the polynomial runs on 16 scores at a time, on vectors.
+ * last group padded with zeros), and the polynomial runs on 16 scores at a time, on vectors. A task
+ * attends one row's query heads of one KV head, up to 4 heads of width 64 (2 of 128) at once, with
+ * the head width, head count and dtype compiled in, so that their sums stay in registers.
  * Built once per machine by viasd_kernels/cpu_row_attention.py with the system C compiler.
  */
 #include <stdint.h>
@@ -83,6 +85,14 @@ static inline vf16 exp16(vf16 x) {
     return p * scale.f;
 }
 
+/* Each lane's larger value (a where neither is larger). */
+static inline vf16 vmax(vf16 a, vf16 b) {
+    vi16 gt = b > a;
+    union { vf16 f; vi16 i; } x = {a}, y = {b};
+    x.i = (x.i & ~gt) | (y.i & gt);
+    return x.f;
+}
+
 /* The lanes of a and b that idx names (0-15 a's, 16-31 b's). */
 static inline vf16 pick(vf16 a, vf16 b, const vi16 idx) {
     return __builtin_shuffle(a, b, idx);
@@ -125,28 +135,31 @@ static int row_keys(int t, int T, int end, int window, const uint8_t *mask, int6
     return n;
 }
 
-/* Row t's query heads g * nh .. g * nh + nh - 1, which read KV head g: each key and value row is
- * widened once for all of them; each head's arithmetic is the one above, whatever nh is. */
-static void one_group(const void *q, int64_t q_sh, int64_t q_st, const void *k, const void *v, int dtype, int t,
-                      int g, int nh, int Hq, int D, int64_t S, const int32_t *keys, int nk, float scale,
-                      float *scores, void *out) {
-    const int B = D / LANES;
-    vf16 qv[MAX_GROUP][MAX_BLOCKS], acc[MAX_GROUP][MAX_BLOCKS], row[MAX_BLOCKS];
+/* Query heads h0 .. h0 + R - 1 of row t, which read KV head g (at `head` in k and v), B blocks of 16
+ * a head: each key and value row is widened once for the R heads. Inlined with constant B, R and
+ * dtype for the common shapes (dispatch below), so the heads' sums stay in registers; each head's
+ * arithmetic is the one at the top of this file, whatever R is. */
+static inline __attribute__((always_inline)) void heads(const int B, const int R, const int dtype, const void *q,
+                                                        int64_t q_sh, int64_t q_st, const void *k, const void *v,
+                                                        int t, int h0, int Hq, int D, int64_t head,
+                                                        const int32_t *keys, int nk, float scale, float *scores,
+                                                        void *out) {
+    vf16 qv[MAX_GROUP][MAX_BLOCKS], acc[MAX_GROUP][MAX_BLOCKS], row[MAX_BLOCKS], mv[MAX_GROUP];
     float m[MAX_GROUP], den[MAX_GROUP];
     const vf16 zero = {0};
-    int64_t head = (int64_t)g * S * D;
-    int h0 = g * nh;
-    for (int r = 0; r < nh; r++) {
+    const int padded = (nk + LANES - 1) / LANES * LANES;
+    for (int r = 0; r < R; r++) {
         for (int j = 0; j < B; j++) qv[r][j] = load16(q, (int64_t)(h0 + r) * q_sh + (int64_t)t * q_st + j * LANES, dtype);
         m[r] = -3.0e38f;
+        for (int i = 0; i < LANES; i++) mv[r][i] = -3.0e38f;
     }
-    vf16 keyrows[LANES][B];  /* 16 keys, widened */
+    vf16 keyrows[LANES][MAX_BLOCKS];  /* 16 keys, widened */
     for (int i0 = 0; i0 < nk; i0 += LANES) {
         const int n = nk - i0 < LANES ? nk - i0 : LANES;
         for (int i = 0; i < LANES; i++)
             for (int j = 0; j < B; j++)
                 keyrows[i][j] = i < n ? load16(k, head + (int64_t)keys[i0 + i] * D + j * LANES, dtype) : zero;
-        for (int r = 0; r < nh; r++) {
+        for (int r = 0; r < R; r++) {
             vf16 parts[LANES];
             for (int i = 0; i < LANES; i++) {
                 vf16 part = zero;
@@ -154,46 +167,89 @@ static void one_group(const void *q, int64_t q_sh, int64_t q_st, const void *k, 
                 parts[i] = part;
             }
             vf16 s = sum16(parts) * scale;
-            float *sr = scores + (int64_t)r * nk + i0;
-            for (int i = 0; i < n; i++) {
-                sr[i] = s[i];
-                if (s[i] > m[r]) m[r] = s[i];
+            /* the head's scores, padded to whole groups of 16 (the padding is never read as a key) */
+            memcpy(scores + (int64_t)r * padded + i0, &s, sizeof s);
+            if (n == LANES) {
+                mv[r] = vmax(mv[r], s);
+            } else {
+                for (int i = 0; i < n; i++)
+                    if (s[i] > m[r]) m[r] = s[i];
             }
         }
     }
-    for (int r = 0; r < nh; r++) {
-        float *sr = scores + (int64_t)r * nk;
+    for (int r = 0; r < R; r++) {
+        for (int i = 0; i < LANES; i++)
+            if (mv[r][i] > m[r]) m[r] = mv[r][i];
+        float *sr = scores + (int64_t)r * padded;
         vf16 part = zero;
         for (int i0 = 0; i0 < nk; i0 += LANES) {
             const int n = nk - i0 < LANES ? nk - i0 : LANES;
-            vf16 x = zero;
-            for (int i = 0; i < n; i++) x[i] = sr[i0 + i] - m[r];
-            x = exp16(x);
-            for (int i = 0; i < n; i++) {
-                sr[i0 + i] = x[i];
-                part[i] += x[i];
-            }
+            vf16 x;
+            memcpy(&x, sr + i0, sizeof x);
+            x = exp16(x - m[r]);
+            if (n < LANES)
+                for (int i = n; i < LANES; i++) x[i] = 0.0f;  /* the padding adds nothing */
+            memcpy(sr + i0, &x, sizeof x);
+            part += x;
         }
         den[r] = fold(part);
         for (int j = 0; j < B; j++) acc[r][j] = zero;
     }
     for (int i = 0; i < nk; i++) {
         for (int j = 0; j < B; j++) row[j] = load16(v, head + (int64_t)keys[i] * D + j * LANES, dtype);
-        for (int r = 0; r < nh; r++) {
-            float p = scores[(int64_t)r * nk + i];
+        for (int r = 0; r < R; r++) {
+            float p = scores[(int64_t)r * padded + i];
             for (int j = 0; j < B; j++) acc[r][j] += p * row[j];
         }
     }
-    for (int r = 0; r < nh; r++) {
+    for (int r = 0; r < R; r++) {
         int64_t at = ((int64_t)t * Hq + h0 + r) * D;
         for (int j = 0; j < B; j++) {
             vf16 o = acc[r][j] / den[r];
-            if (dtype == 0)
+            if (dtype == 0) {
                 memcpy((float *)out + at + j * LANES, &o, sizeof o);
-            else
-                for (int l = 0; l < LANES; l++) ((uint16_t *)out)[at + j * LANES + l] = f32_to_bf16(o[l]);
+            } else {  /* f32_to_bf16 on every lane */
+                vu16 u;
+                memcpy(&u, &o, sizeof u);
+                vh16 h = __builtin_convertvector((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, vh16);
+                memcpy((uint16_t *)out + at + j * LANES, &h, sizeof h);
+            }
         }
     }
+}
+
+#define HEADS(B, R, DT) heads(B, R, DT, q, q_sh, q_st, k, v, t, h0, Hq, D, head, keys, nk, scale, scores, out)
+
+/* Row t's query heads h0 .. h0 + R - 1 (R at most heads_per_task), which read KV head g. */
+static void some_heads(const void *q, int64_t q_sh, int64_t q_st, const void *k, const void *v, int dtype, int t,
+                       int g, int h0, int R, int Hq, int D, int64_t S, const int32_t *keys, int nk, float scale,
+                       float *scores, void *out) {
+    const int B = D / LANES;
+    const int64_t head = (int64_t)g * S * D;
+    switch (B * 64 + R * 2 + dtype) {  /* constant shapes for the common head widths */
+    case 4 * 64 + 2: HEADS(4, 1, 0); break;
+    case 4 * 64 + 3: HEADS(4, 1, 1); break;
+    case 4 * 64 + 4: HEADS(4, 2, 0); break;
+    case 4 * 64 + 5: HEADS(4, 2, 1); break;
+    case 4 * 64 + 6: HEADS(4, 3, 0); break;
+    case 4 * 64 + 7: HEADS(4, 3, 1); break;
+    case 4 * 64 + 8: HEADS(4, 4, 0); break;
+    case 4 * 64 + 9: HEADS(4, 4, 1); break;
+    case 8 * 64 + 2: HEADS(8, 1, 0); break;
+    case 8 * 64 + 3: HEADS(8, 1, 1); break;
+    case 8 * 64 + 4: HEADS(8, 2, 0); break;
+    case 8 * 64 + 5: HEADS(8, 2, 1); break;
+    default: HEADS(B, R, dtype); break;
+    }
+}
+
+/* How many of a KV head's nh query heads one task attends: as many as keep their sums in registers
+ * (4 heads of 64, 2 of 128, else 1). Each head's arithmetic is the same whichever task holds it.
+ * (Splitting a KV head's query heads further where a pass has fewer tasks than twice the threads
+ * was slower: each task widens the keys again.) */
+static int heads_per_task(int D, int nh) {
+    const int B = D / LANES, most = B == 4 ? 4 : B == 8 ? 2 : 1;
+    return most < nh ? most : nh;
 }
 
 /* q [Hq, T, D] at head stride q_sh and row stride q_st (elements; its last dimension contiguous);
@@ -208,19 +264,23 @@ int viasd_row_attention(const void *q, int64_t q_sh, int64_t q_st, const void *k
         return -1;
     if (!mask && end - T < 0)
         return -1;
+    if (threads <= 0)
+        threads = 1;
+    const int nh = Hq / Hkv, per = heads_per_task(D, nh), chunks = (nh + per - 1) / per;
     int failed = 0;
-    #pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(|| : failed)
+    #pragma omp parallel num_threads(threads) reduction(|| : failed)
     {
-        float *scores = (float *)malloc((size_t)end * (size_t)(Hq / Hkv) * sizeof(float));
+        float *scores = (float *)malloc((size_t)(end + LANES) * (size_t)(Hq / Hkv) * sizeof(float));
         int32_t *keys = (int32_t *)malloc((size_t)end * sizeof(int32_t));
         int ok = scores && keys;
         failed = !ok;
         #pragma omp for schedule(static)
-        for (int task = 0; task < T * Hkv; task++) {
+        for (int task = 0; task < T * Hkv * chunks; task++) {
             if (!ok) continue;  /* this thread's rows stay unwritten: the call returns -2 */
-            int t = task / Hkv, g = task % Hkv;
+            int t = task / (Hkv * chunks), g = task / chunks % Hkv, c = task % chunks * per;
             int nk = row_keys(t, T, end, window, mask, mask_stride, keys);
-            one_group(q, q_sh, q_st, k, v, dtype, t, g, Hq / Hkv, Hq, D, S, keys, nk, scale, scores, out);
+            some_heads(q, q_sh, q_st, k, v, dtype, t, g, g * nh + c, nh - c < per ? nh - c : per, Hq, D, S, keys, nk,
+                       scale, scores, out);
         }
         free(scores);
         free(keys);
