@@ -1,11 +1,13 @@
 """How often each weight format's greedy token equals fp32 `ar`'s, teacher-forced on fp32's answers.
 
     python benchmarks/format_agreement.py --results out/formats/none/results.jsonl \
-        --prompts docs/results/cpu-prompts.jsonl [--formats bf16,int8,int4] [--threads 2]
+        --prompts docs/results/cpu-prompts.jsonl [--formats bf16,int8,int4] [--threads 2] [--rows 1]
 
 Reads fp32 `ar`'s answers from a `viasd bench` results file, then for every format feeds each
 prompt + answer through the target at that format in one pass and counts the positions whose argmax
-is fp32's token (the first answer token included). Prints JSON: agreement per format and per
+is fp32's token (the first answer token included). With `--rows r` the answer goes through passes of
+r tokens after the prompt's prefill, as decoding (r = 1) or verify blocks feed it: the short passes'
+kernels, where one pass over the whole answer takes the prefill's dense products. Prints JSON: agreement per format and per
 category, positions counted. `bf16` is the unquantized model in bfloat16 (the activations the int
 formats run with).
 """
@@ -30,12 +32,13 @@ def main() -> None:
     ap.add_argument("--formats", default="bf16,int8,int4")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=0, help="answer tokens a pass after the prefill (0: one pass)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = {r["prompt_id"]: r for r in map(json.loads, open(args.results, encoding="utf-8"))
             if r["method"] == "ar" and r["status"] == "ok" and r["repeat"] == 0}
     prompts = [p for p in load_prompts(args.prompts) if p.id in rows]
-    out = {"model": args.model, "prompts": len(prompts), "formats": {}}
+    out = {"model": args.model, "prompts": len(prompts), "rows_a_pass": args.rows or "all", "formats": {}}
     for fmt in args.formats.split(","):
         quant, dtype = ("none", "bfloat16") if fmt == "bf16" else (fmt, None)
         loaded = load_model(args.model, device="cpu", quant=quant, dtype=dtype)
@@ -44,7 +47,13 @@ def main() -> None:
         for p in prompts:
             ids, answer = encode(loaded.tokenizer, p.text), rows[p.id]["tokens"]
             fm.reset()
-            pred = fm.forward(torch.tensor(ids + answer[:-1]), 0, len(answer)).argmax(-1)
+            if args.rows:
+                fed = torch.tensor(ids + answer[:-1])
+                fm.forward(fed[: len(ids) - 1], 0)
+                pred = torch.cat([fm.forward(fed[i : i + args.rows], i, min(args.rows, len(fed) - i)).argmax(-1)
+                                  for i in range(len(ids) - 1, len(fed), args.rows)])
+            else:
+                pred = fm.forward(torch.tensor(ids + answer[:-1]), 0, len(answer)).argmax(-1)
             same = int((pred == torch.tensor(answer)).sum())
             for key in (p.category, "all"):
                 hits[key][0] += same

@@ -30,7 +30,9 @@ def qkv(Hq, Hkv, T, S, D, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 1, 16), (4, 2, 32), (9, 3, 64), (8, 1, 128), (12, 4, 48)],
+@pytest.mark.parametrize("shape", [(1, 1, 16), (4, 2, 32), (9, 3, 64), (8, 1, 128), (12, 4, 48),  # generic widths
+                                   # the compiled-in shapes: 1-4 heads of 64 a task (7 = 4 + 3), 1-2 of 128
+                                   (5, 5, 64), (8, 4, 64), (16, 4, 64), (14, 2, 64), (6, 2, 128)],
                          ids=lambda s: "Hq{}kv{}D{}".format(*s))
 @pytest.mark.parametrize("window", [None, 5])
 def test_kernel_equals_the_reference(build_dir, dtype, shape, window):
