@@ -1,6 +1,6 @@
 """A decoder layer's calls looked up once (viasd_core/decoding/layer_calls.py): the pass computes
-bit for bit what it computes through nn.Module calls and attribute lookups at every pass, in every
-family and format, and float products follow the model's short-pass products as they are at the call."""
+bit for bit what it computes through nn.Module calls and attribute lookups at every pass (the RMSNorms
+through norms.norm_call in both), in every family and format, and float products follow the model's short-pass products as they are at the call."""
 
 import pytest
 import torch
@@ -10,6 +10,7 @@ from viasd_core.decoding import layer_calls as lc
 from viasd_core.decoding import short_products as sp
 from viasd_core.decoding import weight_formats as wf
 from viasd_core.decoding.model import FastModel
+from viasd_core.decoding.norms import norm_call
 from viasd_core.decoding.short_products import linear, mlp
 from viasd_core.decoding.weight_format import WeightFormat
 
@@ -25,7 +26,8 @@ def module_calls(layer, fused, model) -> lc.LayerCalls:
     qkv = fused is not None and fused.qkv is not None
     gate_up = fused is not None and fused.gate_up is not None
     return lc.LayerCalls(
-        input_norm=lambda x: layer.input_layernorm(x), post_norm=lambda x: layer.post_attention_layernorm(x),
+        # the norms as the pass calls them (norms.norm_call: a kernel on CPU, tested in test_kernels_cpu_rms_norm.py)
+        input_norm=norm_call(layer.input_layernorm), post_norm=norm_call(layer.post_attention_layernorm),
         q_norm=(lambda x: layer.self_attn.q_norm(x)) if hasattr(layer.self_attn, "q_norm") else None,
         k_norm=(lambda x: layer.self_attn.k_norm(x)) if hasattr(layer.self_attn, "k_norm") else None,
         qkv=(lambda x: fused.qkv(x)) if qkv else None, qkv_split=fused.qkv_split if qkv else (0, 0, 0),

@@ -5,10 +5,11 @@ the int4 SmolLM2 pass made ~480 nn.Module attribute lookups (`layer.self_attn`, 
 ~0.7 us each through nn.Module.__getattr__) and ~210 module calls (~3 us each through
 nn.Module.__call__'s hook handling) a pass. `LayerCalls` holds the layer's submodules' `forward`
 methods and the products' callables, made when the FastModel is built, so the pass calls them
-directly. The arithmetic is unchanged: each callable is what the pass called before (a packed
-layer's `forward`, or `short_products.linear` over a float layer with the model's current
-`short_rows`), so every logit is bit for bit the same (tests/test_layer_calls.py compares a pass
-with the plain module calls).
+directly. The products' arithmetic is unchanged: each callable is what the pass called before (a
+packed layer's `forward`, or `short_products.linear` over a float layer with the model's current
+`short_rows`); the RMSNorms are `norms.norm_call`'s (a one-call kernel on CPU that sums the squares
+in its own order: within a rounding step of the module's output; tests/test_layer_calls.py compares
+a pass with the plain module calls).
 
 Nothing in viasd registers hooks on a decoder layer's submodules; calling `forward` skips hooks
 that someone else might register (accelerate's offloading wraps `forward` itself, so it still runs).
@@ -21,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from viasd_core.decoding.norms import norm_call
 from viasd_core.decoding.short_products import linear, mlp
 from viasd_core.decoding.weight_formats import PackedLinear
 
@@ -63,7 +65,7 @@ def layer_calls(layer: torch.nn.Module, fused, model) -> LayerCalls:
     qkv = fused.qkv.forward if fused is not None and fused.qkv is not None else None
     gate_up = fused.gate_up.forward if fused is not None and fused.gate_up is not None else None
     return LayerCalls(
-        input_norm=layer.input_layernorm.forward, post_norm=layer.post_attention_layernorm.forward,
+        input_norm=norm_call(layer.input_layernorm), post_norm=norm_call(layer.post_attention_layernorm),
         q_norm=q_norm, k_norm=k_norm,
         qkv=qkv, qkv_split=fused.qkv_split if qkv is not None else (0, 0, 0),
         q=product(attn.q_proj, model), k=product(attn.k_proj, model), v=product(attn.v_proj, model),

@@ -44,6 +44,7 @@ from viasd_core.decoding.short_products import DEFAULT, linear
 from viasd_core.decoding.tree_pass import TreePasses
 from viasd_core.decoding.fused_projections import fused
 from viasd_core.decoding.layer_calls import layer_calls
+from viasd_core.decoding.norms import norm_call
 from viasd_core.decoding.weight_formats import has_weight_format, widen_once
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
@@ -146,6 +147,7 @@ class FastModel(attention.CachedPositions, TreePasses):
         cpu_packed = self.weight_format and self.device.type == "cpu"
         self._fused = [fused(layer) if cpu_packed else None for layer in self.layers]
         self._calls = [layer_calls(layer, f, self) for layer, f in zip(self.layers, self._fused)]  # layer_calls.py
+        self._final_norm = norm_call(self.norm)  # norms.py: one call on CPU
         # Float32 layers on CPU: which product short passes multiply through (short_products.ShortRows:
         # the weights read at the memory's speed). The blocked product for 1-row passes until a session
         # measures it (choose_rows); PLAIN: every product through the layers themselves (F.linear).
@@ -336,7 +338,7 @@ class FastModel(attention.CachedPositions, TreePasses):
             captured[slot] = x[0]
         if captured:
             cache.features[input_pos] = torch.cat(captured, dim=-1)  # [T, n * H]
-        h = self.norm(x[0].index_select(0, rows))
+        h = self._final_norm(x[0].index_select(0, rows))
         logits = linear(h, self.lm_head, self.short_rows).float()
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
             logits[:, self.vocab_limit:] = float("-inf")
