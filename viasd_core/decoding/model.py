@@ -35,7 +35,9 @@ import time
 from dataclasses import dataclass
 
 import torch
+from viasd_kernels import cpu_rope_write
 
+from viasd_core import paths
 from viasd_core.errors import ViasdError
 from viasd_core.decoding import attention, graph_outputs
 from viasd_core.decoding.rope import apply_rope, check_rope, signed_sin
@@ -355,15 +357,25 @@ class FastModel(attention.CachedPositions, TreePasses):
             q, k, v = c.qkv(h).split(c.qkv_split, dim=-1)
         else:
             q, k, v = c.q(h), c.k(h), c.v(h)
-        q = q.view(1, T, s.n_heads, s.head_dim)
-        k = k.view(1, T, s.n_kv_heads, s.head_dim)
-        v = v.view(1, T, s.n_kv_heads, s.head_dim)
-        if c.q_norm is not None:  # Qwen3
-            q = c.q_norm(q)
-            k = c.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)  # [1, Hq, T, D]
-        k = apply_rope(k.transpose(1, 2), cos, sin)  # [1, Hkv, T, D]
-        k_cache, v_cache = self.cache.layers[ci].update(pos, k, v.transpose(1, 2))
+        layer_cache = self.cache.layers[ci]
+        # On CPU, eager: RoPE and the cache writes in one call, bit for bit the operators below
+        # (viasd_kernels.cpu_rope_write); None where it does not apply (Qwen3's per-head norms come first)
+        writer = None
+        if c.q_norm is None and self.device.type == "cpu" and not torch.compiler.is_compiling():
+            writer = self._rope_writer(layer_cache)
+        if writer is not None:
+            q = writer(q, k, v, cos, sin, pos)
+            k_cache, v_cache = writer.caches
+        else:
+            q = q.view(1, T, s.n_heads, s.head_dim)
+            k = k.view(1, T, s.n_kv_heads, s.head_dim)
+            v = v.view(1, T, s.n_kv_heads, s.head_dim)
+            if c.q_norm is not None:  # Qwen3
+                q = c.q_norm(q)
+                k = c.k_norm(k)
+            q = apply_rope(q.transpose(1, 2), cos, sin)  # [1, Hq, T, D]
+            k = apply_rope(k.transpose(1, 2), cos, sin)  # [1, Hkv, T, D]
+            k_cache, v_cache = layer_cache.update(pos, k, v.transpose(1, 2))
         if by_row:
             o = attention.attend_by_row(q, k_cache, v_cache, end, self.windows[ci], c.scaling, key_mask)
         else:
@@ -375,6 +387,16 @@ class FastModel(attention.CachedPositions, TreePasses):
             gate, up = c.gate_up(h).split(c.gate_up_split, dim=-1)
             return x + c.down(c.act(gate) * up)
         return x + c.mlp(h)
+
+    @staticmethod
+    def _rope_writer(layer_cache: attention.LayerCache) -> cpu_rope_write.RopeWriter | None:
+        """The RoPE-and-cache-write kernel bound to `layer_cache`'s buffers (bound again if they were
+        replaced), or None where it does not run."""
+        writer = layer_cache.writer
+        if writer is None or (writer and writer.caches[0] is not layer_cache._buffers["k"]):
+            writer = cpu_rope_write.bind(layer_cache.k, layer_cache.v, build_dir=paths.kernel_dir()) or False
+            layer_cache.writer = writer
+        return writer or None
 
     def _products(self, ci: int) -> list[torch.nn.Module]:
         """The linear layers run-layer `ci`'s pass calls (its fused projections where it has them)."""

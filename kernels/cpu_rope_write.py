@@ -1,0 +1,91 @@
+"""RoPE on a pass's queries and keys and the cache writes of its keys and values, in one call on a CPU.
+
+A decoder layer's pass splits its q/k/v projections, rotates q and k (`rope.apply_rope`) and writes k
+and v into the layer's cache (`attention.LayerCache.update`): about twenty PyTorch operators, ~20 us
+a layer of a 1-token pass on a 2-core AMD EPYC. `rope_write` does it in one C call with PyTorch's
+roundings, element by element (cpu_rope_write.c says how), so its results are bit for bit those
+operators'.
+
+- **Kernel**: `bind(k_cache, v_cache, build_dir=...)` -> `RopeWriter`, bound to one layer's cache:
+  `writer(q, k, v, cos, sin_signed, pos)` returns the rotated queries [1, Hq, T, D], having written
+  the rotated keys and the values at slots `pos`; None where it does not take the cache or cannot be
+  built (the caller then runs the operators).
+- **Reference**: the operators themselves, `viasd_core.decoding.rope.apply_rope` and
+  `attention.LayerCache.update` (tests/test_kernels_cpu_rope_write.py compares the two bit for bit).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from . import cpu_build
+
+SOURCE = Path(__file__).with_name("cpu_rope_write.c")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_functions: dict[Path, object] = {}
+
+
+def _function(build_dir: Path):
+    if build_dir not in _functions:
+        lib = cpu_build.build(SOURCE, build_dir)
+        fn = None
+        if lib is not None:
+            fn = lib.viasd_rope_write
+            ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+            fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i64, i32]
+            fn.restype = i32
+        _functions[build_dir] = fn
+    return _functions[build_dir]
+
+
+def why_not() -> str | None:
+    """Why the kernel could not be built here (None: it was, or was not tried yet)."""
+    return cpu_build.why_not(SOURCE)
+
+
+class RopeWriter:
+    """The kernel bound to one layer's cache (k_cache, v_cache [1, Hkv, S, D], contiguous, on the
+    CPU): `writer(q, k, v, cos, sin_signed, pos)` for q [..., T, Hq * D], k and v [..., T, Hkv * D] (one
+    pass's rows, each contiguous), cos and sin_signed [T, D] (contiguous), pos [T] int64 slots, in the cache's dtype:
+    writes rope(k) and v at the slots and returns rope(q) [1, Hq, T, D]. A pass calls it for every
+    layer, so it checks only what a pass can change (the row count and strides) and leaves the
+    slots' range to the kernel."""
+
+    __slots__ = ("fn", "caches", "kc", "vc", "hkv", "s", "d", "dtype", "code")
+
+    def __init__(self, fn, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        self.fn, self.caches = fn, (k_cache, v_cache)
+        self.kc, self.vc = k_cache.data_ptr(), v_cache.data_ptr()
+        _, self.hkv, self.s, self.d = k_cache.shape
+        self.dtype, self.code = k_cache.dtype, DTYPES[k_cache.dtype]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
+                 pos: torch.Tensor) -> torch.Tensor:
+        T, d = cos.shape
+        hq = q.shape[-1] // d
+        if (q.dtype is not self.dtype or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or d != self.d
+                or k.shape[-1] != self.hkv * d or pos.dtype is not torch.int64 or q.numel() != T * hq * d
+                or k.numel() != T * self.hkv * d or v.numel() != k.numel()):
+            raise ValueError(f"rope_write bound to [{self.hkv}, {self.s}, {self.d}] {self.dtype} got q {tuple(q.shape)} "
+                             f"{q.dtype}, k {tuple(k.shape)}, cos {tuple(cos.shape)}")
+        out = torch.empty(1, hq, T, d, dtype=self.dtype)
+        if self.fn(q.data_ptr(), q.stride(-2), k.data_ptr(), k.stride(-2), v.data_ptr(), v.stride(-2), cos.data_ptr(),
+                   sin_signed.data_ptr(), pos.data_ptr(), out.data_ptr(), self.kc, self.vc, T, hq, self.hkv, d,
+                   self.s, self.code) != 0:
+            raise ValueError(f"rope_write refused its arguments: a slot outside the cache of {self.s} (pos {pos.tolist()})")
+        return out
+
+
+def bind(k_cache: torch.Tensor, v_cache: torch.Tensor, *, build_dir: Path) -> RopeWriter | None:
+    """The kernel bound to one layer's cache, or None where it does not take it (another device or
+    dtype, a layout other than [1, Hkv, S, D] contiguous, an odd head width) or cannot be built here."""
+    takes = (k_cache.dtype in DTYPES and k_cache.dtype == v_cache.dtype and k_cache.device.type == "cpu"
+             and v_cache.device.type == "cpu" and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+             and k_cache.shape[0] == 1 and k_cache.shape[3] % 2 == 0 and k_cache.is_contiguous()
+             and v_cache.is_contiguous())
+    fn = _function(build_dir) if takes else None
+    return None if fn is None else RopeWriter(fn, k_cache, v_cache)
