@@ -50,7 +50,7 @@ def why_not() -> str | None:
 class RopeWriter:
     """The kernel bound to one layer's cache (k_cache, v_cache [1, Hkv, S, D], contiguous, on the
     CPU): `writer(q, k, v, cos, sin_signed, pos)` for q [..., T, Hq * D], k and v [..., T, Hkv * D] (one
-    pass's rows, each contiguous), cos and sin_signed [T, D] (contiguous), pos [T] int64 slots, in the cache's dtype:
+    pass's rows; copied first where a row is not contiguous), cos and sin_signed [T, D] (contiguous), pos [T] int64 slots, in the cache's dtype:
     writes rope(k) and v at the slots and returns rope(q) [1, Hq, T, D]. A pass calls it for every
     layer, so it checks only what a pass can change (the row count and strides) and leaves the
     slots' range to the kernel."""
@@ -67,7 +67,9 @@ class RopeWriter:
                  pos: torch.Tensor) -> torch.Tensor:
         T, d = cos.shape
         hq = q.shape[-1] // d
-        if (q.dtype is not self.dtype or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or d != self.d
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:  # a product's output laid out by column
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        if (q.dtype is not self.dtype or d != self.d
                 or k.shape[-1] != self.hkv * d or pos.dtype is not torch.int64 or q.numel() != T * hq * d
                 or k.numel() != T * self.hkv * d or v.numel() != k.numel()):
             raise ValueError(f"rope_write bound to [{self.hkv}, {self.s}, {self.d}] {self.dtype} got q {tuple(q.shape)} "

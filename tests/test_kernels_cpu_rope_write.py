@@ -58,7 +58,11 @@ def test_kernel_is_the_operators_bit_for_bit(build_dir, dtype, shape, T):
     want_q = apply_rope(q.view(1, T, hq, d).transpose(1, 2), cos, sin)
     want_cache.update(pos, apply_rope(k.view(1, T, hkv, d).transpose(1, 2), cos, sin), v.view(1, T, hkv, d).transpose(1, 2))
     writer = rw.bind(got_cache.k, got_cache.v, build_dir=build_dir)
-    for qq, kk, vv in ((q, k, v), (q.contiguous()[0], k.contiguous()[0], v.contiguous()[0])):  # views, separate
+    def by_column(x):  # [T, W] laid out column by column, as the blocked float32 product returns it
+        return x.contiguous()[0].t().contiguous().t()
+
+    for qq, kk, vv in ((q, k, v), (q.contiguous()[0], k.contiguous()[0], v.contiguous()[0]),  # views, separate
+                       (by_column(q), by_column(k), by_column(v))):
         got_cache.k.fill_(0.5)
         got_cache.v.fill_(-0.5)
         got_q = writer(qq, kk, vv, cos, sin, pos)
