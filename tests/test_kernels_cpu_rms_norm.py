@@ -119,3 +119,20 @@ def test_norm_call_keeps_the_forward_of_another_formula(build_dir, monkeypatch):
     assert norms.norm_call(layer_norm) == layer_norm.forward
     llama = LlamaRMSNorm(576, eps=1e-6)
     assert norms.norm_call(llama) != llama.forward
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
+def test_a_model_says_how_its_norms_and_rope_run(build_dir, monkeypatch, family):
+    """What `viasd doctor` prints as `layer_kernels`: Llama's formula in one call, Gemma's norm through
+    its module, Qwen3's RoPE through the operators (its per-head norms come first)."""
+    from conftest import tiny_model
+
+    from viasd_core.decoding.model import FastModel
+
+    monkeypatch.setattr("viasd_core.paths.kernel_dir", lambda: build_dir)
+    way = FastModel(tiny_model(family, seed=1), max_len=32).layer_kernels_way()
+    norm, rope = way.split("; ")
+    assert norm == ("RMSNorm through the module (not the formula the kernel computes)" if family == "gemma"
+                    else "RMSNorm in one C call")
+    assert rope == ("RoPE through operators (per-head norms come first)" if family == "qwen3"
+                    else "RoPE and cache writes in one C call")

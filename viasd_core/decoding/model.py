@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from viasd_kernels import cpu_rope_write
+from viasd_kernels import cpu_rms_norm, cpu_rope_write
 
 from viasd_core import paths
 from viasd_core.errors import ViasdError
@@ -387,6 +387,26 @@ class FastModel(attention.CachedPositions, TreePasses):
             gate, up = c.gate_up(h).split(c.gate_up_split, dim=-1)
             return x + c.down(c.act(gate) * up)
         return x + c.mlp(h)
+
+    def layer_kernels_way(self) -> str | None:
+        """How this model's eager CPU passes run their RMSNorms and RoPE (with the cache writes), and
+        why (viasd doctor shows it); None off the CPU."""
+        if self.device.type != "cpu":
+            return None
+        if self._final_norm != self.norm.forward:
+            norm = "RMSNorm in one C call"
+        else:
+            weight = self.norm._parameters.get("weight")
+            runs = weight is not None and cpu_rms_norm.bind(weight.detach(), 1e-6, build_dir=paths.kernel_dir())
+            why = "not the formula the kernel computes" if runs else cpu_rms_norm.why_not() or "a weight it does not take"
+            norm = f"RMSNorm through the module ({why})"
+        if any(c.q_norm is not None for c in self._calls):
+            rope = "RoPE through operators (per-head norms come first)"
+        elif self.cache is not None and self._rope_writer(self.cache.layers[0]) is not None:
+            rope = "RoPE and cache writes in one C call"
+        else:
+            rope = f"RoPE through operators ({cpu_rope_write.why_not() or 'the cache is not one the kernel takes'})"
+        return f"{norm}; {rope}"
 
     @staticmethod
     def _rope_writer(layer_cache: attention.LayerCache) -> cpu_rope_write.RopeWriter | None:

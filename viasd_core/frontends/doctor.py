@@ -94,6 +94,7 @@ def environment(session: Session, refresh: bool = False) -> dict:
         "threads_reason": session.threads.reason if session.threads else None,
         "short_passes": session.short_rows_reason or None,
         "row_attention": attention.by_row_way() if engine.target.row_attention else None,
+        "layer_kernels": engine.target.layer_kernels_way(),
         "packed_products": (weight_formats.short_products_way()
                             if str(session.target.format) in weight_formats.FORMATS and device.type == "cpu" else None),
         "int4_widening": (weight_formats.int4_widening_way()
