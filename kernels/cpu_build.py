@@ -67,6 +67,23 @@ def build(source: Path, build_dir: Path) -> ctypes.CDLL | None:
         return _built[key]
 
 
+_functions: dict[tuple[Path, Path, str], object] = {}
+
+
+def function(source: Path, build_dir: Path, name: str, argtypes: list, restype=ctypes.c_int):
+    """C function `name` of the library built from `source` (see `build`), with its argument and
+    result types set, or None where the library cannot be built here."""
+    key = (Path(source), Path(build_dir), name)
+    if key not in _functions:
+        lib = build(source, build_dir)
+        fn = None
+        if lib is not None:
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        _functions[key] = fn
+    return _functions[key]
+
+
 def why_not(source: Path) -> str | None:
     """Why `source` could not be built or loaded here (None: it was, or was not tried)."""
     return _why_not.get(Path(source))

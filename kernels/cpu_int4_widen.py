@@ -28,20 +28,9 @@ from . import cpu_build
 SOURCE = Path(__file__).with_name("cpu_int4_widen.c")
 MAX_BLOCK, MAX_GROUP = 64, 256  # the C file's limits
 
-_functions: dict[Path, object] = {}
-
-
 def _function(build_dir: Path):
-    if build_dir not in _functions:
-        lib = cpu_build.build(SOURCE, build_dir)
-        fn = None
-        if lib is not None:
-            fn = lib.viasd_int4_widen
-            ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-            fn.argtypes = [ptr, ptr, i64, i64, i64, i32, ptr, i32]
-            fn.restype = i32
-        _functions[build_dir] = fn
-    return _functions[build_dir]
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    return cpu_build.function(SOURCE, build_dir, "viasd_int4_widen", [ptr, ptr, i64, i64, i64, i32, ptr, i32])
 
 
 def why_not() -> str | None:

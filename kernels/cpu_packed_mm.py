@@ -30,27 +30,20 @@ from . import cpu_build
 SOURCE = Path(__file__).with_name("cpu_packed_mm.c")
 MAX_ROWS, BLOCK, MAX_GROUP, MAX_K8 = 16, 64, 256, 8192  # the C file's limits
 
-_functions: dict[Path, tuple | None] = {}
 _why_not: dict[Path, str] = {}
 
 
 def _functions_for(build_dir: Path) -> tuple | None:
-    if build_dir not in _functions:
-        lib = cpu_build.build(SOURCE, build_dir)
-        fns = None
-        if lib is None:
-            _why_not[build_dir] = cpu_build.why_not(SOURCE) or "the kernel could not be built"
-        elif not lib.viasd_packed_mm_available():
-            _why_not[build_dir] = "this CPU has no AVX-512 BF16 instructions"
-        else:
-            ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-            int4, int8 = lib.viasd_int4_mm, lib.viasd_int8_mm
-            int4.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, i32]
-            int8.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i32]
-            int4.restype = int8.restype = i32
-            fns = (int4, int8)
-        _functions[build_dir] = fns
-    return _functions[build_dir]
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    has = cpu_build.function(SOURCE, build_dir, "viasd_packed_mm_available", [])
+    if has is None:
+        _why_not[build_dir] = cpu_build.why_not(SOURCE) or "the kernel could not be built"
+        return None
+    if not has():
+        _why_not[build_dir] = "this CPU has no AVX-512 BF16 instructions"
+        return None
+    return (cpu_build.function(SOURCE, build_dir, "viasd_int4_mm", [ptr, ptr, ptr, i64, i64, i64, i64, ptr, i32]),
+            cpu_build.function(SOURCE, build_dir, "viasd_int8_mm", [ptr, ptr, ptr, i64, i64, i64, ptr, i32]))
 
 
 def available(build_dir: Path) -> bool:

@@ -27,20 +27,9 @@ SOURCE = Path(__file__).with_name("cpu_rms_norm.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 LANES = 16  # the C file's limit: the width a multiple of 16
 
-_functions: dict[Path, object] = {}
-
-
 def _function(build_dir: Path):
-    if build_dir not in _functions:
-        lib = cpu_build.build(SOURCE, build_dir)
-        fn = None
-        if lib is not None:
-            fn = lib.viasd_rms_norm
-            ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-            fn.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
-            fn.restype = ctypes.c_int
-        _functions[build_dir] = fn
-    return _functions[build_dir]
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    return cpu_build.function(SOURCE, build_dir, "viasd_rms_norm", [ptr, ptr, ptr, i64, i64, ctypes.c_float, i32])
 
 
 def why_not() -> str | None:

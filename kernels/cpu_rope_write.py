@@ -26,20 +26,9 @@ from . import cpu_build
 SOURCE = Path(__file__).with_name("cpu_rope_write.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
-_functions: dict[Path, object] = {}
-
-
 def _function(build_dir: Path):
-    if build_dir not in _functions:
-        lib = cpu_build.build(SOURCE, build_dir)
-        fn = None
-        if lib is not None:
-            fn = lib.viasd_rope_write
-            ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-            fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i64, i32]
-            fn.restype = i32
-        _functions[build_dir] = fn
-    return _functions[build_dir]
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    return cpu_build.function(SOURCE, build_dir, "viasd_rope_write", [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i64, i32])
 
 
 def why_not() -> str | None:

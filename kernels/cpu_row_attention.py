@@ -31,21 +31,11 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 LANES, MAX_HEAD_DIM, MAX_GROUP = 16, 512, 16  # the C file's limits: head width a multiple of 16, 16 query heads a KV head
 
 
-_functions: dict[Path, object] = {}
-
-
 def _function(build_dir: Path):
-    fn = _functions.get(build_dir)
-    if fn is None and build_dir not in _functions:
-        lib = cpu_build.build(SOURCE, build_dir)
-        if lib is not None:
-            fn = lib.viasd_row_attention
-            i32, i64, ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
-            fn.argtypes = [ptr, i64, i64, ptr, ptr, i32, i32, i32, i32, i32, i64, i32, i32, ptr, i64, ctypes.c_float,
-                           ptr, i32]
-            fn.restype = i32
-        _functions[build_dir] = fn
-    return fn
+    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    return cpu_build.function(SOURCE, build_dir, "viasd_row_attention",
+                              [ptr, i64, i64, ptr, ptr, i32, i32, i32, i32, i32, i64, i32, i32, ptr, i64, ctypes.c_float,
+                               ptr, i32])
 
 
 def why_not() -> str | None:
