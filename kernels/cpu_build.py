@@ -2,9 +2,9 @@
 
 A kernel's C file ships with the package. The first call on a machine compiles it for that CPU
 (`-O3 -march=native`, OpenMP; about a second) into a shared library under the folder the caller
-names, keyed by the source, the flags, the compiler and the CPU, written under a temporary name and
-renamed; later calls load the library. torch.compile's CPU backend compiles its C++ the same way.
-Where there is no compiler or the build fails, `build` returns None with the reason
+names, keyed by the source and the headers beside it, the flags, the compiler and the CPU, written
+under a temporary name and renamed; later calls load the library. torch.compile's CPU backend
+compiles its C++ the same way. Where there is no compiler or the build fails, `build` returns None with the reason
 (`why_not`), and the caller keeps its PyTorch path.
 """
 
@@ -95,7 +95,8 @@ def _build(source: Path, build_dir: Path) -> ctypes.CDLL | None:
         _why_not[source] = "no C compiler found (set CC, or install gcc or clang)"
         return None
     digest = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), _version(cc).encode(), cpu_identity().encode()):
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what the C files include
+    for part in (source.read_bytes(), headers, " ".join(FLAGS).encode(), _version(cc).encode(), cpu_identity().encode()):
         digest.update(part)
         digest.update(b"\0")
     lib = build_dir / f"{source.stem}-{digest.hexdigest()[:16]}.so"

@@ -20,28 +20,14 @@
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "cpu_bf16.h"
 #if defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
 
 #define MAX_BLOCK 64
 #define MAX_GROUP 256
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return 0x7fc0;  /* NaN, as PyTorch rounds it */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* out [N, K] bfloat16 from the packed weight q and scale_and_zero sz. Returns 0, or -1 for
  * arguments it cannot take. */

@@ -19,47 +19,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #define LANES 16
-
-typedef float vf16 __attribute__((vector_size(64)));
-typedef uint16_t vh16 __attribute__((vector_size(32)));
-typedef uint32_t vu16 __attribute__((vector_size(64)));
-
-static inline vf16 load16(const void *base, int64_t at, int dtype) {
-    vf16 out;
-    if (dtype == 0) {
-        memcpy(&out, (const float *)base + at, sizeof out);
-    } else {
-        vh16 h;
-        memcpy(&h, (const uint16_t *)base + at, sizeof h);
-        vu16 u = __builtin_convertvector(h, vu16) << 16;
-        memcpy(&out, &u, sizeof out);
-    }
-    return out;
-}
-
-/* Round to bfloat16, to nearest even (PyTorch's conversion; NaN stays NaN), widened back. */
-static inline vf16 round_bf16(vf16 f) {
-    vu16 u;
-    memcpy(&u, &f, sizeof u);
-    vu16 r = ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) << 16;
-    vu16 nan = (u & 0x7FFFFFFFu) > 0x7F800000u;  /* all ones where NaN */
-    r = (r & ~nan) | ((u | 0x00400000u) & 0xFFFF0000u & nan);
-    vf16 out;
-    memcpy(&out, &r, sizeof out);
-    return out;
-}
-
-static inline void store16(void *base, int64_t at, vf16 f, int dtype) {
-    if (dtype == 0) {
-        memcpy((float *)base + at, &f, sizeof f);
-    } else {
-        vu16 u;
-        memcpy(&u, &f, sizeof u);  /* already a bfloat16 value: its top half */
-        vh16 h = __builtin_convertvector(u >> 16, vh16);
-        memcpy((uint16_t *)base + at, &h, sizeof h);
-    }
-}
 
 static inline float fold(vf16 v) {
     float a[LANES];
@@ -80,9 +42,8 @@ static inline __attribute__((always_inline)) void norm_row(const void *x, const 
     for (int64_t i = 0; i < H; i += LANES) {
         vf16 h = load16(x, r * H + i, dtype) * inv;
         if (dtype == 1)
-            h = round_bf16(h);
-        vf16 y = load16(w, i, dtype) * h;
-        store16(out, r * H + i, dtype == 1 ? round_bf16(y) : y, dtype);
+            h = round_bf16_16(h);
+        store16(out, r * H + i, load16(w, i, dtype) * h, dtype);
     }
 }
 

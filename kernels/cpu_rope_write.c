@@ -17,21 +17,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float widen(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* Round to nearest, ties to even (PyTorch's conversion: NaN becomes its quiet NaN); branch-free, so
- * that the loops below vectorize. */
-static inline uint16_t narrow(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    uint16_t r = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0u : r;
-}
+#include "cpu_bf16.h"
 
 /* y = x * c + roll(x, D / 2) * s over the first half (partner i + D / 2) and the second (i - D / 2) */
 __attribute__((optimize("fp-contract=off")))
@@ -55,14 +41,14 @@ static void rotate_bf16(const uint16_t *restrict x, const uint16_t *restrict c, 
                         uint16_t *restrict y, int D) {
     const int half = D / 2;
     for (int i = 0; i < half; i++) {
-        float a = widen(narrow(widen(x[i]) * widen(c[i])));
-        float b = widen(narrow(widen(x[i + half]) * widen(s[i])));
-        y[i] = narrow(a + b);
+        float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i])));
+        float b = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i + half]) * bf16_to_f32(s[i])));
+        y[i] = f32_to_bf16(a + b);
     }
     for (int i = half; i < D; i++) {
-        float a = widen(narrow(widen(x[i]) * widen(c[i])));
-        float b = widen(narrow(widen(x[i - half]) * widen(s[i])));
-        y[i] = narrow(a + b);
+        float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i])));
+        float b = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i - half]) * bf16_to_f32(s[i])));
+        y[i] = f32_to_bf16(a + b);
     }
 }
 

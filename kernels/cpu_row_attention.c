@@ -23,31 +23,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_bf16.h"
+
 #define LANES 16
 #define MAX_HEAD_DIM 512
 #define MAX_BLOCKS (MAX_HEAD_DIM / LANES)
 #define MAX_GROUP 16
 
-typedef float vf16 __attribute__((vector_size(64)));
 typedef float vf8 __attribute__((vector_size(32)));
 typedef float vf4 __attribute__((vector_size(16)));
-typedef uint16_t vh16 __attribute__((vector_size(32)));
-typedef uint32_t vu16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
-/* 16 values from `base` + offset (float32, or bfloat16 widened exactly) as one vector. */
-static inline vf16 load16(const void *base, int64_t offset, int dtype) {
-    vf16 out;
-    if (dtype == 0) {
-        memcpy(&out, (const float *)base + offset, sizeof out);
-    } else {
-        vh16 h;
-        memcpy(&h, (const uint16_t *)base + offset, sizeof h);
-        vu16 u = __builtin_convertvector(h, vu16) << 16;
-        memcpy(&out, &u, sizeof out);
-    }
-    return out;
-}
 
 /* A vector's 16 lanes added pairwise, halves folded in a fixed order. */
 static inline float fold(vf16 v) {
@@ -55,13 +39,6 @@ static inline float fold(vf16 v) {
     union { vf8 v; vf4 h[2]; } b = {a.h[0] + a.h[1]};
     vf4 c = b.h[0] + b.h[1];
     return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
-/* Round to nearest, ties to even (PyTorch's conversion, for finite values). */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* exp(x) for x <= 0 (a score minus its row's max), 16 lanes at a time: Cephes' expf polynomial,
@@ -205,15 +182,7 @@ static inline __attribute__((always_inline)) void heads(const int B, const int R
     for (int r = 0; r < R; r++) {
         int64_t at = ((int64_t)t * Hq + h0 + r) * D;
         for (int j = 0; j < B; j++) {
-            vf16 o = acc[r][j] / den[r];
-            if (dtype == 0) {
-                memcpy((float *)out + at + j * LANES, &o, sizeof o);
-            } else {  /* f32_to_bf16 on every lane */
-                vu16 u;
-                memcpy(&u, &o, sizeof u);
-                vh16 h = __builtin_convertvector((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, vh16);
-                memcpy((uint16_t *)out + at + j * LANES, &h, sizeof h);
-            }
+            store16(out, at + j * LANES, acc[r][j] / den[r], dtype);
         }
     }
 }

@@ -127,3 +127,19 @@ def test_a_failed_build_leaves_no_file_and_says_why(tmp_path, monkeypatch):
 def test_the_library_is_built_once_and_named_for_this_machine(build_dir):
     libs = [p.name for p in build_dir.iterdir()]
     assert len(libs) == 1 and libs[0].startswith("cpu_row_attention-") and libs[0].endswith(".so")
+
+
+def test_a_header_beside_the_source_is_part_of_the_library_name(tmp_path):
+    """A C file's headers (cpu_bf16.h) change what it compiles to, so they key the build too."""
+    if cpu_build.compiler() is None:
+        assert not os.environ.get("CI"), "CI needs a C compiler for the CPU kernels"
+        pytest.skip("no C compiler here")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "probe.c").write_text('#include "probe.h"\nint viasd_probe(void) { return PROBE; }\n')
+    (src / "probe.h").write_text("#define PROBE 1\n")
+    first = cpu_build.function(src / "probe.c", tmp_path / "one", "viasd_probe", [])
+    (src / "probe.h").write_text("#define PROBE 2\n")
+    second = cpu_build.function(src / "probe.c", tmp_path / "two", "viasd_probe", [])
+    assert (first(), second()) == (1, 2)
+    assert {p.name for p in (tmp_path / "one").iterdir()} != {p.name for p in (tmp_path / "two").iterdir()}
