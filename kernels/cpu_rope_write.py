@@ -40,9 +40,9 @@ class RopeWriter:
     """The kernel bound to one layer's cache (k_cache, v_cache [1, Hkv, S, D], contiguous, on the
     CPU): `writer(q, k, v, cos, sin_signed, pos)` for q [..., T, Hq * D], k and v [..., T, Hkv * D] (one
     pass's rows; copied first where a row is not contiguous), cos and sin_signed [T, D] (contiguous), pos [T] int64 slots, in the cache's dtype:
-    writes rope(k) and v at the slots and returns rope(q) [1, Hq, T, D]. A pass calls it for every
-    layer, so it checks only what a pass can change (the row count and strides) and leaves the
-    slots' range to the kernel."""
+    writes rope(k) and v at the slots and returns rope(q) [1, Hq, T, D], or None (nothing written)
+    where the tensors are not this cache's dtype or shapes. A slot outside the cache is refused by the
+    kernel before anything is written (ValueError)."""
 
     __slots__ = ("fn", "caches", "kc", "vc", "hkv", "s", "d", "dtype", "code")
 
@@ -53,16 +53,18 @@ class RopeWriter:
         self.dtype, self.code = k_cache.dtype, DTYPES[k_cache.dtype]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor,
-                 pos: torch.Tensor) -> torch.Tensor:
+                 pos: torch.Tensor) -> torch.Tensor | None:
         T, d = cos.shape
         hq = q.shape[-1] // d
+        if (q.dtype is not self.dtype or k.dtype is not self.dtype or v.dtype is not self.dtype
+                or cos.dtype is not self.dtype or sin_signed.dtype is not self.dtype or d != self.d
+                or k.shape[-1] != self.hkv * d or q.numel() != T * hq * d or k.numel() != T * self.hkv * d
+                or v.numel() != k.numel() or pos.numel() != T or not (cos.is_contiguous() and sin_signed.is_contiguous())):
+            return None  # not this cache's shapes or dtype: the caller runs the operators
         if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:  # a product's output laid out by column
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        if (q.dtype is not self.dtype or d != self.d
-                or k.shape[-1] != self.hkv * d or pos.dtype is not torch.int64 or q.numel() != T * hq * d
-                or k.numel() != T * self.hkv * d or v.numel() != k.numel()):
-            raise ValueError(f"rope_write bound to [{self.hkv}, {self.s}, {self.d}] {self.dtype} got q {tuple(q.shape)} "
-                             f"{q.dtype}, k {tuple(k.shape)}, cos {tuple(cos.shape)}")
+        if pos.dtype is not torch.int64 or not pos.is_contiguous():
+            pos = pos.to(torch.int64).contiguous()
         out = torch.empty(1, hq, T, d, dtype=self.dtype)
         if self.fn(q.data_ptr(), q.stride(-2), k.data_ptr(), k.stride(-2), v.data_ptr(), v.stride(-2), cos.data_ptr(),
                    sin_signed.data_ptr(), pos.data_ptr(), out.data_ptr(), self.kc, self.vc, T, hq, self.hkv, d,

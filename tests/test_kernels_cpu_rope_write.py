@@ -84,10 +84,12 @@ def test_what_it_does_not_take_is_refused(build_dir):
     writer = rw.bind(k, v, build_dir=build_dir)
     fused, cos, sin = case(4, 2, 16, 2, torch.float32, seed=1)
     q, kk, vv = fused.split((64, 32, 32), dim=-1)
-    with pytest.raises(ValueError, match="bound to"):
-        writer(q.to(torch.bfloat16), kk, vv, cos, sin, torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match="bound to"):
-        writer(q, kk, vv, cos, sin, torch.tensor([0, 1], dtype=torch.int32))
+    before = k.clone()
+    assert writer(q.to(torch.bfloat16), kk, vv, cos, sin, torch.tensor([0, 1])) is None  # another dtype
+    assert writer(q, kk[..., :16], vv, cos, sin, torch.tensor([0, 1])) is None  # not this cache's heads
+    assert torch.equal(k, before)  # nothing written
+    int32 = writer(q, kk, vv, cos, sin, torch.tensor([0, 1], dtype=torch.int32))  # slots of another integer type
+    assert torch.equal(int32, writer(q, kk, vv, cos, sin, torch.tensor([0, 1])))
     before = k.clone()
     with pytest.raises(ValueError, match="outside the cache"):
         writer(q, kk, vv, cos, sin, torch.tensor([3, 8]))

@@ -359,13 +359,14 @@ class FastModel(attention.CachedPositions, TreePasses):
             q, k, v = c.q(h), c.k(h), c.v(h)
         layer_cache = self.cache.layers[ci]
         # On CPU, eager: RoPE and the cache writes in one call, bit for bit the operators below
-        # (viasd_kernels.cpu_rope_write); None where it does not apply (Qwen3's per-head norms come first)
-        writer = None
+        # (viasd_kernels.cpu_rope_write); the operators where it does not apply (Qwen3's per-head norms
+        # come first) or does not take these tensors
+        rotated = writer = None
         if c.q_norm is None and self.device.type == "cpu" and not torch.compiler.is_compiling():
             writer = self._rope_writer(layer_cache)
-        if writer is not None:
-            q = writer(q, k, v, cos, sin, pos)
-            k_cache, v_cache = writer.caches
+            rotated = None if writer is None else writer(q, k, v, cos, sin, pos)
+        if rotated is not None:
+            q, (k_cache, v_cache) = rotated, writer.caches
         else:
             q = q.view(1, T, s.n_heads, s.head_dim)
             k = k.view(1, T, s.n_kv_heads, s.head_dim)
