@@ -96,7 +96,8 @@ def _build(source: Path, build_dir: Path) -> ctypes.CDLL | None:
         return None
     digest = hashlib.sha256()
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what the C files include
-    for part in (source.read_bytes(), headers, " ".join(FLAGS).encode(), _version(cc).encode(), cpu_identity().encode()):
+    for part in (source.read_bytes(), headers, " ".join(FLAGS).encode(), _version(cc).encode(),
+                 cpu_identity().encode()):
         digest.update(part)
         digest.update(b"\0")
     lib = build_dir / f"{source.stem}-{digest.hexdigest()[:16]}.so"

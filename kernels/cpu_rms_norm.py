@@ -27,6 +27,7 @@ SOURCE = Path(__file__).with_name("cpu_rms_norm.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 LANES = 16  # the C file's limit: the width a multiple of 16
 
+
 def _function(build_dir: Path):
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     return cpu_build.function(SOURCE, build_dir, "viasd_rms_norm", [ptr, ptr, ptr, i64, i64, ctypes.c_float, i32])
@@ -50,7 +51,8 @@ class Norm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype or x.device.type != "cpu" or x.shape[-1] != self.h:
-            raise ValueError(f"RMSNorm kernel bound to [{self.h}] {self.dtype} got {tuple(x.shape)} {x.dtype} on {x.device}")
+            raise ValueError(f"RMSNorm kernel bound to [{self.h}] {self.dtype} got {tuple(x.shape)} {x.dtype} "
+                             f"on {x.device}")
         x = x.contiguous()
         out = torch.empty_like(x)
         if self.fn(x.data_ptr(), self.ptr, out.data_ptr(), x.numel() // self.h, self.h, self.eps, self.code) != 0:

@@ -26,9 +26,12 @@ from . import cpu_build
 SOURCE = Path(__file__).with_name("cpu_rope_write.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
+
 def _function(build_dir: Path):
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    return cpu_build.function(SOURCE, build_dir, "viasd_rope_write", [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr, i32, i32, i32, i32, i64, i32])
+    return cpu_build.function(SOURCE, build_dir, "viasd_rope_write",
+                              [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, ptr,
+                               i32, i32, i32, i32, i64, i32])
 
 
 def why_not() -> str | None:
@@ -38,9 +41,10 @@ def why_not() -> str | None:
 
 class RopeWriter:
     """The kernel bound to one layer's cache (k_cache, v_cache [1, Hkv, S, D], contiguous, on the
-    CPU): `writer(q, k, v, cos, sin_signed, pos)` for q [..., T, Hq * D], k and v [..., T, Hkv * D] (one
-    pass's rows; copied first where a row is not contiguous), cos and sin_signed [T, D] (contiguous), pos [T] int64 slots, in the cache's dtype:
-    writes rope(k) and v at the slots and returns rope(q) [1, Hq, T, D], or None (nothing written)
+    CPU): `writer(q, k, v, cos, sin_signed, pos)` for q [..., T, Hq * D], k and v [..., T, Hkv * D]
+    (one pass's rows; copied first where a row is not contiguous), cos and sin_signed [T, D]
+    (contiguous), pos [T] slots, in the cache's dtype: writes rope(k) and v at the slots and returns
+    rope(q) [1, Hq, T, D], or None (nothing written)
     where the tensors are not this cache's dtype or shapes. A slot outside the cache is refused by the
     kernel before anything is written (ValueError)."""
 
@@ -59,7 +63,8 @@ class RopeWriter:
         if (q.dtype is not self.dtype or k.dtype is not self.dtype or v.dtype is not self.dtype
                 or cos.dtype is not self.dtype or sin_signed.dtype is not self.dtype or d != self.d
                 or k.shape[-1] != self.hkv * d or q.numel() != T * hq * d or k.numel() != T * self.hkv * d
-                or v.numel() != k.numel() or pos.numel() != T or not (cos.is_contiguous() and sin_signed.is_contiguous())):
+                or v.numel() != k.numel() or pos.numel() != T
+                or not (cos.is_contiguous() and sin_signed.is_contiguous())):
             return None  # not this cache's shapes or dtype: the caller runs the operators
         if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:  # a product's output laid out by column
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -69,7 +74,8 @@ class RopeWriter:
         if self.fn(q.data_ptr(), q.stride(-2), k.data_ptr(), k.stride(-2), v.data_ptr(), v.stride(-2), cos.data_ptr(),
                    sin_signed.data_ptr(), pos.data_ptr(), out.data_ptr(), self.kc, self.vc, T, hq, self.hkv, d,
                    self.s, self.code) != 0:
-            raise ValueError(f"rope_write refused its arguments: a slot outside the cache of {self.s} (pos {pos.tolist()})")
+            raise ValueError(f"rope_write refused its arguments: a slot outside the cache of {self.s} "
+                             f"(pos {pos.tolist()})")
         return out
 
 

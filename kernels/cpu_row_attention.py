@@ -34,8 +34,8 @@ LANES, MAX_HEAD_DIM, MAX_GROUP = 16, 512, 16  # the C file's limits: head width 
 def _function(build_dir: Path):
     ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     return cpu_build.function(SOURCE, build_dir, "viasd_row_attention",
-                              [ptr, i64, i64, ptr, ptr, i32, i32, i32, i32, i32, i64, i32, i32, ptr, i64, ctypes.c_float,
-                               ptr, i32])
+                              [ptr, i64, i64, ptr, ptr, i32, i32, i32, i32, i32, i64, i32, i32, ptr, i64,
+                               ctypes.c_float, ptr, i32])
 
 
 def why_not() -> str | None:

@@ -100,6 +100,9 @@ def test_norm_call_takes_the_kernel_for_transformers_rmsnorm(build_dir, monkeypa
     calls.clear()
     assert torch.equal(call(x.float() if dtype == torch.bfloat16 else x.to(torch.bfloat16)),
                        module.forward(x.float() if dtype == torch.bfloat16 else x.to(torch.bfloat16)))  # another dtype
+    x_grad = x.clone().requires_grad_(True)  # the kernel has no backward: the module keeps autograd working
+    got_grad = call(x_grad)
+    assert got_grad.grad_fn is not None and calls == []
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert torch.equal(call(x), module.forward(x))  # traced: the module's forward
     monkeypatch.undo()

@@ -44,7 +44,8 @@ def case(hq: int, hkv: int, d: int, T: int, dtype: torch.dtype, seed: int):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 2, 32), (8, 8, 128), (2, 1, 6)], ids=lambda s: "Hq{}kv{}D{}".format(*s))
+@pytest.mark.parametrize("shape", [(9, 3, 64), (4, 2, 32), (8, 8, 128), (2, 1, 6)],
+                         ids=lambda s: "Hq{}kv{}D{}".format(*s))
 @pytest.mark.parametrize("T", [1, 5, 17])
 def test_kernel_is_the_operators_bit_for_bit(build_dir, dtype, shape, T):
     hq, hkv, d = shape
@@ -56,7 +57,8 @@ def test_kernel_is_the_operators_bit_for_bit(build_dir, dtype, shape, T):
         c.k.copy_(torch.full_like(c.k, 0.5))
         c.v.copy_(torch.full_like(c.v, -0.5))
     want_q = apply_rope(q.view(1, T, hq, d).transpose(1, 2), cos, sin)
-    want_cache.update(pos, apply_rope(k.view(1, T, hkv, d).transpose(1, 2), cos, sin), v.view(1, T, hkv, d).transpose(1, 2))
+    want_cache.update(pos, apply_rope(k.view(1, T, hkv, d).transpose(1, 2), cos, sin),
+                      v.view(1, T, hkv, d).transpose(1, 2))
     writer = rw.bind(got_cache.k, got_cache.v, build_dir=build_dir)
     def by_column(x):  # [T, W] laid out column by column, as the blocked float32 product returns it
         return x.contiguous()[0].t().contiguous().t()

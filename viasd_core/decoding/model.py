@@ -399,7 +399,8 @@ class FastModel(attention.CachedPositions, TreePasses):
         else:
             weight = self.norm._parameters.get("weight")
             runs = weight is not None and cpu_rms_norm.bind(weight.detach(), 1e-6, build_dir=paths.kernel_dir())
-            why = "not the formula the kernel computes" if runs else cpu_rms_norm.why_not() or "a weight it does not take"
+            why = ("not the formula the kernel computes" if runs
+                   else cpu_rms_norm.why_not() or "a weight it does not take")
             norm = f"RMSNorm through the module ({why})"
         if any(c.q_norm is not None for c in self._calls):
             rope = "RoPE through operators (per-head norms come first)"

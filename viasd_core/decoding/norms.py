@@ -7,8 +7,8 @@ returns the callable the pass uses instead of `module.forward`: viasd_kernels.cp
 the module's weight where the module is a CPU RMSNorm whose output the kernel reproduces on a probe
 (within a rounding step: the kernel sums the squares in its own order), else the module's own
 forward (other norms, such as Gemma's `1 + weight`, other devices, a kernel that cannot be built).
-Traced passes (torch.compile) and inputs of another dtype call the module, as does a module whose
-weight was replaced after the call was made.
+Traced passes (torch.compile), inputs of another dtype and inputs that need gradients (the kernel
+has no backward) call the module, as does a module whose weight was replaced after the call was made.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def norm_call(module: torch.nn.Module) -> Call:
     dtype, forward = norm.dtype, module.forward
 
     def call(x: torch.Tensor) -> torch.Tensor:
-        if x.dtype is not dtype or params["weight"] is not weight or torch.compiler.is_compiling():
+        if (x.dtype is not dtype or params["weight"] is not weight or x.requires_grad
+                or torch.compiler.is_compiling()):
             return forward(x)
         return norm(x)
 
