@@ -7,7 +7,8 @@
  * row takes it through AVX-512 BF16's pair dot product (vdpbf16ps: two bfloat16 products summed into
  * a float32 lane), which does twice the float32 multiply-adds an instruction.
  *
- * int4 (PyTorch's CPU layout, blocks of 64 outputs; scale_and_zero [K / group, N, 2] bfloat16):
+ * int4 (PyTorch's CPU layout, blocks of 64 outputs; the scales and zeros block by block, [N / 64,
+ * K / group, 64, 2] bfloat16: cpu_packed_mm.py lays PyTorch's [K / group, N, 2] out so at bind time):
  * the weight is (q - 8) * scale + zero per group of `group` inputs. q - 8 is a small integer, exact in
  * bfloat16, so a row's output is computed group by group as
  *
@@ -19,6 +20,14 @@
  * and rounded once to bfloat16. int8 (weight [N, K] int8, one bfloat16 scale an output): each output
  * is the dot product of the row with the output's weights, 32 inputs a step into 16 float32 lanes
  * (vdpbf16ps), the lanes summed in a fixed tree, times the scale, rounded once.
+ *
+ * A 1-token pass is bound by memory, not arithmetic: the weights stream once and nothing else should
+ * stall them. In PyTorch's layout a block's scales sit one group every N * 4 bytes apart (a page
+ * apart for N >= 1024), a demand miss and a page walk for every group of every block; laid out block
+ * by block they are a second sequential stream. Passes of more rows do enough arithmetic a line for
+ * the hardware's prefetcher to fall behind: their first rows ask for the weights 4 KB ahead
+ * (docs/benchmarks.md section 33 measured both). The int8 products ask for their weights 4 tiles ahead
+ * in every pass.
  *
  * A row's arithmetic depends only on the row and the weights: the same instructions in the same
  * order whether the pass holds 1 or 16 rows and whichever thread runs its outputs (threads split the
@@ -41,6 +50,7 @@
 #define MAX_ROWS 16
 #define BLOCK 64          /* outputs a block of PyTorch's AVX-512 int4 layout */
 #define MAX_GROUP 256
+#define PREFETCH 4096   /* bytes ahead that a pass of several rows asks for its int4 weights */
 
 int viasd_packed_mm_available(void) {
 #ifdef VIASD_PACKED
@@ -121,6 +131,8 @@ static inline __attribute__((always_inline)) void int4_rows(int R, const int32_t
     for (int64_t p = 0; p < pairs; p++) {
         if (rows) {
             __m512i w[4];
+            if (R > 1)  /* passes of one row stream faster without (measured) */
+                _mm_prefetch((const char *)(rows + p * 64 + PREFETCH), _MM_HINT_T0);
             int4_pair(rows + p * 64, consts[0], consts[1], consts[2], w);
             if (keep)
                 for (int s = 0; s < 4; s++)
@@ -156,7 +168,7 @@ static inline void store_bf16(const float *tot, int64_t M, uint16_t *out, int64_
 #endif
 
 /* out [M, N] bfloat16 = x [M, K] bfloat16 times the int4 weight (q [N, K / 2] uint8 in blocks of 64
- * outputs, sz [K / group, N, 2] bfloat16). Returns 0; -1 for arguments it does not take; -2 where
+ * outputs, sz [N / 64, K / group, 64, 2] bfloat16). Returns 0; -1 for arguments it does not take; -2 where
  * the build has no AVX-512 BF16; -3 out of memory. */
 int viasd_int4_mm(const uint16_t *x, const uint8_t *q, const uint16_t *sz, int64_t M, int64_t N, int64_t K,
                   int64_t group, uint16_t *out, int threads) {
@@ -201,7 +213,7 @@ int viasd_int4_mm(const uint16_t *x, const uint8_t *q, const uint16_t *sz, int64
             for (int64_t r = 0; r < M; r++)
                 xg[r] = (const int32_t *)(x + r * K + g * group);
             const uint8_t *rows = q + (nb * K + g * group) * (BLOCK / 2);
-            const uint16_t *gsz = sz + (g * N + nb * BLOCK) * 2;
+            const uint16_t *gsz = sz + (nb * groups + g) * BLOCK * 2;
             float xsg[MAX_ROWS];
             for (int64_t r = 0; r < M; r++)
                 xsg[r] = xsums[r * groups + g];
@@ -238,6 +250,7 @@ static inline __attribute__((always_inline)) void int8_rows(int R, const uint16_
                 w[j] = _mm512_setzero_si512();
             } else if (src) {
                 const int8_t *at = src + j * K + k;
+                _mm_prefetch((const char *)(at + 4 * OUTS * K), _MM_HINT_T0);  /* 4 tiles ahead (measured) */
                 __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)at)));
                 __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(at + 16))));
                 w[j] = (__m512i)_mm512_cvtne2ps_pbh(b, a);  /* inputs k .. k + 31 in order, exact */

@@ -59,14 +59,17 @@ def why_not(build_dir: Path) -> str | None:
 class Bound:
     """One layer's short-pass product, bound once to its weight: `bound(x)` for x [M, K] bfloat16,
     contiguous, 1 <= M <= MAX_ROWS -> [M, N] bfloat16. A pass calls it for every layer, so it does no
-    more than allocate the output and call the kernel; `weights` are the tensors it reads (the
-    caller binds again if its tensors are replaced)."""
+    more than allocate the output and call the kernel; `weights` are the layer's tensors it was bound
+    to (the caller binds again if they are replaced), `reads` what the kernel reads (the weights, or
+    copies of them laid out for it)."""
 
-    __slots__ = ("fn", "weights", "ptrs", "n", "k", "tail")
+    __slots__ = ("fn", "weights", "reads", "ptrs", "n", "k", "tail")
 
-    def __init__(self, fn, weights: tuple[torch.Tensor, torch.Tensor], tail: tuple[int, ...]):
+    def __init__(self, fn, weights: tuple[torch.Tensor, torch.Tensor], tail: tuple[int, ...],
+                 reads: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.fn, self.weights, self.tail = fn, weights, tail
-        self.ptrs = tuple(w.data_ptr() for w in weights)
+        self.reads = weights if reads is None else reads
+        self.ptrs = tuple(w.data_ptr() for w in self.reads)
         self.n = weights[0].shape[0]
         self.k = weights[0].shape[1] * (2 if weights[0].dtype == torch.uint8 else 1)
 
@@ -84,14 +87,25 @@ def bind_int4(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, blo
               build_dir: Path) -> Bound | None:
     """The short-pass product of a CPU int4 weight (qdata [N, K / 2] uint8 in PyTorch's layout with
     blocks of `block` outputs, scale_and_zero [K / group, N, 2] bfloat16, contiguous), or None where
-    the kernel does not take it or cannot run here."""
+    the kernel does not take it or cannot run here. The kernel reads a copy of the scales laid out
+    block by block (`scales_by_block`: K * N * 4 / group bytes more, a quarter of the weight's at group
+    32), which a 1-token pass streams instead of missing on one every group (cpu_packed_mm.c)."""
     n, k = qdata.shape[0], qdata.shape[1] * 2
     takes = (qdata.device.type == "cpu" and qdata.dtype == torch.uint8 and qdata.is_contiguous() and block == BLOCK
              and n % BLOCK == 0 and 0 < group <= MAX_GROUP and group % 2 == 0 and k % group == 0
              and scale_and_zero.dtype == torch.bfloat16 and scale_and_zero.is_contiguous()
              and tuple(scale_and_zero.shape) == (k // group, n, 2))
     fns = _functions_for(build_dir) if takes else None
-    return None if fns is None else Bound(fns[0], (qdata, scale_and_zero), (group,))
+    if fns is None:
+        return None
+    return Bound(fns[0], (qdata, scale_and_zero), (group,), (qdata, scales_by_block(scale_and_zero, BLOCK)))
+
+
+def scales_by_block(scale_and_zero: torch.Tensor, block: int) -> torch.Tensor:
+    """PyTorch's int4 scales [K / group, N, 2] laid out as the kernel reads them: [N / block,
+    K / group, block, 2], each block's groups one after another."""
+    groups, n, _ = scale_and_zero.shape
+    return scale_and_zero.view(groups, n // block, block, 2).permute(1, 0, 2, 3).contiguous()
 
 
 def bind_int8(qdata: torch.Tensor, scale: torch.Tensor, *, build_dir: Path) -> Bound | None:

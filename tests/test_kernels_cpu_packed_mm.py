@@ -111,6 +111,20 @@ def test_int8_is_its_reference_and_rows_do_not_depend_on_the_pass(build_dir, sha
     rows_alone_equal(bound, x)
 
 
+def test_int4_scales_are_read_block_by_block(build_dir):
+    """The kernel reads a copy of the scales with each block's groups together; the layer's own
+    tensors stay what it was bound to (PackedLinear binds again when they are replaced)."""
+    values, qdata, sz = int4_case(192, 128, 32, seed=5)
+    by_block = pm.scales_by_block(sz, pm.BLOCK)
+    assert by_block.shape == (3, 4, 64, 2) and by_block.is_contiguous()
+    for b in range(3):
+        for g in range(4):
+            assert torch.equal(by_block[b, g], sz[g, b * 64 : (b + 1) * 64])
+    bound = pm.bind_int4(qdata, 32, sz, 64, build_dir=build_dir)
+    assert bound.weights[1] is sz and torch.equal(bound.reads[1], by_block)
+    assert bound.ptrs == (qdata.data_ptr(), bound.reads[1].data_ptr())
+
+
 def test_what_it_does_not_take_is_refused(build_dir):
     values, qdata, sz = int4_case(128, 64, 32, seed=4)
     bd = build_dir
