@@ -25,9 +25,9 @@
  * stall them. In PyTorch's layout a block's scales sit one group every N * 4 bytes apart (a page
  * apart for N >= 1024), a demand miss and a page walk for every group of every block; laid out block
  * by block they are a second sequential stream. Passes of more rows do enough arithmetic a line for
- * the hardware's prefetcher to fall behind: their first rows ask for the weights 4 KB ahead
- * (docs/benchmarks.md section 33 measured both). The int8 products ask for their weights 4 tiles ahead
- * in every pass.
+ * the hardware's prefetcher to fall behind, so the int4 products ask for their weights 4 KB ahead
+ * (a 6-row pass's products ~12% faster, a 1-row pass's unchanged) and the int8 ones 4 tiles ahead
+ * (docs/benchmarks.md section 33).
  *
  * A row's arithmetic depends only on the row and the weights: the same instructions in the same
  * order whether the pass holds 1 or 16 rows and whichever thread runs its outputs (threads split the
@@ -50,7 +50,7 @@
 #define MAX_ROWS 16
 #define BLOCK 64          /* outputs a block of PyTorch's AVX-512 int4 layout */
 #define MAX_GROUP 256
-#define PREFETCH 4096   /* bytes ahead that a pass of several rows asks for its int4 weights */
+#define PREFETCH 4096   /* bytes ahead that the int4 products ask for their weights */
 
 int viasd_packed_mm_available(void) {
 #ifdef VIASD_PACKED
@@ -131,8 +131,7 @@ static inline __attribute__((always_inline)) void int4_rows(int R, const int32_t
     for (int64_t p = 0; p < pairs; p++) {
         if (rows) {
             __m512i w[4];
-            if (R > 1)  /* passes of one row stream faster without (measured) */
-                _mm_prefetch((const char *)(rows + p * 64 + PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(rows + p * 64 + PREFETCH), _MM_HINT_T0);
             int4_pair(rows + p * 64, consts[0], consts[1], consts[2], w);
             if (keep)
                 for (int s = 0; s < 4; s++)
