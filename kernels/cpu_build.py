@@ -73,7 +73,9 @@ _functions: dict[tuple[Path, Path, str], object] = {}
 def function(source: Path, build_dir: Path, name: str, argtypes: list, restype=ctypes.c_int):
     """C function `name` of the library built from `source` (see `build`), with its argument and
     result types set, or None where the library cannot be built here."""
-    key = (Path(source), Path(build_dir), name)
+    # Asked for at every call of some kernels (row attention): Path() of a Path costs ~2 us
+    key = (source if isinstance(source, Path) else Path(source),
+           build_dir if isinstance(build_dir, Path) else Path(build_dir), name)
     if key not in _functions:
         lib = build(source, build_dir)
         fn = None

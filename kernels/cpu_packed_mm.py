@@ -57,8 +57,8 @@ def why_not(build_dir: Path) -> str | None:
 
 
 class Bound:
-    """One layer's short-pass product, bound once to its weight: `bound(x)` for x [M, K] bfloat16,
-    contiguous, 1 <= M <= MAX_ROWS -> [M, N] bfloat16. A pass calls it for every layer, so it does no
+    """One layer's short-pass product, bound once to its weight: `bound(x)` for x [..., K] bfloat16,
+    contiguous, of 1 to MAX_ROWS rows -> [..., N] bfloat16. A pass calls it for every layer, so it does no
     more than allocate the output and call the kernel; `weights` are the layer's tensors it was bound
     to (the caller binds again if they are replaced), `reads` what the kernel reads (the weights, or
     copies of them laid out for it)."""
@@ -74,8 +74,11 @@ class Bound:
         self.k = weights[0].shape[1] * (2 if weights[0].dtype == torch.uint8 else 1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        m = x.shape[0]
-        out = torch.empty(m, self.n, dtype=torch.bfloat16)
+        """x [..., K] -> [..., N]"""
+        if x.shape[-1] != self.k:
+            raise ValueError(f"the packed product takes rows of {self.k} inputs, not {x.shape[-1]}")
+        m = x.numel() // self.k
+        out = torch.empty(*x.shape[:-1], self.n, dtype=torch.bfloat16)
         rc = self.fn(x.data_ptr(), *self.ptrs, m, self.n, self.k, *self.tail, out.data_ptr(), torch.get_num_threads())
         if rc != 0:
             why = "out of memory" if rc == -3 else f"arguments it does not take (code {rc})"

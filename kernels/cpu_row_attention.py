@@ -31,11 +31,13 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 LANES, MAX_HEAD_DIM, MAX_GROUP = 16, 512, 16  # the C file's limits: head width a multiple of 16, 16 query heads a KV head
 
 
+_ptr, _i32, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+ARGTYPES = [_ptr, _i64, _i64, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _i64, _i32, _i32, _ptr, _i64, ctypes.c_float, _ptr,
+            _i32]
+
+
 def _function(build_dir: Path):
-    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    return cpu_build.function(SOURCE, build_dir, "viasd_row_attention",
-                              [ptr, i64, i64, ptr, ptr, i32, i32, i32, i32, i32, i64, i32, i32, ptr, i64,
-                               ctypes.c_float, ptr, i32])
+    return cpu_build.function(SOURCE, build_dir, "viasd_row_attention", ARGTYPES)
 
 
 def why_not() -> str | None:

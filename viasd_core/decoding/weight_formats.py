@@ -249,15 +249,18 @@ class PackedLinear(torch.nn.Module):
         # (nn.Module.__getattr__ costs ~0.7 us a name), and nothing is done that a pass does not need.
         qdata, scale = self._buffers["qdata"], self._buffers["scale"]
         bias = self._parameters.get("bias")
+        if (x.dtype == torch.bfloat16 and not x.is_cuda and x.numel() <= self.in_features * cpu_packed_mm.MAX_ROWS
+                and not torch.compiler.is_compiling() and (short := self._short_product(qdata, scale)) is not None):
+            y = short(x.contiguous())  # [..., N]: a pass's product without reshapes (~2 us of its ~8)
+            if short.n != self.out_features:
+                y = y[..., : self.out_features]
+            return y if bias is None else y + bias
         x2 = x.reshape(-1, self.in_features)
         dense = None
         if x2.shape[0] >= DENSE_PREFILL_ROWS and qdata.is_cpu:
             dense = self.held if self.holding else self.widened(dense_dtype(x2.dtype))
         if dense is not None:
             y = torch.nn.functional.linear(x2.to(dense.dtype), dense).to(x2.dtype)
-        elif (not x2.is_cuda and x2.dtype == torch.bfloat16 and x2.shape[0] <= cpu_packed_mm.MAX_ROWS
-              and not torch.compiler.is_compiling() and (short := self._short_product(qdata, scale)) is not None):
-            y = short(x2.contiguous())
         elif self.kind == "int8":
             y = _int8_mm(x2.contiguous(), qdata, scale)
         else:
