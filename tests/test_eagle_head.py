@@ -370,3 +370,29 @@ def test_save_writes_the_published_layout_atomically_and_round_trips(tmp_path, t
     ids = torch.randint(3, VOCAB, (6,), generator=torch.Generator().manual_seed(12))
     feats = target_features(target, ids)
     assert torch.equal(again.forward(ids, feats, 0)[0], head.forward(ids, feats, 0)[0])
+
+
+def test_drafting_norms_take_the_norm_kernel_and_agree_with_the_modules(tmp_path, target):
+    """After `allocate`, a bfloat16 head's four RMSNorms run as norms.norm_call makes them (the C
+    kernel where it builds here); its drafts agree with the modules' within a bfloat16 step's drift."""
+    from viasd_kernels import cpu_rms_norm
+    from viasd_core import paths
+
+    head = load_feature_head(write_head(tmp_path / "head", published_tensors(seed=4)), target.config,
+                             embed=target.get_input_embeddings(), max_len=32)
+    head.to(torch.bfloat16)
+    head.allocate(32)
+    norms = head.__dict__["_norms"]
+    layer = head.midlayer
+    assert set(norms) == {layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, head.norm}
+    kernel = cpu_rms_norm.bind(head.norm.weight.detach(), 1e-5, build_dir=paths.kernel_dir()) is not None
+    assert all((call != module.forward) == kernel for module, call in norms.items())
+    ids = torch.randint(3, VOCAB, (10,), generator=torch.Generator().manual_seed(5))
+    feats = target_features(target, ids)[:-1].to(torch.bfloat16)
+    got, hidden = head.forward(ids[1:], feats, 0)
+    head.__dict__["_norms"] = {}  # the modules' forward
+    head.reset()
+    want, want_hidden = head.forward(ids[1:], feats, 0)
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
+    torch.testing.assert_close(hidden, want_hidden, rtol=0.05, atol=0.05)
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
