@@ -61,19 +61,38 @@ class RopeWriter:
         T, d = cos.shape
         hq = q.shape[-1] // d
         if (q.dtype is not self.dtype or k.dtype is not self.dtype or v.dtype is not self.dtype
-                or cos.dtype is not self.dtype or sin_signed.dtype is not self.dtype or d != self.d
                 or k.shape[-1] != self.hkv * d or q.numel() != T * hq * d or k.numel() != T * self.hkv * d
-                or v.numel() != k.numel() or pos.numel() != T
-                or not (cos.is_contiguous() and sin_signed.is_contiguous())):
+                or v.numel() != k.numel()):
             return None  # not this cache's shapes or dtype: the caller runs the operators
         if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:  # a product's output laid out by column
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        return self._run(q.data_ptr(), q.stride(-2), k.data_ptr(), k.stride(-2), v.data_ptr(), v.stride(-2), hq, cos,
+                         sin_signed, pos)
+
+    def fused(self, qkv: torch.Tensor, widths: tuple[int, int, int], cos: torch.Tensor, sin_signed: torch.Tensor,
+              pos: torch.Tensor) -> torch.Tensor | None:
+        """As the call, for q, k and v side by side in one product's output qkv [..., T, widths summed]
+        (fused_projections): the kernel reads them in place, no views made (a pass's split cost ~3 us
+        a layer)."""
+        T, d = cos.shape
+        wq, wk, wv = widths
+        if (qkv.dtype is not self.dtype or not qkv.is_contiguous() or qkv.shape[-1] != wq + wk + wv
+                or wk != self.hkv * d or wv != wk or wq % d or qkv.numel() != T * qkv.shape[-1]):
+            return None
+        step, ptr, size = qkv.shape[-1], qkv.data_ptr(), qkv.element_size()
+        return self._run(ptr, step, ptr + wq * size, step, ptr + (wq + wk) * size, step, wq // d, cos, sin_signed, pos)
+
+    def _run(self, q: int, q_step: int, k: int, k_step: int, v: int, v_step: int, hq: int, cos: torch.Tensor,
+             sin_signed: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
+        T, d = cos.shape
+        if (cos.dtype is not self.dtype or sin_signed.dtype is not self.dtype or d != self.d or pos.numel() != T
+                or not (cos.is_contiguous() and sin_signed.is_contiguous())):
+            return None
         if pos.dtype is not torch.int64 or not pos.is_contiguous():
             pos = pos.to(torch.int64).contiguous()
         out = torch.empty(1, hq, T, d, dtype=self.dtype)
-        if self.fn(q.data_ptr(), q.stride(-2), k.data_ptr(), k.stride(-2), v.data_ptr(), v.stride(-2), cos.data_ptr(),
-                   sin_signed.data_ptr(), pos.data_ptr(), out.data_ptr(), self.kc, self.vc, T, hq, self.hkv, d,
-                   self.s, self.code) != 0:
+        if self.fn(q, q_step, k, k_step, v, v_step, cos.data_ptr(), sin_signed.data_ptr(), pos.data_ptr(), out.data_ptr(),
+                   self.kc, self.vc, T, hq, self.hkv, d, self.s, self.code) != 0:
             raise ValueError(f"rope_write refused its arguments: a slot outside the cache of {self.s} "
                              f"(pos {pos.tolist()})")
         return out

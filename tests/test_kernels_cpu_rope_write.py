@@ -71,6 +71,10 @@ def test_kernel_is_the_operators_bit_for_bit(build_dir, dtype, shape, T):
         assert got_q.shape == (1, hq, T, d) and got_q.dtype == dtype
         assert torch.equal(got_q, want_q)
         assert torch.equal(got_cache.k, want_cache.k) and torch.equal(got_cache.v, want_cache.v)
+    got_cache.k.fill_(0.5)  # q, k and v read in place from the fused product's output
+    got_cache.v.fill_(-0.5)
+    assert torch.equal(writer.fused(fused, (hq * d, hkv * d, hkv * d), cos, sin, pos), want_q)
+    assert torch.equal(got_cache.k, want_cache.k) and torch.equal(got_cache.v, want_cache.v)
 
 
 def test_what_it_does_not_take_is_refused(build_dir):
@@ -89,6 +93,10 @@ def test_what_it_does_not_take_is_refused(build_dir):
     before = k.clone()
     assert writer(q.to(torch.bfloat16), kk, vv, cos, sin, torch.tensor([0, 1])) is None  # another dtype
     assert writer(q, kk[..., :16], vv, cos, sin, torch.tensor([0, 1])) is None  # not this cache's heads
+    assert writer.fused(fused, (64, 16, 48), cos, sin, torch.tensor([0, 1])) is None  # not this cache's heads
+    assert writer.fused(fused, (64, 32, 16), cos, sin, torch.tensor([0, 1])) is None  # widths not the output's
+    assert writer.fused(fused[..., :-1], (64, 32, 31), cos, sin, torch.tensor([0, 1])) is None  # rows not contiguous
+    assert writer.fused(fused.to(torch.bfloat16), (64, 32, 32), cos, sin, torch.tensor([0, 1])) is None
     assert torch.equal(k, before)  # nothing written
     int32 = writer(q, kk, vv, cos, sin, torch.tensor([0, 1], dtype=torch.int32))  # slots of another integer type
     assert torch.equal(int32, writer(q, kk, vv, cos, sin, torch.tensor([0, 1])))
@@ -116,8 +124,8 @@ def test_passes_are_bit_for_bit_with_and_without_the_kernel(build_dir, monkeypat
     ids = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(4))
     fast = FastModel(model, max_len=64)
     calls = []
-    real = rw.RopeWriter.__call__
-    monkeypatch.setattr(rw.RopeWriter, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    real = rw.RopeWriter._run  # what the call and `fused` (a fused q/k/v product's output) both run
+    monkeypatch.setattr(rw.RopeWriter, "_run", lambda self, *a: calls.append(1) or real(self, *a))
     with_kernel = every_kind_of_pass(fast, ids)
     assert calls or family == "qwen3"  # Qwen3's per-head norms keep the operators
     monkeypatch.setattr(FastModel, "_rope_writer", staticmethod(lambda layer_cache: None))

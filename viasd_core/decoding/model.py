@@ -353,17 +353,20 @@ class FastModel(attention.CachedPositions, TreePasses):
         T = x.shape[1]
         c = self._calls[ci]
         h = c.input_norm(x)
-        if c.qkv is not None:
-            q, k, v = c.qkv(h).split(c.qkv_split, dim=-1)
-        else:
-            q, k, v = c.q(h), c.k(h), c.v(h)
         layer_cache = self.cache.layers[ci]
         # On CPU, eager: RoPE and the cache writes in one call, bit for bit the operators below
-        # (viasd_kernels.cpu_rope_write); the operators where it does not apply (Qwen3's per-head norms
-        # come first) or does not take these tensors
+        # (viasd_kernels.cpu_rope_write; fused q/k/v read in place); the operators where it does not
+        # apply (Qwen3's per-head norms come first) or does not take these tensors
         rotated = writer = None
         if c.q_norm is None and self.device.type == "cpu" and not torch.compiler.is_compiling():
             writer = self._rope_writer(layer_cache)
+        if c.qkv is not None:
+            qkv = c.qkv(h)
+            rotated = None if writer is None else writer.fused(qkv, c.qkv_split, cos, sin, pos)
+            if rotated is None:
+                q, k, v = qkv.split(c.qkv_split, dim=-1)
+        else:
+            q, k, v = c.q(h), c.k(h), c.v(h)
             rotated = None if writer is None else writer(q, k, v, cos, sin, pos)
         if rotated is not None:
             q, (k_cache, v_cache) = rotated, writer.caches
