@@ -42,6 +42,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "cpu_bf16.h"
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define VIASD_PACKED 1
 #include <immintrin.h>
@@ -157,22 +159,31 @@ static void int4_chunk(int R, const int32_t *const *xg, int64_t pairs, const uin
     }
 }
 
-static inline void store_bf16(const float *tot, int64_t M, uint16_t *out, int64_t N, int64_t n0) {
+/* A block's outputs rounded once to bfloat16; with `residual` (the same shape as out), each then
+ * added to its residual in float32 and rounded again: PyTorch's `residual + y` of two bfloat16
+ * tensors, bit for bit */
+static inline void store_bf16(const float *tot, int64_t M, uint16_t *out, const uint16_t *residual, int64_t N,
+                              int64_t n0) {
     for (int64_t r = 0; r < M; r++)
         for (int s = 0; s < 4; s++) {
             __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(tot + r * BLOCK + s * 16));
+            if (residual) {
+                __m256i res = _mm256_loadu_si256((const __m256i *)(residual + r * N + n0 + s * 16));
+                h = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(bf16x16_to_f32(h), bf16x16_to_f32(res)));
+            }
             _mm256_storeu_si256((__m256i *)(out + r * N + n0 + s * 16), h);
         }
 }
 #endif
 
 /* out [M, N] bfloat16 = x [M, K] bfloat16 times the int4 weight (q [N, K / 2] uint8 in blocks of 64
- * outputs, sz [N / 64, K / group, 64, 2] bfloat16). Returns 0; -1 for arguments it does not take; -2 where
+ * outputs, sz [N / 64, K / group, 64, 2] bfloat16), plus `residual` [M, N] bfloat16 where it is not
+ * NULL (see store_bf16). Returns 0; -1 for arguments it does not take; -2 where
  * the build has no AVX-512 BF16; -3 out of memory. */
 int viasd_int4_mm(const uint16_t *x, const uint8_t *q, const uint16_t *sz, int64_t M, int64_t N, int64_t K,
-                  int64_t group, uint16_t *out, int threads) {
+                  int64_t group, uint16_t *out, const uint16_t *residual, int threads) {
 #ifndef VIASD_PACKED
-    (void)x; (void)q; (void)sz; (void)M; (void)N; (void)K; (void)group; (void)out; (void)threads;
+    (void)x; (void)q; (void)sz; (void)M; (void)N; (void)K; (void)group; (void)out; (void)residual; (void)threads;
     return -2;
 #else
     if (M <= 0 || M > MAX_ROWS || N <= 0 || N % BLOCK || K <= 0 || group <= 0 || group > MAX_GROUP
@@ -223,7 +234,7 @@ int viasd_int4_mm(const uint16_t *x, const uint8_t *q, const uint16_t *sz, int64
                            tot + r0 * BLOCK);
             }
         }
-        store_bf16(tot, M, out, N, nb * BLOCK);
+        store_bf16(tot, M, out, residual, N, nb * BLOCK);
     }
     free(xsums);
     return 0;
@@ -290,12 +301,13 @@ static inline uint16_t int8_out(__m512 v, float scale) {
 }
 #endif
 
-/* out [M, N] bfloat16 = (x [M, K] bfloat16 times q [N, K] int8, transposed) times scale [N] bfloat16.
+/* out [M, N] bfloat16 = (x [M, K] bfloat16 times q [N, K] int8, transposed) times scale [N] bfloat16,
+ * plus `residual` [M, N] bfloat16 where it is not NULL (as store_bf16).
  * K a multiple of 32, at most MAX_K8. Returns 0, -1, -2 or -3 as viasd_int4_mm. */
 int viasd_int8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale, int64_t M, int64_t N, int64_t K,
-                  uint16_t *out, int threads) {
+                  uint16_t *out, const uint16_t *residual, int threads) {
 #ifndef VIASD_PACKED
-    (void)x; (void)q; (void)scale; (void)M; (void)N; (void)K; (void)out; (void)threads;
+    (void)x; (void)q; (void)scale; (void)M; (void)N; (void)K; (void)out; (void)residual; (void)threads;
     return -2;
 #else
     if (M <= 0 || M > MAX_ROWS || N <= 0 || K <= 0 || K % 32 || K > MAX_K8)
@@ -319,8 +331,11 @@ int viasd_int8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale, int
                     uint32_t su = (uint32_t)scale[n0 + j] << 16;
                     float sc;
                     memcpy(&sc, &su, sizeof sc);
-                    for (int r = 0; r < R; r++)
-                        out[(r0 + r) * N + n0 + j] = int8_out(acc[r][j], sc);
+                    for (int r = 0; r < R; r++) {
+                        const int64_t at = (r0 + r) * N + n0 + j;
+                        const uint16_t y = int8_out(acc[r][j], sc);
+                        out[at] = residual ? f32_to_bf16(bf16_to_f32(y) + bf16_to_f32(residual[at])) : y;
+                    }
                 }
             }
         }

@@ -42,8 +42,8 @@ def _functions_for(build_dir: Path) -> tuple | None:
     if not has():
         _why_not[build_dir] = "this CPU has no AVX-512 BF16 instructions"
         return None
-    return (cpu_build.function(SOURCE, build_dir, "viasd_int4_mm", [ptr, ptr, ptr, i64, i64, i64, i64, ptr, i32]),
-            cpu_build.function(SOURCE, build_dir, "viasd_int8_mm", [ptr, ptr, ptr, i64, i64, i64, ptr, i32]))
+    return (cpu_build.function(SOURCE, build_dir, "viasd_int4_mm", [ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i32]),
+            cpu_build.function(SOURCE, build_dir, "viasd_int8_mm", [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i32]))
 
 
 def available(build_dir: Path) -> bool:
@@ -73,13 +73,18 @@ class Bound:
         self.n = weights[0].shape[0]
         self.k = weights[0].shape[1] * (2 if weights[0].dtype == torch.uint8 else 1)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N]"""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., N]; with `residual` ([..., N] bfloat16, contiguous) `residual + x W^T`
+        in the same call, bit for bit PyTorch's add of the two (the product rounded first)."""
         if x.shape[-1] != self.k:
             raise ValueError(f"the packed product takes rows of {self.k} inputs, not {x.shape[-1]}")
         m = x.numel() // self.k
         out = torch.empty(*x.shape[:-1], self.n, dtype=torch.bfloat16)
-        rc = self.fn(x.data_ptr(), *self.ptrs, m, self.n, self.k, *self.tail, out.data_ptr(), torch.get_num_threads())
+        if residual is not None and (residual.shape != out.shape or residual.dtype != torch.bfloat16
+                                     or not residual.is_contiguous()):
+            raise ValueError(f"the packed product's residual must be {tuple(out.shape)} bfloat16, contiguous")
+        rc = self.fn(x.data_ptr(), *self.ptrs, m, self.n, self.k, *self.tail, out.data_ptr(),
+                     None if residual is None else residual.data_ptr(), torch.get_num_threads())
         if rc != 0:
             why = "out of memory" if rc == -3 else f"arguments it does not take (code {rc})"
             raise ValueError(f"the packed product failed: {why}: x {tuple(x.shape)}, weight {tuple(self.weights[0].shape)}")

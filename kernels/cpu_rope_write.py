@@ -91,8 +91,8 @@ class RopeWriter:
         if pos.dtype is not torch.int64 or not pos.is_contiguous():
             pos = pos.to(torch.int64).contiguous()
         out = torch.empty(1, hq, T, d, dtype=self.dtype)
-        if self.fn(q, q_step, k, k_step, v, v_step, cos.data_ptr(), sin_signed.data_ptr(), pos.data_ptr(), out.data_ptr(),
-                   self.kc, self.vc, T, hq, self.hkv, d, self.s, self.code) != 0:
+        if self.fn(q, q_step, k, k_step, v, v_step, cos.data_ptr(), sin_signed.data_ptr(), pos.data_ptr(),
+                   out.data_ptr(), self.kc, self.vc, T, hq, self.hkv, d, self.s, self.code) != 0:
             raise ValueError(f"rope_write refused its arguments: a slot outside the cache of {self.s} "
                              f"(pos {pos.tolist()})")
         return out

@@ -32,8 +32,8 @@ LANES, MAX_HEAD_DIM, MAX_GROUP = 16, 512, 16  # the C file's limits: head width 
 
 
 _ptr, _i32, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-ARGTYPES = [_ptr, _i64, _i64, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _i64, _i32, _i32, _ptr, _i64, ctypes.c_float, _ptr,
-            _i32]
+ARGTYPES = [_ptr, _i64, _i64, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _i64, _i32, _i32, _ptr, _i64, ctypes.c_float,
+            _ptr, _i32]
 
 
 def _function(build_dir: Path):

@@ -58,6 +58,20 @@ def activations(rows: int, k: int, seed: int) -> torch.Tensor:
     return x.to(torch.bfloat16)
 
 
+def residual_added(bound, x: torch.Tensor) -> None:
+    """`bound(x, residual)` is bit for bit PyTorch's `residual + bound(x)` (2-D and 3-D rows), and a
+    residual of another shape, dtype or layout is refused."""
+    for m in (1, 6, x.shape[0]):
+        rows = x[:m].contiguous()
+        residual = activations(m, bound.n, seed=m)
+        assert torch.equal(bound(rows, residual), residual + bound(rows)), m
+        assert torch.equal(bound(rows[None], residual[None]), (residual + bound(rows))[None]), m
+    for bad in (residual[:, :-1].contiguous(), residual.float(), residual.t().contiguous().t()):
+        if bad.shape != residual.shape or bad.dtype != residual.dtype or not bad.is_contiguous():
+            with pytest.raises(ValueError, match="residual"):
+                bound(rows, bad)
+
+
 def rows_alone_equal(bound, x: torch.Tensor) -> None:
     """Every row of x through `bound` is bit for bit the row computed alone on one thread, in passes
     of each width in ROWS (from both ends of x) and on 1 and 2 threads."""
@@ -92,6 +106,7 @@ def test_int4_is_its_reference_and_rows_do_not_depend_on_the_pass(build_dir, sha
         magnitude = (x.double().abs() @ w.view(n, k).abs().T)
         assert ((got.double() - ref).abs() <= rounding_bound(ref, magnitude)).all(), (shape, seed)
         rows_alone_equal(bound, x)
+        residual_added(bound, x)
 
 
 @pytest.mark.parametrize("shape", [(4, 32), (192, 576), (1000, 96), (7, 1536), (130, 8192)], ids=lambda s: "{}x{}".format(*s))
@@ -109,6 +124,7 @@ def test_int8_is_its_reference_and_rows_do_not_depend_on_the_pass(build_dir, sha
     magnitude = (x.double().abs() @ qdata.double().abs().T) * scale.double()
     assert ((got.double() - ref).abs() <= rounding_bound(ref, magnitude)).all(), shape
     rows_alone_equal(bound, x)
+    residual_added(bound, x)
 
 
 def test_int4_scales_are_read_block_by_block(build_dir):
@@ -168,7 +184,8 @@ def test_a_packed_layer_takes_the_kernel_for_short_passes_only(build_dir, monkey
     assert isinstance(bound, pm.Bound)
     calls = []
     real = pm.Bound.__call__
-    monkeypatch.setattr(pm.Bound, "__call__", lambda self, x: calls.append(x.shape[0]) or real(self, x))
+    monkeypatch.setattr(pm.Bound, "__call__",
+                        lambda self, x, *r: calls.append(x.numel() // x.shape[-1]) or real(self, x, *r))
     torch.manual_seed(0)
     for rows in (1, 6, 16, 17, 40):
         x = torch.randn(rows, 576).to(torch.bfloat16)
@@ -181,12 +198,21 @@ def test_a_packed_layer_takes_the_kernel_for_short_passes_only(build_dir, monkey
             assert torch.equal(got, want), rows
         else:  # the dense product rounds its own way
             assert ((got.float() - want.float()).abs() <= 0.02 * want.float().abs() + 0.02).all(), rows
+        residual = torch.randn(rows, 192).to(torch.bfloat16)
+        assert torch.equal(packed.add_to(x, residual), residual + got), rows  # a bias: PyTorch adds both
+    # without a bias the short passes add the residual inside the kernel's call, bit for bit
+    packed.bias = None
+    for rows in (1, 6, 40):
+        x, residual = torch.randn(1, rows, 576).to(torch.bfloat16), torch.randn(1, rows, 192).to(torch.bfloat16)
+        calls.clear()
+        assert torch.equal(packed.add_to(x, residual), residual + packed(x)), rows
+        assert calls == ([rows, rows] if rows <= pm.MAX_ROWS else []), rows
     monkeypatch.setattr(wf, "PACKED_KERNEL", False)
     packed._short = None
     x = torch.randn(6, 576).to(torch.bfloat16)
     reference = wf._int4_mm(x, packed.qdata, packed.group, packed.scale) if kind == "int4" else \
         wf._int8_mm_reference(x, packed.qdata, packed.scale)
-    assert torch.equal(packed(x), reference + packed.bias)
+    assert torch.equal(packed(x), reference)
 
 
 @needs_torchao
@@ -199,7 +225,8 @@ def test_greedy_sd_equals_ar_through_the_kernel(build_dir, monkeypatch, fmt):
     monkeypatch.setattr(wf.paths, "kernel_dir", lambda: build_dir)
     rows = []
     real = pm.Bound.__call__
-    monkeypatch.setattr(pm.Bound, "__call__", lambda self, x: rows.append(x.shape[0]) or real(self, x))
+    monkeypatch.setattr(pm.Bound, "__call__",
+                        lambda self, x, *r: rows.append(x.numel() // x.shape[-1]) or real(self, x, *r))
     ar = greedy_modes_equal_ar(engine(quantized("llama", fmt)), [5, 17, 33, 11, 64, 80])
     assert len(ar.tokens) == 40
     assert 1 in rows and max(rows) > 1  # 1-token passes and verify blocks both took it

@@ -1,6 +1,8 @@
 """A decoder layer's calls looked up once (viasd_core/decoding/layer_calls.py): the pass computes
 bit for bit what it computes through nn.Module calls and attribute lookups at every pass (the RMSNorms
-through norms.norm_call in both), in every family and format, and float products follow the model's short-pass products as they are at the call."""
+through norms.norm_call in both; the residual adds of o and down inside a packed layer's call against
+PyTorch's add), in every family and format, and float products follow the model's short-pass
+products as they are at the call."""
 
 import pytest
 import torch
@@ -23,6 +25,10 @@ def module_calls(layer, fused, model) -> lc.LayerCalls:
         return lambda x: linear(x, getattr(layer.self_attn, name) if name != "down_proj" else layer.mlp.down_proj,
                                 model.short_rows)
 
+    def prod_add(name):  # o and down: the residual added by PyTorch (the pass adds it inside a packed call)
+        call = prod(name)
+        return lambda x, residual: residual + call(x)
+
     qkv = fused is not None and fused.qkv is not None
     gate_up = fused is not None and fused.gate_up is not None
     return lc.LayerCalls(
@@ -31,10 +37,10 @@ def module_calls(layer, fused, model) -> lc.LayerCalls:
         q_norm=(lambda x: layer.self_attn.q_norm(x)) if hasattr(layer.self_attn, "q_norm") else None,
         k_norm=(lambda x: layer.self_attn.k_norm(x)) if hasattr(layer.self_attn, "k_norm") else None,
         qkv=(lambda x: fused.qkv(x)) if qkv else None, qkv_split=fused.qkv_split if qkv else (0, 0, 0),
-        q=prod("q_proj"), k=prod("k_proj"), v=prod("v_proj"), o=prod("o_proj"),
+        q=prod("q_proj"), k=prod("k_proj"), v=prod("v_proj"), o=prod_add("o_proj"),
         gate_up=(lambda x: fused.gate_up(x)) if gate_up else None,
         gate_up_split=fused.gate_up_split if gate_up else (0, 0),
-        act=(lambda x: layer.mlp.act_fn(x)) if gate_up else None, down=prod("down_proj") if gate_up else None,
+        act=(lambda x: layer.mlp.act_fn(x)) if gate_up else None, down=prod_add("down_proj") if gate_up else None,
         mlp=lambda x: mlp(x, layer.mlp, model.short_rows), scaling=layer.self_attn.scaling)
 
 

@@ -171,7 +171,8 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         cfg = self.llama_config
         B, T = emb.shape[:2]
         layer, attn = self.midlayer, self.midlayer.self_attn
-        x = torch.cat((self._norm(layer.input_layernorm, emb), self._norm(layer.hidden_norm, fused)), dim=-1)  # [B, T, 2H]
+        x = torch.cat((self._norm(layer.input_layernorm, emb), self._norm(layer.hidden_norm, fused)),
+                      dim=-1)  # [B, T, 2H]
         q = linear(x, attn.q_proj, self.short_rows).view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
         k = linear(x, attn.k_proj, self.short_rows).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         v = linear(x, attn.v_proj, self.short_rows).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)

@@ -7,9 +7,10 @@ nn.Module.__call__'s hook handling) a pass. `LayerCalls` holds the layer's submo
 methods and the products' callables, made when the FastModel is built, so the pass calls them
 directly. The products' arithmetic is unchanged: each callable is what the pass called before (a
 packed layer's `forward`, or `short_products.linear` over a float layer with the model's current
-`short_rows`); the RMSNorms are `norms.norm_call`'s (a one-call kernel on CPU that sums the squares
-in its own order: within a rounding step of the module's output; tests/test_layer_calls.py compares
-a pass with the plain module calls).
+`short_rows`); o and down also add the residual, inside a packed layer's call (`add_to`: the kernel
+adds it as it stores each output, bit for bit PyTorch's add). The RMSNorms are `norms.norm_call`'s
+(a one-call kernel on CPU that sums the squares in its own order: within a rounding step of the
+module's output). tests/test_layer_calls.py compares a pass with the plain module calls.
 
 Nothing in viasd registers hooks on a decoder layer's submodules; calling `forward` skips hooks
 that someone else might register (accelerate's offloading wraps `forward` itself, so it still runs).
@@ -27,6 +28,7 @@ from viasd_core.decoding.short_products import linear, mlp
 from viasd_core.decoding.weight_formats import PackedLinear
 
 Call = Callable[[torch.Tensor], torch.Tensor]
+AddCall = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, residual) -> residual + product(x)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +42,11 @@ class LayerCalls:
     q: Call
     k: Call
     v: Call
-    o: Call
+    o: AddCall  # residual + o(x)
     gate_up: Call | None  # gate and up as one product, split by gate_up_split
     gate_up_split: tuple[int, int]
     act: Call | None
-    down: Call | None
+    down: AddCall | None  # residual + down(x)
     mlp: Call  # the whole MLP (where gate_up is None)
     scaling: float
 
@@ -55,6 +57,15 @@ def product(module: torch.nn.Module, model) -> Call:
     if type(module) is PackedLinear:
         return module.forward
     return lambda x: linear(x, module, model.short_rows)
+
+
+def product_add(module: torch.nn.Module, model) -> AddCall:
+    """`residual + module(x)` as the pass calls it: a packed layer's `add_to` (the add inside the
+    product's call), else `product`'s result added by PyTorch."""
+    if type(module) is PackedLinear:
+        return module.add_to
+    call = product(module, model)
+    return lambda x, residual: residual + call(x)
 
 
 def layer_calls(layer: torch.nn.Module, fused, model) -> LayerCalls:
@@ -69,10 +80,10 @@ def layer_calls(layer: torch.nn.Module, fused, model) -> LayerCalls:
         q_norm=q_norm, k_norm=k_norm,
         qkv=qkv, qkv_split=fused.qkv_split if qkv is not None else (0, 0, 0),
         q=product(attn.q_proj, model), k=product(attn.k_proj, model), v=product(attn.v_proj, model),
-        o=product(attn.o_proj, model),
+        o=product_add(attn.o_proj, model),
         gate_up=gate_up, gate_up_split=fused.gate_up_split if gate_up is not None else (0, 0),
         act=(m.act_fn.forward if isinstance(m.act_fn, torch.nn.Module) else m.act_fn) if gate_up is not None else None,
-        down=product(m.down_proj, model) if gate_up is not None else None,
+        down=product_add(m.down_proj, model) if gate_up is not None else None,
         mlp=lambda x: mlp(x, m, model.short_rows),
         scaling=attn.scaling,
     )

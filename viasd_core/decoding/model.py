@@ -385,11 +385,11 @@ class FastModel(attention.CachedPositions, TreePasses):
         else:
             o = attention.attend(q, k_cache[:, :, :end], v_cache[:, :, :end], masks.get(self.windows[ci]),
                                  c.scaling)  # [1, T, Hq * D]
-        x = x + c.o(o)
+        x = c.o(o, x)  # x + o_proj(o)
         h = c.post_norm(x)
         if c.gate_up is not None:
             gate, up = c.gate_up(h).split(c.gate_up_split, dim=-1)
-            return x + c.down(c.act(gate) * up)
+            return c.down(c.act(gate) * up, x)  # x + down_proj(...)
         return x + c.mlp(h)
 
     def layer_kernels_way(self) -> str | None:

@@ -245,16 +245,30 @@ class PackedLinear(torch.nn.Module):
         and a 768-token prefill of SmolLM2 took 1546 ms through PyTorch's int8 kernel against
         1064 ms this way (docs/benchmarks.md section 14). The weight is the one `widen_once` holds
         (a prefill's chunks share it) or widened for this call."""
+        return self._product(x, None)
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual + self(x)`, bit for bit: in the short products' own call where they run (the
+        residual added as each output is stored: a pass's residual adds without an operator each)."""
+        return self._product(x, residual)
+
+    def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         # Called 4 times a layer in every pass: buffers and parameters are read from their dicts
         # (nn.Module.__getattr__ costs ~0.7 us a name), and nothing is done that a pass does not need.
         qdata, scale = self._buffers["qdata"], self._buffers["scale"]
         bias = self._parameters.get("bias")
         if (x.dtype == torch.bfloat16 and not x.is_cuda and x.numel() <= self.in_features * cpu_packed_mm.MAX_ROWS
                 and not torch.compiler.is_compiling() and (short := self._short_product(qdata, scale)) is not None):
-            y = short(x.contiguous())  # [..., N]: a pass's product without reshapes (~2 us of its ~8)
+            x = x.contiguous()
+            if (residual is not None and bias is None and short.n == self.out_features
+                    and residual.dtype == torch.bfloat16 and residual.is_contiguous()
+                    and residual.shape == (*x.shape[:-1], short.n)):
+                return short(x, residual)
+            y = short(x)  # [..., N]: a pass's product without reshapes (~2 us of its ~8)
             if short.n != self.out_features:
                 y = y[..., : self.out_features]
-            return y if bias is None else y + bias
+            y = y if bias is None else y + bias
+            return y if residual is None else residual + y
         x2 = x.reshape(-1, self.in_features)
         dense = None
         if x2.shape[0] >= DENSE_PREFILL_ROWS and qdata.is_cpu:
@@ -271,7 +285,8 @@ class PackedLinear(torch.nn.Module):
             y = y[:, : self.out_features]  # tinygemm pads the output width
         if bias is not None:
             y = y + bias
-        return y.reshape(*x.shape[:-1], self.out_features)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if residual is None else residual + y
 
     def _scales(self, scale: torch.Tensor) -> torch.Tensor:
         """int4's scales as the kernels read them, contiguous: a layer fused with others (fuse_rows)
