@@ -42,8 +42,10 @@ def _functions_for(build_dir: Path) -> tuple | None:
     if not has():
         _why_not[build_dir] = "this CPU has no AVX-512 BF16 instructions"
         return None
-    return (cpu_build.function(SOURCE, build_dir, "viasd_int4_mm", [ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i32]),
-            cpu_build.function(SOURCE, build_dir, "viasd_int8_mm", [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i32]))
+    int4 = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i32]  # x, q, scales, M, N, K, group, out, residual, threads
+    int8 = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i32]  # x, q, scale, M, N, K, out, residual, threads
+    return (cpu_build.function(SOURCE, build_dir, "viasd_int4_mm", int4),
+            cpu_build.function(SOURCE, build_dir, "viasd_int8_mm", int8))
 
 
 def available(build_dir: Path) -> bool:
@@ -58,10 +60,10 @@ def why_not(build_dir: Path) -> str | None:
 
 class Bound:
     """One layer's short-pass product, bound once to its weight: `bound(x)` for x [..., K] bfloat16,
-    contiguous, of 1 to MAX_ROWS rows -> [..., N] bfloat16. A pass calls it for every layer, so it does no
-    more than allocate the output and call the kernel; `weights` are the layer's tensors it was bound
-    to (the caller binds again if they are replaced), `reads` what the kernel reads (the weights, or
-    copies of them laid out for it)."""
+    contiguous, of 1 to MAX_ROWS rows -> [..., N] bfloat16. A pass calls it for every layer, so it
+    does no more than allocate the output and call the kernel; `weights` are the layer's tensors it
+    was bound to (the caller binds again if they are replaced), `reads` what the kernel reads (the
+    weights, or copies of them laid out for it)."""
 
     __slots__ = ("fn", "weights", "reads", "ptrs", "n", "k", "tail")
 
