@@ -4,7 +4,8 @@
 
 One session (the default pair and `--quant auto`), the 26 held-out prompts of
 docs/results/cpu-prompts.jsonl, greedy, chains (no trees). Each prompt runs every method in turn
-(`ar`; `sd` with the default adaptive policy; adaptive `sd` from each `--start` length, under each
+(`ar`; `sd` as `viasd generate` runs it without `-g`: adaptive from the first block measured on
+this machine, session.choose_first_block; adaptive `sd` from each `--start` length, under each
 `--cap` and with each `--min-confidence` stop; `sd --fixed -g G` for each G), and the rounds repeat
 that, so the machine's drift falls on all methods alike. tokens/s is new tokens over the wall time of
 the whole generate call (prefill included), as `viasd bench` reports it: the mean of the prompts'
@@ -25,7 +26,7 @@ from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.devices import device_name
 from viasd_core.loading.options import ModelOptions
 from viasd_core.loading.prompts import encode, load_prompts
-from viasd_core.session import build_session
+from viasd_core.session import build_session, choose_first_block
 
 
 def main() -> None:
@@ -33,7 +34,7 @@ def main() -> None:
     ap.add_argument("--threads", default="2")
     ap.add_argument("-n", "--max-new-tokens", type=int, default=64)
     ap.add_argument("--fixed", default="1,2,3,4")
-    ap.add_argument("--start", default="", help="also adaptive sd from these first block lengths (default: 5)")
+    ap.add_argument("--start", default="", help="also adaptive sd from these first block lengths")
     ap.add_argument("--cap", default="", help="also adaptive sd with its block length capped at each of these "
                     "(first block min(5, cap))")
     ap.add_argument("--min-confidence", default="", help="also adaptive sd with these confidence stops (default: 0.15)")
@@ -43,7 +44,9 @@ def main() -> None:
     args = ap.parse_args()
     session = build_session(ModelOptions(threads=args.threads, quant=args.quant), mode="sd")
     n = args.max_new_tokens
-    methods = {"ar": GenerationConfig(mode="ar", max_new_tokens=n), "sd": GenerationConfig(mode="sd", max_new_tokens=n)}
+    start = choose_first_block(session, GenerationConfig.gamma_max)
+    methods = {"ar": GenerationConfig(mode="ar", max_new_tokens=n),
+               "sd": GenerationConfig(mode="sd", max_new_tokens=n, gamma=start)}
     for g in (int(g) for g in args.start.split(",") if g):
         methods[f"sd -g {g}"] = GenerationConfig(mode="sd", max_new_tokens=n, gamma=g)
     for c in (int(c) for c in args.cap.split(",") if c):
@@ -83,6 +86,7 @@ def main() -> None:
     ar = statistics.mean(rates["ar"])
     out = {"device": device_name(engine.device), "threads": torch.get_num_threads(), "quant": session.options.quant,
            "draft": session.draft_id, "prompts": len(prompts), "rounds": args.rounds, "max_new_tokens": n,
+           "first_block": {"gamma": start, "reason": session.first_block[1]},
            "methods": {}}
     for name in methods:
         mean = statistics.mean(rates[name])

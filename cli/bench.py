@@ -14,6 +14,7 @@ from viasd_core.bench import harness as core
 from viasd_core.bench.files import summary_json
 from viasd_core.bench.formats import run_formats, split_formats
 from viasd_core.bench.measure import PromptSource, measure, project
+from viasd_core.decoding.draft_policy import UNMEASURED_START
 from viasd_core.errors import UsageError
 from viasd_core.loading.options import ModelOptions
 
@@ -45,13 +46,21 @@ def _fmt(x, spec=".2f", none="-"):
     return none if x is None else format(x, spec)
 
 
+def _gamma_text(meta: dict) -> str:
+    """The block length a run was given, or 'auto' with the first block sd measured (bench's -g unset)."""
+    if meta["gamma"] is not None:
+        return str(meta["gamma"])
+    first = meta.get("first_block")
+    return f"auto (sd from {first['gamma']})" if first else "auto"
+
+
 def print_summary(summary: dict, breakdown: bool) -> None:
     from rich.table import Table
 
     meta = summary["meta"]
     console = _table_console()
     title = (f"viasd bench: {meta['target']['id']} / draft {meta['draft']['id']} on {meta['device_name']} "
-             f"({meta['dtype']}, gamma {meta['gamma']}{' adaptive' if meta['adaptive'] else ''}, "
+             f"({meta['dtype']}, gamma {_gamma_text(meta)}{' adaptive' if meta['adaptive'] else ''}, "
              f"{meta['n_prompts']} prompts x {meta['repeats']}, {meta['max_new_tokens']} new tokens max)")
     table = Table(title=title, title_justify="left")
     for col in ("method", "tok/s", "x ar", "x hf", "TTFT ms", "tok/pass", "accept", "tiers a/s/f", "fidelity mean/min",
@@ -114,7 +123,7 @@ def bench(
     *,
     opts: ModelOptions,
     methods: Annotated[str, typer.Option("--methods", help=f"Comma-separated subset of {','.join(core.METHODS)}, or 'all'.")] = "all",
-    gamma: GammaOpt = 5,
+    gamma: GammaOpt = None,
     adaptive: AdaptiveOpt = True,
     min_confidence: MinConfidenceOpt = core.BenchConfig.min_confidence,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", "-n", help="Largest number of new tokens per prompt.")] = 128,
@@ -140,7 +149,7 @@ def bench(
     if synthetic is not None:
         if formats is not None:
             raise UsageError("--synthetic projects one shape on random weights: it takes a single --quant")
-        summary = project(synthetic, opts, gamma, acceptance_from, force, out, log)
+        summary = project(synthetic, opts, UNMEASURED_START if gamma is None else gamma, acceptance_from, force, out, log)
         show = print_projection
     elif acceptance_from is not None or force:
         raise UsageError("--acceptance-from and --force only apply with --synthetic")

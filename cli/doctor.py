@@ -94,5 +94,7 @@ def doctor(
             out.print(options)
         if report.tree:
             out.print(f"draft trees: {report.tree['reason']}")
+        if report.first_block:
+            out.print(f"sd's first block without -g: {report.first_block['gamma']} drafts ({report.first_block['reason']})")
     if not report.ok:
         raise typer.Exit(1)

@@ -15,7 +15,7 @@ from viasd_core.compile_choice import parse_compile
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.errors import ViasdError
 from viasd_core.loading.models import EMBEDDED_TARGET
-from viasd_core.session import Session, build_session, choose_tree, thresholds_of
+from viasd_core.session import Session, build_session, choose_first_block, choose_tree, thresholds_of
 from viasd_core.threads import parse_threads
 from viasd_core.tree_choice import parse_tree
 from viasd_core.loading.options import ModelOptions
@@ -40,7 +40,7 @@ DraftQuantOpt = Annotated[str, typer.Option("--draft-quant", help="Draft weights
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the model repo (off by default).")]
 AllowPickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow pickle (.bin) weights (off by default: safetensors only).")]
 ModeOpt = Annotated[str, typer.Option("--mode", help="ar (plain), sd (two-tier, exact), exact (multi-tier, exact) or viasd (three tiers, calibrated, lossy).")]
-GammaOpt = Annotated[int, typer.Option("--gamma", "-g", help="Draft tokens per step: the first block when adaptive (then it follows acceptance, up to 12, or this if larger), every block with --fixed.")]
+GammaOpt = Annotated[Optional[int], typer.Option("--gamma", "-g", help="Draft tokens per step: the first block when adaptive (then it follows acceptance, up to 12, or this if larger), every block with --fixed. Default for sd: the fastest chain measured on this machine (at least 2; cached, --verbose says why); 5 elsewhere.")]
 AdaptiveOpt = Annotated[bool, typer.Option("--adaptive/--fixed", help="Adapt the draft length to acceptance and measured cost, with plain steps while drafting does not pay (default), or keep gamma fixed.")]
 MinConfidenceOpt = Annotated[float, typer.Option("--min-confidence", help="With --adaptive, a model draft stops before the token where its own estimate that the whole block is accepted (the product of its top probabilities) falls below this; 0 = off.")]
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Largest number of new tokens per prompt.")]
@@ -99,8 +99,9 @@ def model_options(command=None, *, profile=ProfileOpt):
     return decorate if command is None else decorate(command)
 
 
-def _generation_config(stop, **values) -> GenerationConfig:
-    config = GenerationConfig(stop=tuple(stop or ()), **values)
+def _generation_config(stop, gamma, **values) -> GenerationConfig:
+    config = GenerationConfig(stop=tuple(stop or ()), gamma=GenerationConfig.gamma if gamma is None else gamma,
+                              auto_gamma=gamma is None, **values)
     if config.mode != "viasd":  # viasd needs the profile's thresholds: open_session validates it
         config.validate()  # fail fast, before loading models
     return config
@@ -109,7 +110,7 @@ def _generation_config(stop, **values) -> GenerationConfig:
 def generation_options(max_new_tokens: int):
     """Give a command the generation options (--mode ... --stop), passed to it as `config: GenerationConfig`."""
     return _option_group(
-        {"mode": (ModeOpt, "sd"), "gamma": (GammaOpt, 5), "adaptive": (AdaptiveOpt, True),
+        {"mode": (ModeOpt, "sd"), "gamma": (GammaOpt, None), "adaptive": (AdaptiveOpt, True),
          "min_confidence": (MinConfidenceOpt, GenerationConfig.min_confidence),
          "max_new_tokens": (MaxNewOpt, max_new_tokens), "temperature": (TempOpt, 0.0), "top_k": (TopKOpt, 0),
          "top_p": (TopPOpt, 1.0), "seed": (SeedOpt, None), "stop": (StopOpt, None)},
@@ -130,6 +131,8 @@ def open_session(opts: ModelOptions, config: GenerationConfig, progress, long_li
         config.tree = choice.shape
         if progress and choice.shape is not None:
             progress(f"draft trees of {choice.shape.size} tokens ({choice.reason})")
+        if config.auto_gamma and choice.shape is None:
+            config.gamma = choose_first_block(session, config.gamma_max)
     config.validate()
     return session
 

@@ -1,7 +1,7 @@
 """The draft-length policy: block length from acceptance, plain steps while drafting clearly does not pay."""
 
 from conftest import TinyTokenizer, tiny_model
-from viasd_core.decoding.draft_policy import FLOOR, PLAIN_MARGIN, DraftPolicy
+from viasd_core.decoding.draft_policy import FLOOR, PLAIN_MARGIN, UNMEASURED_START, DraftPolicy, first_block
 from viasd_core.decoding.drafters import ModelDrafter
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.decoding.model import FastModel
@@ -82,3 +82,13 @@ def test_engine_takes_plain_steps_with_a_draft_that_never_agrees_and_stays_exact
     assert sd.tokens == ar.tokens  # plain steps keep sd exact
     # most steps drafted nothing (the old +1/-1 rule drafted at least one token every step)
     assert sd.stats.draft_tokens < 0.5 * sd.stats.steps, (sd.stats.draft_tokens, sd.stats.steps)
+
+
+def test_the_first_block_is_the_measured_chain_within_the_floor_and_the_cap():
+    assert first_block(None, 12) == (UNMEASURED_START, "not measured here (--tree auto's probe did not run)")
+    assert first_block(None, 3)[0] == 3
+    assert first_block(3, 12) == (3, "the probe's fastest chain on this machine is 3 drafts")
+    start, why = first_block(1, 12)
+    assert start == FLOOR and "raised to the floor" in why
+    start, why = first_block(5, 4)
+    assert start == 4 and "held to 4" in why

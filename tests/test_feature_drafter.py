@@ -434,6 +434,44 @@ def test_a_head_folder_is_a_draft_for_generate_sd_equal_to_ar(tiny_dirs, head_di
     assert r.exit_code != 0 and r.stderr.count("\n") == 1 and "--tree must be" in r.stderr
 
 
+def test_sd_starts_from_the_measured_chain_unless_given_a_block(tiny_dirs, head_dir, viasd_home, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    from viasd_cli.app import get_app
+    from viasd_core import tree_choice
+    from viasd_core.decoding.draft_policy import first_block
+    from viasd_core.decoding.engine import Engine
+
+    seen = []
+    generate = Engine.generate
+
+    def spy(self, ids, config, *args, **kwargs):
+        seen.append((config.mode, config.gamma, config.tree))
+        return generate(self, ids, config, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "generate", spy)
+    # a CPU-like verify curve (each row costs a 1-token pass): chains win over trees
+    monkeypatch.setattr(tree_choice, "measure_verify_curve", 
+                        lambda engine, widths=tree_choice.CURVE_WIDTHS, **kw: {w: 0.01 * w for w in widths})
+    base = ["generate", "w1 w2 w3", "-m", str(tiny_dirs["target"]), "-d", str(head_dir), "-n", "8", "--verbose"]
+    r = CliRunner().invoke(get_app(), base + ["--tree", "auto"])
+    assert r.exit_code == 0, r.stderr
+    record = json.loads(next((viasd_home / "cache" / "machine").glob("tree-*.json")).read_text())
+    chains = [o for o in record["options"] if o["shape"] is None and o["width"] > 1]
+    fastest = max(chains, key=lambda o: o["tokens_per_s"])["width"] - 1
+    start, why = first_block(fastest, 12)
+    assert record["shape"] is None and record["verify_seconds"]["16"] == pytest.approx(0.16)
+    assert seen[-1] == ("sd", start, None) and f"first block: {start} drafts ({why})" in r.stderr
+    seen.clear()
+    for extra in (["--tree", "off"], ["--tree", "off", "-g", "4"]):
+        r = CliRunner().invoke(get_app(), base + extra)
+        assert r.exit_code == 0, r.stderr
+    # --tree off measures nothing: the unmeasured start; -g is taken as given
+    assert seen == [("sd", 5, None), ("sd", 4, None)]
+
+
 def test_doctor_checks_trees_and_shows_the_verify_curve(tiny_dirs, head_dir, viasd_home):
     import json
 
@@ -450,6 +488,7 @@ def test_doctor_checks_trees_and_shows_the_verify_curve(tiny_dirs, head_dir, via
     assert status["sd with trees of 10 == ar (greedy)"] == "pass"
     assert [int(w) for w in report["tree"]["verify_seconds"]] == list(CURVE_WIDTHS)
     assert len(report["tree"]["options"]) == 9 and "auto:" in report["tree"]["reason"]
+    assert 2 <= report["first_block"]["gamma"] <= 5 and "fastest chain" in report["first_block"]["reason"]
     r = CliRunner().invoke(get_app(), args)
     assert r.exit_code == 0 and "verify curve" in r.stdout and "--tree auto" in r.stdout
 

@@ -10,6 +10,7 @@ import torch
 
 from conftest import TinyTokenizer, tiny_model
 from test_feature_drafter import make_head
+from viasd_core.decoding.drafters import ModelDrafter
 from viasd_core.decoding.engine import Engine
 from viasd_core.decoding.feature_drafter import FeatureDrafter
 from viasd_core.decoding.model import FastModel
@@ -114,10 +115,28 @@ def test_auto_measures_once_then_reads_its_cache(viasd_home, monkeypatch):
     assert tree_choice.resolve_tree(eng, PROMPTS, 10, key).shape == tree_choice.shape_for_size(10)
 
 
-def test_a_draft_without_trees_resolves_to_chains(viasd_home):
+def test_a_draft_without_trees_has_its_chains_measured(viasd_home):
     target = tiny_model("llama", n_layers=3, seed=12)
-    eng = Engine(FastModel(target, max_len=64), TinyTokenizer())
+    alone = Engine(FastModel(target, max_len=64), TinyTokenizer())
+    assert tree_choice.resolve_tree(alone, PROMPTS, "auto", {"target": "tiny"}).reason == "no draft"
+    assert not list((viasd_home / "cache").glob("machine/*.json"))  # nothing measured without a draft
+    draft = ModelDrafter(FastModel(tiny_model("llama", n_layers=1, seed=13), max_len=64, name="draft"), 256)
+    eng = Engine(FastModel(target, max_len=64), TinyTokenizer(), drafter=draft)
     choice = tree_choice.resolve_tree(eng, PROMPTS, "auto", {"target": "tiny"})
     assert choice.shape is None and "grows no trees" in choice.reason
-    assert not list((viasd_home / "cache").glob("machine/*.json"))  # nothing measured
+    assert [o["name"] for o in choice.options] == ["plain"] + [f"chain of {g}" for g in range(1, tree_choice.CHAIN + 1)]
+    assert 1 <= choice.best_chain() <= tree_choice.CHAIN
+    assert tree_choice.resolve_tree(eng, PROMPTS, 5, {"target": "tiny"}).reason == tree_choice.NO_TREES
+
+
+def test_the_best_chain_is_the_fastest_measured_chain_and_none_unmeasured():
+    def option(name, width, rate, shape=None):
+        return {"name": name, "shape": shape, "width": width, "tau": 1.0, "draft_seconds": 0.0, "tokens_per_s": rate}
+
+    tree = {"topk": 2, "depth": 4, "size": 5}
+    choice = tree_choice.TreeChoice(None, "auto", [option("plain", 1, 300.0), option("chain of 1", 2, 210.0),
+                                                   option("chain of 2", 3, 230.0), option("chain of 3", 4, 230.0),
+                                                   option("tree of 5", 6, 260.0, tree)], {1: 0.01})
+    assert choice.best_chain() == 2  # plain and trees are no chains; the first among equals
+    assert tree_choice.TreeChoice(None, "--tree off", [], {}).best_chain() is None
     assert torch.get_num_threads() >= 1

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from viasd_core.compile_choice import CompileChoice, resolve_compile
+from viasd_core.decoding.draft_policy import first_block
 from viasd_core.decoding.engine import Engine
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.loading.models import Loaded, eos_ids, forget_format, load_model
@@ -34,6 +35,7 @@ class Session:
     compile_seconds: float | None = None  # time spent compiling at start-up (None: eager)
     compile: CompileChoice | None = None  # --compile as resolved at start-up (compile_choice.py)
     tree: TreeChoice | None = None  # sd's draft trees, once `choose_tree` resolved --tree
+    first_block: tuple[int, str] | None = None  # sd's first block and why, where the user gave no -g (`choose_first_block`)
     threads: ThreadChoice | None = None  # --threads as resolved at start-up (threads.py)
     short_rows_reason: str = ""  # why short float32 passes take the products they take (short_products.py)
 
@@ -43,8 +45,8 @@ class Session:
 
     def choices(self) -> list[tuple[str, str, str]]:
         """What the session chose where the user left it to viasd, and why: (setting, value, reason)
-        for the weight format, the CPU threads, the short-pass product, compilation and sd's draft
-        trees (once chosen)."""
+        for the weight format, the CPU threads, the short-pass product, compilation, sd's draft
+        trees and first block (once chosen)."""
         compiled = ", ".join(self.engine.compiled_models)
         fmt = str(self.target.format)
         out = [("weights", fmt, self.target.format_reason.removeprefix(f"{fmt}: "))]
@@ -55,6 +57,8 @@ class Session:
             out.append(("compile", f"on ({compiled})" if compiled else "off", self.compile.reason))
         if self.tree is not None:
             out.append(("tree", f"{self.tree.shape.size} tokens" if self.tree.shape else "chains", self.tree.reason))
+        if self.first_block is not None:
+            out.append(("first block", f"{self.first_block[0]} drafts", self.first_block[1]))
         return out
 
 
@@ -120,6 +124,14 @@ def choose_tree(session: Session, progress=None, refresh: bool = False) -> TreeC
         session.engine.warm_up_tree(choice.shape)
     session.tree = choice
     return choice
+
+
+def choose_first_block(session: Session, gamma_max: int, progress=None) -> int:
+    """sd's first block where the user gave no -g: the fastest chain of --tree auto's probe on this
+    machine (measured once and cached: `choose_tree`; draft_policy.first_block says the rule)."""
+    choice = session.tree or choose_tree(session, progress)
+    session.first_block = first_block(choice.best_chain(), gamma_max)
+    return session.first_block[0]
 
 
 def pair_profile(target: Loaded, draft_id: str, opts: ModelOptions, target_fast: FastModel, progress=None):

@@ -8,7 +8,9 @@ user's cache folder (`viasd doctor --refresh` measures again):
                    (a plain step, chains of 1..5, three tree shapes) on a few shipped prompts
 
 and picks the candidate of most expected tokens per second (decoding/tree_size.py). A chain or a
-plain step means no tree (chains are what `sd` drafts without one). `N` grows trees of N nodes
+plain step means no tree (chains are what `sd` drafts without one); a draft that grows no trees
+has its chains measured alone. The fastest chain is also where sd's adaptive block starts when the
+user gives no `-g` (TreeChoice.best_chain, draft_policy.first_block). `N` grows trees of N nodes
 without measuring; `off` never grows one.
 """
 
@@ -27,6 +29,7 @@ from viasd_core.loading.prompts import default_prompts, encode
 
 TREE_CHOICES = "auto, off or a node count 1-15"
 CANDIDATE_TREES = (TreeShape(2, 4, 5), TreeShape(3, 5, 10), TreeShape(4, 6, 15))
+NO_TREES = "the draft grows no trees (an EAGLE-3 head does) or the target uses sliding-window attention"
 CHAIN = 5  # the probe's chain: tau of every shorter chain comes from its per-position acceptance
 CURVE_WIDTHS = (1, 2, 3, 4, 6, 8, 11, 16)
 PROBE_PROMPTS = 2
@@ -65,6 +68,15 @@ class TreeChoice:
                 "verify_seconds": {str(k): v for k, v in self.verify_seconds.items()}}
 
 
+    def best_chain(self) -> int | None:
+        """Drafts in the chain of most expected tokens/s among the probe's options (the first among
+        equals); None where the probe did not run (`off`, `N`, no trees)."""
+        chains = [o for o in self.options if o["shape"] is None and o["width"] > 1]
+        if not chains:
+            return None
+        return max(chains, key=lambda o: (o["tokens_per_s"], -chains.index(o)))["width"] - 1
+
+
 def probe_prompts(tokenizer, n: int = PROBE_PROMPTS) -> list[list[int]]:
     """The prompts `auto` measures acceptance on: the first shipped ones, encoded."""
     return [encode(tokenizer, p.text) for p in default_prompts()[:n]]
@@ -78,10 +90,11 @@ def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, ke
     choice = parse_tree(choice)
     if choice == "off":
         return TreeChoice(None, "--tree off", [], {})
-    if not engine.supports_tree:
-        return TreeChoice(None, "the draft grows no trees (an EAGLE-3 head does) or the target uses "
-                                "sliding-window attention", [], {})
+    if engine.drafter is None:
+        return TreeChoice(None, "no draft", [], {})
     if isinstance(choice, int):
+        if not engine.supports_tree:
+            return TreeChoice(None, NO_TREES, [], {})
         return TreeChoice(shape_for_size(choice), f"--tree {choice}", [], {})
     weights = engine.drafter.weights_identity() if engine.drafter is not None else None
     if weights is not None:
@@ -97,10 +110,11 @@ def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, ke
         progress("measuring this machine's verify costs and the draft's acceptance for --tree auto "
                  "(once; cached)...")
     verify = measure_verify_curve(engine)
-    options = probe_options(engine, prompts)
+    options = probe_options(engine, prompts, CANDIDATE_TREES if engine.supports_tree else ())
     best = choose(options, verify)
     result = TreeChoice(best.shape, f"auto: {best.name} has the most expected tokens/s here "
-                                    f"({best.rate(verify):.1f} measured)",
+                                    f"({best.rate(verify):.1f} measured"
+                                    f"{'' if engine.supports_tree else '; ' + NO_TREES})",
                         [{**asdict(o), "shape": asdict(o.shape) if o.shape else None,
                           "tokens_per_s": o.rate(verify)} for o in options], verify)
     record.store(result.to_dict())
@@ -115,9 +129,10 @@ def measure_verify_curve(engine: Engine, widths=CURVE_WIDTHS, context: int = 128
     return curve
 
 
-def probe_options(engine: Engine, prompts: list[list[int]], max_new: int = PROBE_TOKENS) -> list[Option]:
+def probe_options(engine: Engine, prompts: list[list[int]], trees=CANDIDATE_TREES,
+                  max_new: int = PROBE_TOKENS) -> list[Option]:
     """tau and drafting seconds per step of a plain step, chains of 1..CHAIN and the candidate
-    trees, on `prompts` (greedy, fixed blocks)."""
+    `trees`, on `prompts` (greedy, fixed blocks)."""
 
     def run(tree: TreeShape | None):
         tokens = passes = steps = 0
@@ -140,7 +155,7 @@ def probe_options(engine: Engine, prompts: list[list[int]], max_new: int = PROBE
     for g in range(1, CHAIN + 1):
         tau += accepts[g - 1] / attempts[g - 1] if g <= len(attempts) and attempts[g - 1] else 0.0
         options.append(Option(f"chain of {g}", None, g + 1, tau, chain_draft * g / CHAIN))
-    for shape in CANDIDATE_TREES:
+    for shape in trees:
         tau_t, draft_t, _, _ = run(shape)
         options.append(Option(f"tree of {shape.size} (top-{shape.topk}, depth {shape.depth})", shape, shape.size + 1,
                               tau_t, draft_t))

@@ -34,11 +34,12 @@ import torch
 
 from viasd_core.bench.runners import Broken, EngineRunner, HFRunner, Output, Skip, full_vocab_assistant, llama_cpp_runner
 from viasd_core.decoding.engine import Engine, GenerationConfig
+from viasd_core.decoding.draft_policy import UNMEASURED_START
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.decoding.fidelity import fidelity
 from viasd_core.loading.models import EMBEDDED_TARGET, eos_ids, pad_token_id
 from viasd_core.loading.prompts import Prompt, encode
-from viasd_core.session import Session, choose_tree, thresholds_of
+from viasd_core.session import Session, choose_first_block, choose_tree, thresholds_of
 from viasd_core.decoding.slim_view import SlimView, slim_verifier
 from viasd_core.decoding.stats import TIERS
 
@@ -69,7 +70,7 @@ def parse_methods(text: str | None) -> list[str]:
 class BenchConfig:
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     max_new_tokens: int = 128
-    gamma: int = 5
+    gamma: int | None = None  # None: sd starts from the block measured on this machine, the others from 5
     adaptive: bool = True
     min_confidence: float = GenerationConfig.min_confidence
     warmup: int = 1
@@ -81,7 +82,7 @@ class BenchConfig:
     def validate(self) -> None:
         if self.max_new_tokens < 1:
             raise UsageError("--max-new-tokens must be at least 1")
-        if self.gamma < 1:
+        if self.gamma is not None and self.gamma < 1:
             raise UsageError(f"gamma must be at least 1 (got {self.gamma}): pass --gamma 1 or more")
         if self.warmup < 0:
             raise UsageError(f"--warmup must be >= 0 (got {self.warmup})")
@@ -134,8 +135,15 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
     if any(m in config.methods for m in NEEDS_PROFILE):
         slim_engine, profile_error = _slim_engine(session)
 
+    gamma = UNMEASURED_START if config.gamma is None else config.gamma
+    sd_gamma = gamma
+    if config.gamma is None and "sd" in config.methods:
+        sd_gamma = choose_first_block(session, GenerationConfig.gamma_max,
+                                      progress=lambda msg: print(msg, file=sys.stderr))
+
     def gen_config(mode, thresholds=None, tree=None):
-        return GenerationConfig(mode=mode, max_new_tokens=config.max_new_tokens, gamma=config.gamma,
+        return GenerationConfig(mode=mode, max_new_tokens=config.max_new_tokens,
+                                gamma=sd_gamma if mode == "sd" else gamma,
                                 adaptive=config.adaptive, min_confidence=config.min_confidence, temperature=0.0,
                                 seed=config.seed, thresholds=thresholds, tree=tree)
 
@@ -167,7 +175,7 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
             except Exception as e:  # noqa: BLE001 - reported as this method's failure, the others still run
                 runners[m] = Broken(e)
         elif m == "hf-pld":
-            runners[m] = HFRunner(target_hf, eos, config.max_new_tokens, pad, prompt_lookup=config.gamma)
+            runners[m] = HFRunner(target_hf, eos, config.max_new_tokens, pad, prompt_lookup=gamma)
         elif m == "hf-assisted":
             if draft_id == "ngram":
                 runners[m] = Skip("the draft is prompt lookup ('ngram'), not a model: hf-pld is its transformers counterpart")
@@ -182,7 +190,7 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
                 runners[m] = Broken(e)
                 continue
             runners[m] = HFRunner(target_hf, eos, config.max_new_tokens, pad, assistant=assistant,
-                                  gamma=config.gamma, adaptive=config.adaptive)
+                                  gamma=gamma, adaptive=config.adaptive)
     for name, runner in profile_runners(session, config, gen_config).items():
         runners[name] = runner
         if name not in config.methods:

@@ -11,6 +11,12 @@ Within speculative steps the block length follows acceptance: one more after a f
 block, one fewer after a block of which nothing was kept, never fewer than FLOOR drafts. Pure
 bookkeeping: no model, no tensor.
 
+The first block, where the user leaves it to viasd (no `-g`): the chain length that `--tree auto`'s
+probe measured fastest on this machine (tree_choice.py), never below FLOOR; UNMEASURED_START where
+nothing was measured (`--tree off` or N, other modes). On a 2-core CPU the probe picks 1-2 drafts
+where a GPU's nearly flat verify curve picks 5: starting at 5 cost about 2% against the best fixed
+block here (docs/benchmarks.md sections 33 and 34), since the block only shrinks after empty blocks.
+
 Why these rules (docs/benchmarks.md section 31, 26 held-out prompts on a 2-core AVX-512 EPYC): the
 earlier rule (one fewer after a block rejected before its middle, plain steps as soon as they
 measured faster, and the draft stopping at confidence 0.15) averaged 1.5-1.6 tokens a pass and ran
@@ -28,6 +34,20 @@ from dataclasses import dataclass
 
 FLOOR = 2  # drafts: an adaptive block never shrinks below this (unless it started below)
 PLAIN_MARGIN = 0.20  # plain steps are taken only where they measure this much faster than drafting
+UNMEASURED_START = 5  # the first block where no probe measured one (GenerationConfig.gamma's default)
+
+
+def first_block(best_chain: int | None, gamma_max: int) -> tuple[int, str]:
+    """The first block (every block with --fixed) when the user gave none: `best_chain`, the
+    probe's fastest chain length on this machine, raised to FLOOR and held to gamma_max; or
+    UNMEASURED_START when nothing was measured (None). Returns (drafts, why)."""
+    if best_chain is None:
+        return min(UNMEASURED_START, gamma_max), "not measured here (--tree auto's probe did not run)"
+    start = max(FLOOR, min(best_chain, gamma_max))
+    why = f"the probe's fastest chain on this machine is {best_chain} draft{'s' if best_chain != 1 else ''}"
+    if start != best_chain:
+        why += f"; raised to the floor of {FLOOR}" if start > best_chain else f"; held to {gamma_max}"
+    return start, why
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from viasd_core.decoding.draft_policy import DraftPolicy
+from viasd_core.decoding.draft_policy import UNMEASURED_START, DraftPolicy
 from viasd_core.decoding.drafters import Drafter
 from viasd_core.decoding.model import PASS_WIDTHS, FastModel
 from viasd_core.decoding.router import Thresholds
@@ -41,7 +41,10 @@ MODES = ("ar", "sd", "exact", "viasd")
 class GenerationConfig:
     mode: str = "sd"
     max_new_tokens: int = 128
-    gamma: int = 5
+    gamma: int = UNMEASURED_START
+    # True where the user gave no block length (the CLI without -g): open_session then sets `gamma`
+    # to the first block measured on this machine for sd (draft_policy.first_block)
+    auto_gamma: bool = False
     adaptive: bool = True
     gamma_max: int = 12
     temperature: float = 0.0

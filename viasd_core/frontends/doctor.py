@@ -36,7 +36,7 @@ from viasd_core.decoding import attention, weight_formats
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.tree import TreeShape
-from viasd_core.session import Session, choose_tree
+from viasd_core.session import Session, choose_first_block, choose_tree
 from viasd_core.tree_choice import shape_for_size
 from viasd_core.bf16_choice import verdict as bf16_verdict
 from viasd_core.decoding.slim_view import SlimView, slim_verifier
@@ -61,6 +61,7 @@ class DoctorReport:
     checks: list[Check] = field(default_factory=list)
     speed: dict | None = None
     tree: dict | None = None  # the --tree auto choice, measured again (speed probe only)
+    first_block: dict | None = None  # sd's first block without -g, from that probe: {"gamma", "reason"}
 
     @property
     def ok(self) -> bool:
@@ -68,7 +69,7 @@ class DoctorReport:
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "environment": self.environment, "checks": [asdict(c) for c in self.checks],
-                "speed": self.speed, "tree": self.tree}
+                "speed": self.speed, "tree": self.tree, "first_block": self.first_block}
 
 
 def environment(session: Session, refresh: bool = False) -> dict:
@@ -314,12 +315,13 @@ def check_exact_mode(session: Session, mode: str, prompts_ids: list[list[int]], 
     return Check(name, PASS, f"{len(prompts_ids)} prompts x {max_new_tokens} tokens identical", facts)
 
 
-def speed_probe(session: Session, prompts_ids: list[list[int]], max_new_tokens: int) -> dict:
-    """Tokens per second of ar and sd on the prompts (after one warm-up run each)."""
+def speed_probe(session: Session, prompts_ids: list[list[int]], max_new_tokens: int,
+                gamma: int = GenerationConfig.gamma) -> dict:
+    """Tokens per second of ar and sd (first block `gamma`) on the prompts (after one warm-up run each)."""
     engine = session.engine
     out = {}
     for mode in ("ar", "sd") if engine.drafter is not None else ("ar",):
-        config = GenerationConfig(mode=mode, max_new_tokens=max_new_tokens)
+        config = GenerationConfig(mode=mode, max_new_tokens=max_new_tokens, gamma=gamma)
         engine.reset()
         engine.generate(prompts_ids[0], config)  # warm-up
         total = RunStats(mode=mode)
@@ -344,9 +346,12 @@ def run_doctor(session: Session, prompts_ids: list[list[int]], max_new_tokens: i
     report.checks.append(check_exact_mode(session, "exact", prompts_ids, max_new_tokens))
     report.checks.append(check_exact_mode(session, "sd", prompts_ids, max_new_tokens, shape_for_size(10)))
     if speed:
-        report.speed = speed_probe(session, prompts_ids, max_new_tokens)
-        # --tree auto's measurements, taken again here (and cached for later runs)
+        # --tree auto's measurements, taken again here (and cached for later runs); sd's first block
+        # without -g comes from them, and the speed probe's sd starts there as `viasd generate` would
         report.tree = choose_tree(session, refresh=True).to_dict()
+        gamma = choose_first_block(session, GenerationConfig.gamma_max)
+        report.first_block = {"gamma": gamma, "reason": session.first_block[1]}
+        report.speed = speed_probe(session, prompts_ids, max_new_tokens, gamma)
     # Counted now that generations ran: CUDA-graph trees record a graph on a pass's second run.
     recorded = cuda_graphs_recorded(session.engine.device)
     report.environment["cuda_graphs_recorded"] = recorded
