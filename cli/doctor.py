@@ -83,7 +83,14 @@ def doctor(
                     out.print(f"{mode}: {s['tokens_per_s']:.1f} tokens/s, {s['tokens_per_target_pass']:.2f} tokens per target pass")
             if "sd_speedup" in report.speed:
                 out.print(f"sd / ar: {report.speed['sd_speedup']:.2f}x")
-        if report.tree and report.tree["options"]:
+        if report.format_curves:
+            formats = list(report.format_curves)
+            curve = Table("verify pass width", *(f"{fmt} ms" for fmt in formats),
+                          title="verify curve per format (target)")
+            for width in next(iter(report.format_curves.values())):
+                curve.add_row(width, *(f"{report.format_curves[fmt][width] * 1000:.1f}" for fmt in formats))
+            out.print(curve)
+        elif report.tree and report.tree["options"]:
             curve = Table("verify pass width", "ms", title="this machine's verify curve (target)")
             for width, seconds in report.tree["verify_seconds"].items():
                 curve.add_row(width, f"{seconds * 1000:.1f}")

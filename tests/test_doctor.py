@@ -14,6 +14,7 @@ from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.frontends.doctor import FAIL, PASS, SKIP, check_exact_mode, environment, run_doctor
 from viasd_core.loading.options import ModelOptions
 from viasd_core.session import build_session
+from test_format_choice import needs_torchao
 
 
 def doctor(*args):
@@ -61,6 +62,10 @@ def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home, monk
     assert status == {"compiled == eager": SKIP, "sd == ar (greedy)": PASS, "exact == ar (greedy)": PASS,
                       "sd with trees of 10 == ar (greedy)": SKIP}  # a draft model grows no trees
     assert report["tree"]["shape"] is None and "grows no trees" in report["tree"]["reason"]
+    # its chains measured all the same: sd's first block without -g comes from them
+    chains = [o for o in report["tree"]["options"] if o["name"].startswith("chain of")]
+    assert len(chains) == 5 and 2 <= report["first_block"]["gamma"] <= 5
+    assert report["format_curves"] is None  # --quant auto has no formats to choose between for this model
     assert report["speed"]["ar"]["tokens_per_s"] > 0 and report["speed"]["sd"]["tokens_per_target_pass"] >= 1
     table = doctor("-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "--prompts", 1, "-n", 8, "--threads", 1, "--no-speed")
     assert table.exit_code == 0 and "sd == ar (greedy)" in table.stdout and "pass" in table.stdout
@@ -331,3 +336,21 @@ def test_compiled_against_eager_allows_rounding_only(tiny_dirs, viasd_home, monk
     for by, status in ((0.5 * low, PASS), (2 * high, FAIL), (float("nan"), FAIL)):
         shift["by"] = by
         assert check_compiled_matches_eager(session, probe).status == status, by
+
+
+@needs_torchao
+def test_doctor_shows_the_verify_curve_of_each_format_auto_chooses_between(tiny_dirs, viasd_home, monkeypatch):
+    from viasd_core.decoding.weight_format import INT4, NONE
+    from viasd_core.frontends import doctor as core_doctor
+    from viasd_core.tree_choice import CURVE_WIDTHS
+
+    monkeypatch.setattr(core_doctor, "auto_candidates", lambda model, device, dtype: ((NONE, INT4), None))
+    args = ("-m", tiny_dirs["target"], "-d", "ngram", "--prompts", 1, "-n", 4, "--threads", 1)
+    r = doctor(*args, "--json")
+    assert r.exit_code == 0, r.stderr
+    curves = json.loads(r.stdout)["format_curves"]
+    assert list(curves) == ["none", "int4"]
+    assert all([int(w) for w in curve] == list(CURVE_WIDTHS) and all(0 < s < 5 for s in curve.values())
+               for curve in curves.values())
+    table = doctor(*args)
+    assert table.exit_code == 0 and "verify curve per format" in table.stdout and "int4 ms" in table.stdout

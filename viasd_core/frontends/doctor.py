@@ -37,7 +37,9 @@ from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.tree import TreeShape
 from viasd_core.session import Session, choose_first_block, choose_tree
-from viasd_core.tree_choice import shape_for_size
+from viasd_core.loading.format_choice import time_formats
+from viasd_core.loading.models import auto_candidates
+from viasd_core.tree_choice import CURVE_WIDTHS, shape_for_size
 from viasd_core.bf16_choice import verdict as bf16_verdict
 from viasd_core.decoding.slim_view import SlimView, slim_verifier
 from viasd_core.decoding.stats import RunStats
@@ -62,6 +64,9 @@ class DoctorReport:
     speed: dict | None = None
     tree: dict | None = None  # the --tree auto choice, measured again (speed probe only)
     first_block: dict | None = None  # sd's first block without -g, from that probe: {"gamma", "reason"}
+    # the target's verify curve at each format --quant auto chooses between (speed probe only;
+    # None where it has no choice): format -> {width: seconds}
+    format_curves: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -69,7 +74,8 @@ class DoctorReport:
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "environment": self.environment, "checks": [asdict(c) for c in self.checks],
-                "speed": self.speed, "tree": self.tree, "first_block": self.first_block}
+                "speed": self.speed, "tree": self.tree, "first_block": self.first_block,
+                "format_curves": self.format_curves}
 
 
 def environment(session: Session, refresh: bool = False) -> dict:
@@ -315,6 +321,18 @@ def check_exact_mode(session: Session, mode: str, prompts_ids: list[list[int]], 
     return Check(name, PASS, f"{len(prompts_ids)} prompts x {max_new_tokens} tokens identical", facts)
 
 
+def format_curves(session: Session) -> dict[str, dict[str, float]] | None:
+    """The target's verify curve (seconds of a pass over 1..16 tokens after 128 cached positions, the
+    widths --tree auto measures) at each weight format `--quant auto` chooses between for this
+    model on this machine, each loaded and timed once; None where auto has no choice to make."""
+    opts = session.options
+    candidates, why_not = auto_candidates(opts.model, session.engine.device, opts.dtype)
+    if why_not:
+        return None
+    curves = time_formats(opts.model, candidates, session.engine.device, CURVE_WIDTHS, context=128, repeats=5, rounds=1)
+    return {str(fmt): {str(w): seconds for w, seconds in curve.items()} for fmt, curve in curves.items()}
+
+
 def speed_probe(session: Session, prompts_ids: list[list[int]], max_new_tokens: int,
                 gamma: int = GenerationConfig.gamma) -> dict:
     """Tokens per second of ar and sd (first block `gamma`) on the prompts (after one warm-up run each)."""
@@ -352,6 +370,7 @@ def run_doctor(session: Session, prompts_ids: list[list[int]], max_new_tokens: i
         gamma = choose_first_block(session, GenerationConfig.gamma_max)
         report.first_block = {"gamma": gamma, "reason": session.first_block[1]}
         report.speed = speed_probe(session, prompts_ids, max_new_tokens, gamma)
+        report.format_curves = format_curves(session)
     # Counted now that generations ran: CUDA-graph trees record a graph on a pass's second run.
     recorded = cuda_graphs_recorded(session.engine.device)
     report.environment["cuda_graphs_recorded"] = recorded

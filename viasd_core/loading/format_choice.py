@@ -57,23 +57,34 @@ def measure(ref: str, candidates: tuple[WeightFormat, ...], device: torch.device
     """Seconds of a 1-token plus a 4-token pass of model `ref` at each format on `device`. All are
     loaded, then timed in turn for ROUNDS rounds, and each keeps its best round: a neighbour's burst
     of load on a shared machine then slows one round, not one format."""
+    curves = time_formats(ref, candidates, device, WIDTHS, CONTEXT, REPEATS, ROUNDS)
+    return {fmt: sum(curve.values()) for fmt, curve in curves.items()}
+
+
+def time_formats(ref: str, candidates: tuple[WeightFormat, ...], device: torch.device, widths: tuple[int, ...],
+                 context: int, repeats: int, rounds: int) -> dict[WeightFormat, dict[int, float]]:
+    """Median seconds of a pass over each of `widths` tokens after `context` cached positions, for
+    model `ref` at each format (decoding/pass_timing.py): the round, and for float32 the short
+    product, of the least total (a session picks its short product: decoding/short_products.py)."""
     from viasd_core.decoding.model import FastModel
     from viasd_core.decoding.pass_timing import time_passes
     from viasd_core.decoding.short_products import BLOCKED, PACKED, PLAIN, applies, packs
     from viasd_core.loading.models import load_model
 
     models = {fmt: FastModel(load_model(ref, device=str(device), quant=fmt, with_tokenizer=False).model,
-                             max_len=CONTEXT + max(WIDTHS) + 1) for fmt in candidates}
+                             max_len=context + max(widths) + 1) for fmt in candidates}
     for model in models.values():
-        time_passes(model, WIDTHS, CONTEXT, repeats=1)  # warm-up: first-call allocations and probes
-    best = {fmt: float("inf") for fmt in candidates}
-    for _ in range(ROUNDS):
+        time_passes(model, widths, context, repeats=1)  # warm-up: first-call allocations and probes
+    best: dict[WeightFormat, dict[int, float]] = {}
+    for _ in range(rounds):
         for fmt, model in models.items():
             # float32 at its best: with each short product and without (a session picks)
             ways = (BLOCKED, PLAIN) + ((PACKED,) if packs(model.lm_head) else ()) if applies(model.lm_head) else ()
             for rows in ways or (model.short_rows,):
                 model.short_rows = rows
-                best[fmt] = min(best[fmt], sum(time_passes(model, WIDTHS, CONTEXT, REPEATS).values()))
+                curve = time_passes(model, widths, context, repeats)
+                if fmt not in best or sum(curve.values()) < sum(best[fmt].values()):
+                    best[fmt] = curve
     del models
     gc.collect()
     return best

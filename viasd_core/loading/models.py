@@ -187,20 +187,29 @@ def resolve_format(text: str | WeightFormat, model_ref: str | None, device: torc
     if (text or "").strip().lower() != AUTO:
         fmt = WeightFormat.parse(text, also=(AUTO,))
         return fmt, f"{fmt}: asked for"
+    candidates, why_not = auto_candidates(model_ref, device, dtype)
+    if why_not:
+        return NONE, why_not
+    choice = choose_format(_canonical(model_ref), device, candidates, progress)
+    return choice.format, choice.reason
+
+
+def auto_candidates(model_ref: str | None, device: torch.device,
+                    dtype: str | None) -> tuple[tuple[WeightFormat, ...], str | None]:
+    """The formats `--quant auto` times for this model here, and None; or ((none,), why it times none)."""
     name = _canonical(model_ref)
     if name not in QUALITY_MEASURED:
-        return NONE, "none: auto picks a low-bit format only for the embedded target (not measured on other models)"
+        return (NONE,), "none: auto picks a low-bit format only for the embedded target (not measured on other models)"
     if device.type != "cpu":
-        return NONE, f"none: not measured on {device.type}"
+        return (NONE,), f"none: not measured on {device.type}"
     if dtype is not None:
-        return NONE, f"none: --dtype {dtype} was asked for (int4 runs bfloat16 activations)"
+        return (NONE,), f"none: --dtype {dtype} was asked for (int4 runs bfloat16 activations)"
     candidates = QUALITY_MEASURED[name]
     if importlib.util.find_spec("torchao") is None:
         candidates = tuple(fmt for fmt in candidates if fmt.backend != TORCHAO)
         if candidates == (NONE,):
-            return NONE, "none: torchao is not installed (pip install 'viasd[quant]' for int8 and int4)"
-    choice = choose_format(name, device, candidates, progress)
-    return choice.format, choice.reason
+            return (NONE,), "none: torchao is not installed (pip install 'viasd[quant]' for int8 and int4)"
+    return candidates, None
 
 
 def forget_format(model_ref: str | None, device: str | None) -> None:
