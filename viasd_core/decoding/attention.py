@@ -29,6 +29,8 @@ cached positions.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from viasd_kernels import cpu_row_attention
@@ -119,13 +121,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
 
 def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, window: int | None = None,
-                  scale: float | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                  scale: float | None = None, key_mask: torch.Tensor | None = None,
+                  kernels: Path | None = None) -> torch.Tensor:
     """Causal attention of q [1, Hq, T, D] at positions end - T .. end - 1 over a cache k, v
     [1, Hkv, >= end, D], each row over exactly its keys and computed as it would be alone:
     [1, T, Hq * D]. With `key_mask` [T, end] (a token tree's rows) row i reads the slots it marks,
-    in cache order. One kernel call on a CPU (viasd_kernels.cpu_row_attention), else the reference."""
+    in cache order. One kernel call on a CPU (viasd_kernels.cpu_row_attention), else the reference.
+    `kernels`: the kernels' folder (paths.kernel_dir(), which a pass looks up once for its layers)."""
     if ROW_KERNEL and q.device.type == "cpu" and q.shape[0] == 1:
-        out = cpu_row_attention.row_attention(q, k, v, end, window, scale, key_mask, build_dir=paths.kernel_dir())
+        out = cpu_row_attention.row_attention(q, k, v, end, window, scale, key_mask,
+                                              build_dir=kernels or paths.kernel_dir())
         if out is not None:
             return out
     return attend_by_row_reference(q, k, v, end, window, scale, key_mask)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from viasd_kernels import cpu_rms_norm, cpu_rope_write
@@ -326,15 +327,16 @@ class FastModel(attention.CachedPositions, TreePasses):
             else:
                 masks.append({})
         captured: list = [None] * len(self.feature_layers)
+        kernels = paths.kernel_dir() if self.device.type == "cpu" else None  # once a pass, not once a layer
         for ci, layer in enumerate(self.layers):
             for slot in self._capture[ci]:
                 captured[slot] = x[0]
             if len(chunks) == 1:
-                x = self._layer(ci, x, input_pos, cos, sin, attn_len, masks[0], by_row, key_mask)
+                x = self._layer(ci, x, input_pos, cos, sin, attn_len, masks[0], by_row, key_mask, kernels)
                 continue
             with widen_once(self._products(ci), self.dtype):
                 x = torch.cat([self._layer(ci, x[:, lo:hi], input_pos[lo:hi], cos[lo:hi], sin[lo:hi], end, mask,
-                                           chunk_by_row, None)
+                                           chunk_by_row, None, kernels)
                                for (lo, hi, end, _, chunk_by_row), mask in zip(chunks, masks)], dim=1)
         for slot in self._capture[len(self.layers)]:
             captured[slot] = x[0]
@@ -347,8 +349,9 @@ class FastModel(attention.CachedPositions, TreePasses):
         return logits
 
     def _layer(self, ci: int, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, end: int,
-               masks: dict, by_row: bool, key_mask: torch.Tensor | None) -> torch.Tensor:
-        """Run-layer `ci` over the states x [1, T, H] of slots `pos` [T], attending over cache[:end]."""
+               masks: dict, by_row: bool, key_mask: torch.Tensor | None, kernels: Path | None = None) -> torch.Tensor:
+        """Run-layer `ci` over the states x [1, T, H] of slots `pos` [T], attending over cache[:end]
+        (`kernels`: the C kernels' folder, looked up once a pass)."""
         s = self.shape
         T = x.shape[1]
         c = self._calls[ci]
@@ -381,7 +384,7 @@ class FastModel(attention.CachedPositions, TreePasses):
             k = apply_rope(k.transpose(1, 2), cos, sin)  # [1, Hkv, T, D]
             k_cache, v_cache = layer_cache.update(pos, k, v.transpose(1, 2))
         if by_row:
-            o = attention.attend_by_row(q, k_cache, v_cache, end, self.windows[ci], c.scaling, key_mask)
+            o = attention.attend_by_row(q, k_cache, v_cache, end, self.windows[ci], c.scaling, key_mask, kernels)
         else:
             o = attention.attend(q, k_cache[:, :, :end], v_cache[:, :, :end], masks.get(self.windows[ci]),
                                  c.scaling)  # [1, T, Hq * D]
