@@ -1,7 +1,8 @@
 """The draft-length policy: block length from acceptance, plain steps while drafting clearly does not pay."""
 
 from conftest import TinyTokenizer, tiny_model
-from viasd_core.decoding.draft_policy import FLOOR, PLAIN_MARGIN, UNMEASURED_START, DraftPolicy, first_block
+from viasd_core.decoding.draft_policy import (FLOOR, PLAIN_MARGIN, SPEC_FIRST, UNMEASURED_START, DraftPolicy,
+                                               first_block)
 from viasd_core.decoding.drafters import ModelDrafter
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.decoding.model import FastModel
@@ -28,7 +29,7 @@ def test_block_length_follows_acceptance():
 
 def test_plain_steps_need_a_margin():
     """Plain steps only where they measure PLAIN_MARGIN faster: the decayed rates are noisy."""
-    p = DraftPolicy(gamma=3, gamma_max=8, decay=1.0)
+    p = DraftPolicy(gamma=3, gamma_max=8, decay=1.0, spec_first=2)
     p.record_spec(3, 1, 2, 0.02)
     p.record_spec(3, 1, 2, 0.02)  # 100 tokens/s drafting
     assert p.block_length() == 0  # measure a plain step once
@@ -39,7 +40,7 @@ def test_plain_steps_need_a_margin():
 
 
 def test_plain_steps_while_drafting_does_not_pay_and_probes_again():
-    p = DraftPolicy(gamma=4, gamma_max=8, probe_every=3, decay=0.5)
+    p = DraftPolicy(gamma=4, gamma_max=8, probe_every=3, decay=0.5, spec_first=2)
     assert p.block_length() == 4
     p.record_spec(drafted=4, kept=0, tokens=1, seconds=0.03)  # gamma shrinks to 3
     assert p.block_length() == 3
@@ -62,6 +63,14 @@ def test_plain_steps_while_drafting_does_not_pay_and_probes_again():
     assert q.spec_rate == 60.0  # not the mean of 100 and 20 tokens/s
 
 
+def test_a_plain_step_is_measured_only_after_spec_first_speculative_steps():
+    p = DraftPolicy(gamma=3, gamma_max=8)
+    for step in range(SPEC_FIRST):
+        assert p.block_length() == p.gamma, step  # the first blocks are noisy: no plain step yet
+        p.record_spec(drafted=p.gamma, kept=0, tokens=1, seconds=1.0)
+    assert p.spec_steps == SPEC_FIRST and p.block_length() == 0
+
+
 def test_fixed_gamma_is_kept():
     p = DraftPolicy(gamma=5, gamma_max=9, adaptive=False)
     for _ in range(4):
@@ -80,8 +89,10 @@ def test_engine_takes_plain_steps_with_a_draft_that_never_agrees_and_stays_exact
     eng.reset()
     ar = eng.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=80))
     assert sd.tokens == ar.tokens  # plain steps keep sd exact
-    # most steps drafted nothing (the old +1/-1 rule drafted at least one token every step)
-    assert sd.stats.draft_tokens < 0.5 * sd.stats.steps, (sd.stats.draft_tokens, sd.stats.steps)
+    # most steps drafted nothing (the old +1/-1 rule drafted at least one token every step): after
+    # the first SPEC_FIRST blocks, plain steps with a block every probe_every + 1 steps
+    drafting = sd.stats.position_attempts[0]  # steps whose block held a first draft
+    assert SPEC_FIRST <= drafting < 0.5 * sd.stats.steps, (drafting, sd.stats.steps)
 
 
 def test_the_first_block_is_the_measured_chain_within_the_floor_and_the_cap():

@@ -155,6 +155,34 @@ def test_an_agreeing_head_is_accepted_and_the_hybrid_stays_exact():
         assert got.stats.new_tokens / got.stats.target_passes > 1.3
 
 
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_the_head_catches_up_on_the_prompt_inside_the_prefill(hybrid):
+    """The head's prompt positions run in the engine's prefill (timed there), not in the first
+    speculative step's draft: the first block's draft re-runs one position, as any later one."""
+    target = tiny_model("llama", n_layers=5, seed=6)
+    eng = engine_with_head(target, make_head(target, seed=3), hybrid=hybrid)
+    head = (eng.drafter.model_drafter if hybrid else eng.drafter).head
+    prompt = list(range(3, 40))
+    runs = []
+    forward = head.forward
+
+    def spy(token_ids, features, start, n_logits=None):
+        runs.append((start, token_ids.shape[0]))
+        return forward(token_ids, features, start, n_logits)
+
+    head.forward = spy
+    prefill = eng.drafter.prefill
+    eng.drafter.prefill = lambda ids, n: (runs.append("prefill"), prefill(ids, n))
+    got = eng.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=8, gamma=2, adaptive=False))
+    n = len(prompt)
+    assert runs[:3] == ["prefill", (0, n - 1), (n - 2, 1)]  # the whole prompt, then one position
+    assert got.tokens == eng.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=8)).tokens
+    runs.clear()
+    eng.reset()
+    eng.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=8))
+    assert runs == []  # plain decoding drafts nothing, and so prefills no drafter
+
+
 def test_viasd_drafts_from_the_slim_features_where_the_target_did_not_run():
     target = tiny_model("llama", n_layers=5, seed=8)
     head = make_head(target, seed=8)

@@ -57,6 +57,11 @@ class Drafter(ABC):
     def ensure_capacity(self, max_len: int) -> None:
         """Hold state for `max_len` positions (the engine's context); allocated once."""
 
+    def prefill(self, ids: torch.Tensor, n: int) -> None:
+        """Catch up on the prompt ids[:n] once the verifiers have run it, inside the engine's timed
+        prefill: the first proposal then costs what any other does (the draft policy measures it).
+        Default: nothing (the next proposal catches up)."""
+
     def fast_models(self) -> list[FastModel]:
         """The FastModels the drafter runs (the engine sizes them and checks their passes with its own)."""
         return []
@@ -127,6 +132,10 @@ class ChainDrafter(Drafter):
         else:
             full[:, : self.limit] = draft_probs
         return full
+
+    def prefill(self, ids: torch.Tensor, n: int) -> None:
+        """Catch up as the first proposal would (it then re-runs the last position for its logits)."""
+        self._first_logits(ids, n)
 
     @abstractmethod
     def _first_logits(self, ids: torch.Tensor, n: int) -> torch.Tensor | None:
@@ -301,6 +310,9 @@ class HybridDrafter(Drafter):
 
     def fast_models(self) -> list[FastModel]:
         return self.model_drafter.fast_models()
+
+    def prefill(self, ids: torch.Tensor, n: int) -> None:
+        self.model_drafter.prefill(ids, n)
 
     def set_short_rows(self, rows) -> None:
         self.model_drafter.set_short_rows(rows)

@@ -278,6 +278,8 @@ class Engine:
                 m.extend(self.ids, n - 1, 1)
         # What the target's prefill pass wrote, plus the last prompt token (the first step runs it).
         stats.prefill_processed = self.target.seen - stats.prefill_cached + 1
+        if plan.step is not None:  # the drafter's own prompt positions: prefill, not the first step's draft
+            self.drafter.prefill(self.ids, n)
         stats.time_prefill = self.clock() - t0
         policy = DraftPolicy(config.gamma, max(config.gamma, config.gamma_max), adaptive=config.adaptive)
         try:
