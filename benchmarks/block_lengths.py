@@ -45,8 +45,9 @@ def main() -> None:
     session = build_session(ModelOptions(threads=args.threads, quant=args.quant), mode="sd")
     n = args.max_new_tokens
     start = choose_first_block(session, GenerationConfig.gamma_max)
-    methods = {"ar": GenerationConfig(mode="ar", max_new_tokens=n),
-               "sd": GenerationConfig(mode="sd", max_new_tokens=n, gamma=start)}
+    methods = {"ar": GenerationConfig(mode="ar", max_new_tokens=n), "sd": GenerationConfig(mode="sd", max_new_tokens=n)}
+    if start is not None:
+        methods["sd"].start_at_measured(start)
     for g in (int(g) for g in args.start.split(",") if g):
         methods[f"sd -g {g}"] = GenerationConfig(mode="sd", max_new_tokens=n, gamma=g)
     for c in (int(c) for c in args.cap.split(",") if c):
@@ -86,7 +87,7 @@ def main() -> None:
     ar = statistics.mean(rates["ar"])
     out = {"device": device_name(engine.device), "threads": torch.get_num_threads(), "quant": session.options.quant,
            "draft": session.draft_id, "prompts": len(prompts), "rounds": args.rounds, "max_new_tokens": n,
-           "first_block": {"gamma": start, "reason": session.first_block[1]},
+           "first_block": session.first_block_record(),
            "methods": {}}
     for name in methods:
         mean = statistics.mean(rates[name])

@@ -40,7 +40,7 @@ DraftQuantOpt = Annotated[str, typer.Option("--draft-quant", help="Draft weights
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the model repo (off by default).")]
 AllowPickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow pickle (.bin) weights (off by default: safetensors only).")]
 ModeOpt = Annotated[str, typer.Option("--mode", help="ar (plain), sd (two-tier, exact), exact (multi-tier, exact) or viasd (three tiers, calibrated, lossy).")]
-GammaOpt = Annotated[Optional[int], typer.Option("--gamma", "-g", help="Draft tokens per step: the first block when adaptive (then it follows acceptance, up to 12, or this if larger), every block with --fixed. Default for sd: the fastest chain measured on this machine (at least 2; cached, --verbose says why); 5 elsewhere.")]
+GammaOpt = Annotated[Optional[int], typer.Option("--gamma", "-g", help="Draft tokens per step: the first block when adaptive (then it follows acceptance, up to 12, or this if larger), every block with --fixed. Default for sd: the fastest chain measured on this machine (at least 2, and the adaptive block's floor; cached, --verbose says why); 5 elsewhere.")]
 AdaptiveOpt = Annotated[bool, typer.Option("--adaptive/--fixed", help="Adapt the draft length to acceptance and measured cost, with plain steps while drafting does not pay (default), or keep gamma fixed.")]
 MinConfidenceOpt = Annotated[float, typer.Option("--min-confidence", help="With --adaptive, a model draft stops before the token where its own estimate that the whole block is accepted (the product of its top probabilities) falls below this; 0 = off.")]
 MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Largest number of new tokens per prompt.")]
@@ -132,7 +132,9 @@ def open_session(opts: ModelOptions, config: GenerationConfig, progress, long_li
         if progress and choice.shape is not None:
             progress(f"draft trees of {choice.shape.size} tokens ({choice.reason})")
         if config.auto_gamma and choice.shape is None:
-            config.gamma = choose_first_block(session, config.gamma_max)
+            measured = choose_first_block(session, config.gamma_max)
+            if measured is not None:
+                config.start_at_measured(measured)
     config.validate()
     return session
 

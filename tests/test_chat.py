@@ -70,7 +70,8 @@ def test_scripted_session(tiny_dirs, viasd_home, tmp_path):
     assert saved["version"] == 1 and saved["draft"] != "none"
     turns = saved["turns"]
     assert [t["mode"] for t in turns] == ["sd", "ar", "sd"]
-    assert [t["gamma"] for t in turns] == [5, 5, 3]  # /gamma 0 was refused and changed nothing
+    # the first block measured on this machine (no -g), then /gamma 0 refused and changing nothing
+    assert 2 <= turns[0]["gamma"] == turns[1]["gamma"] <= 5 and turns[2]["gamma"] == 3
     assert [t["temperature"] for t in turns] == [0.0, 0.0, 0.5]
     assert [t["user"] for t in turns] == ["w1 w2 w3", "w4 w5", "w6"]
     assert [t["assistant"] for t in turns] == answers

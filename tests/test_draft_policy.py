@@ -1,11 +1,14 @@
 """The draft-length policy: block length from acceptance, plain steps while drafting clearly does not pay."""
 
+import pytest
+
 from conftest import TinyTokenizer, tiny_model
 from viasd_core.decoding.draft_policy import (FLOOR, PLAIN_MARGIN, SPEC_FIRST, UNMEASURED_START, DraftPolicy,
                                                first_block)
 from viasd_core.decoding.drafters import ModelDrafter
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.decoding.model import FastModel
+from viasd_core.errors import UsageError
 
 
 def test_block_length_follows_acceptance():
@@ -61,6 +64,24 @@ def test_plain_steps_while_drafting_does_not_pay_and_probes_again():
     q.record_spec(4, 4, 5, 0.05)
     q.record_spec(4, 0, 1, 0.05)
     assert q.spec_rate == 60.0  # not the mean of 100 and 20 tokens/s
+
+
+def test_a_measured_first_block_is_also_the_floor():
+    config = GenerationConfig(mode="sd")
+    config.start_at_measured(3)
+    assert (config.gamma, config.gamma_floor) == (3, 3)
+    p = DraftPolicy(config.gamma, config.gamma_max, floor=config.gamma_floor)
+    p.record_spec(drafted=3, kept=0, tokens=1, seconds=1.0)
+    assert p.gamma == 3  # an empty block: no shorter than the measured length
+    p.record_spec(drafted=3, kept=3, tokens=4, seconds=1.0)
+    p.record_spec(drafted=4, kept=0, tokens=1, seconds=1.0)
+    assert p.gamma == 3  # grown after a full block, back down to the floor, not below
+    plain = DraftPolicy(config.gamma, config.gamma_max)
+    plain.record_spec(drafted=3, kept=0, tokens=1, seconds=1.0)
+    assert plain.gamma == FLOOR == 2  # -g given: the floor of 2
+    bad = GenerationConfig(mode="sd", gamma_floor=0)
+    with pytest.raises(UsageError, match="block floor"):
+        bad.validate()
 
 
 def test_a_plain_step_is_measured_only_after_spec_first_speculative_steps():

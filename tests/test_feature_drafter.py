@@ -175,7 +175,7 @@ def test_the_head_catches_up_on_the_prompt_inside_the_prefill(hybrid):
     eng.drafter.prefill = lambda ids, n: (runs.append("prefill"), prefill(ids, n))
     got = eng.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=8, gamma=2, adaptive=False))
     n = len(prompt)
-    assert runs[:3] == ["prefill", (0, n - 1), (n - 2, 1)]  # the whole prompt, then one position
+    assert runs[:3] == ["prefill", (0, n - 2), (n - 2, 1)]  # the prompt but its last position, then that one
     assert got.tokens == eng.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=8)).tokens
     runs.clear()
     eng.reset()
@@ -476,7 +476,7 @@ def test_sd_starts_from_the_measured_chain_unless_given_a_block(tiny_dirs, head_
     generate = Engine.generate
 
     def spy(self, ids, config, *args, **kwargs):
-        seen.append((config.mode, config.gamma, config.tree))
+        seen.append((config.mode, config.gamma, config.gamma_floor, config.tree))
         return generate(self, ids, config, *args, **kwargs)
 
     monkeypatch.setattr(Engine, "generate", spy)
@@ -491,13 +491,13 @@ def test_sd_starts_from_the_measured_chain_unless_given_a_block(tiny_dirs, head_
     fastest = max(chains, key=lambda o: o["tokens_per_s"])["width"] - 1
     start, why = first_block(fastest, 12)
     assert record["shape"] is None and record["verify_seconds"]["16"] == pytest.approx(0.16)
-    assert seen[-1] == ("sd", start, None) and f"first block: {start} drafts ({why})" in r.stderr
+    assert seen[-1] == ("sd", start, start, None) and f"first block: {start} drafts ({why})" in r.stderr
     seen.clear()
     for extra in (["--tree", "off"], ["--tree", "off", "-g", "4"]):
         r = CliRunner().invoke(get_app(), base + extra)
         assert r.exit_code == 0, r.stderr
     # --tree off measures nothing: the unmeasured start; -g is taken as given
-    assert seen == [("sd", 5, None), ("sd", 4, None)]
+    assert seen == [("sd", 5, 2, None), ("sd", 4, 2, None)]  # and the floor of 2
 
 
 def test_doctor_checks_trees_and_shows_the_verify_curve(tiny_dirs, head_dir, viasd_home):

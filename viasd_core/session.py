@@ -43,6 +43,10 @@ class Session:
     def tokenizer(self):
         return self.target.tokenizer
 
+    def first_block_record(self) -> dict | None:
+        """sd's first block without -g and why, JSON-ready (bench's meta, doctor); None before chosen."""
+        return None if self.first_block is None else {"gamma": self.first_block[0], "reason": self.first_block[1]}
+
     def choices(self) -> list[tuple[str, str, str]]:
         """What the session chose where the user left it to viasd, and why: (setting, value, reason)
         for the weight format, the CPU threads, the short-pass product, compilation, sd's draft
@@ -126,12 +130,15 @@ def choose_tree(session: Session, progress=None, refresh: bool = False) -> TreeC
     return choice
 
 
-def choose_first_block(session: Session, gamma_max: int, progress=None) -> int:
-    """sd's first block where the user gave no -g: the fastest chain of --tree auto's probe on this
-    machine (measured once and cached: `choose_tree`; draft_policy.first_block says the rule)."""
+def choose_first_block(session: Session, gamma_max: int, progress=None) -> int | None:
+    """sd's first block (and floor) where the user gave no -g: the fastest chain of --tree auto's
+    probe on this machine (measured once and cached: `choose_tree`; draft_policy.first_block says
+    the rule); None where nothing was measured (GenerationConfig's defaults then hold).
+    `session.first_block` says which and why either way."""
     choice = session.tree or choose_tree(session, progress)
-    session.first_block = first_block(choice.best_chain(), gamma_max)
-    return session.first_block[0]
+    best = choice.best_chain()
+    session.first_block = first_block(best, gamma_max)
+    return None if best is None else session.first_block[0]
 
 
 def pair_profile(target: Loaded, draft_id: str, opts: ModelOptions, target_fast: FastModel, progress=None):

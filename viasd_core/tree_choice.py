@@ -8,8 +8,8 @@ user's cache folder (`viasd doctor --refresh` measures again):
                    (a plain step, chains of 1..5, three tree shapes) on a few shipped prompts
 
 and picks the candidate of most expected tokens per second (decoding/tree_size.py). A chain or a
-plain step means no tree (chains are what `sd` drafts without one); a draft that grows no trees
-has its chains measured alone. The fastest chain is also where sd's adaptive block starts when the
+plain step means no tree (chains are what `sd` drafts without one); a draft model that grows no
+trees has its chains measured alone (prompt lookup, which runs no model, is not measured). The fastest chain is also where sd's adaptive block starts when the
 user gives no `-g` (TreeChoice.best_chain, draft_policy.first_block). `N` grows trees of N nodes
 without measuring; `off` never grows one.
 """
@@ -92,6 +92,8 @@ def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, ke
         return TreeChoice(None, "--tree off", [], {})
     if engine.drafter is None:
         return TreeChoice(None, "no draft", [], {})
+    if not engine.supports_tree and not engine.drafter.fast_models():
+        return TreeChoice(None, "prompt lookup grows no trees and drafts at no cost: nothing to measure", [], {})
     if isinstance(choice, int):
         if not engine.supports_tree:
             return TreeChoice(None, NO_TREES, [], {})

@@ -74,7 +74,7 @@ def session_meta(session: Session, config: BenchConfig, prompts_source: str | No
         max_context=session.engine.context_len,
         tree=None if session.tree is None else session.tree.to_dict(),  # sd-tree's size, why, what it rests on
         # sd's first block where -g was left unset (gamma None), and why
-        first_block=None if session.first_block is None else dict(zip(("gamma", "reason"), session.first_block)),
+        first_block=session.first_block_record(),
         threads=None if session.threads is None else session.threads.to_dict(),  # every method runs with this count
     )
 

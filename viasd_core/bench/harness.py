@@ -136,16 +136,17 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
         slim_engine, profile_error = _slim_engine(session)
 
     gamma = UNMEASURED_START if config.gamma is None else config.gamma
-    sd_gamma = gamma
+    sd_gamma = None  # sd's first block measured on this machine (-g not given)
     if config.gamma is None and "sd" in config.methods:
-        sd_gamma = choose_first_block(session, GenerationConfig.gamma_max,
-                                      progress=lambda msg: print(msg, file=sys.stderr))
+        sd_gamma = choose_first_block(session, GenerationConfig.gamma_max)  # silent: -q holds; the meta says it
 
     def gen_config(mode, thresholds=None, tree=None):
-        return GenerationConfig(mode=mode, max_new_tokens=config.max_new_tokens,
-                                gamma=sd_gamma if mode == "sd" else gamma,
+        made = GenerationConfig(mode=mode, max_new_tokens=config.max_new_tokens, gamma=gamma,
                                 adaptive=config.adaptive, min_confidence=config.min_confidence, temperature=0.0,
                                 seed=config.seed, thresholds=thresholds, tree=tree)
+        if mode == "sd" and tree is None and sd_gamma is not None:
+            made.start_at_measured(sd_gamma)
+        return made
 
     for m in config.methods:
         if m in NEEDS_DRAFT and engine.drafter is None:

@@ -14,14 +14,18 @@ prompt are often rejected, and on a CPU where a 1-token pass is cheap (float32 h
 with SPEC_FIRST 8: 13-26 plain, tau 1.65-1.68; docs/benchmarks.md section 34).
 
 Within speculative steps the block length follows acceptance: one more after a fully accepted
-block, one fewer after a block of which nothing was kept, never fewer than FLOOR drafts. Pure
+block, one fewer after a block of which nothing was kept, never fewer than its floor (FLOOR drafts,
+or the measured first block below). Pure
 bookkeeping: no model, no tensor.
 
 The first block, where the user leaves it to viasd (no `-g`): the chain length that `--tree auto`'s
 probe measured fastest on this machine (tree_choice.py), never below FLOOR; UNMEASURED_START where
-nothing was measured (`--tree off` or N, other modes). On a 2-core CPU the probe picks 1-2 drafts
-where a GPU's nearly flat verify curve picks 5: starting at 5 cost about 2% against the best fixed
-block here (docs/benchmarks.md sections 33 and 34), since the block only shrinks after empty blocks.
+nothing was measured (`--tree off` or N, other modes). A measured first block is also the block's
+floor (GenerationConfig.start_at_measured): it shrinks after empty blocks no further than the length
+this machine's verify curve and the draft's acceptance favour. On a 2-core CPU the probe picks 2
+drafts at int4 and 3 in float32, whose verify curve is nearly flat from 2 to 6 tokens; starting at 5
+cost about 2% against the best fixed block at int4, and shrinking to 2 in float32 about 3% against
+a floor of 3 (docs/benchmarks.md section 34).
 
 Why these rules (docs/benchmarks.md section 31, 26 held-out prompts on a 2-core AVX-512 EPYC): the
 earlier rule (one fewer after a block rejected before its middle, plain steps as soon as they
@@ -64,6 +68,7 @@ class DraftPolicy:
     adaptive: bool = True  # False: always draft `gamma` tokens (--fixed)
     probe_every: int = 4  # plain steps between two tries of drafting, while drafting does not pay
     spec_first: int = SPEC_FIRST  # speculative steps before a plain step is measured
+    floor: int = FLOOR  # an adaptive block never shrinks below this (unless it started below)
     decay: float = 0.95  # weight of the past in the running sums, per step of the same kind (~20 steps)
     spec_tokens: float = 0.0  # decayed sums of tokens and seconds, per kind of step
     spec_seconds: float = 0.0
@@ -105,5 +110,5 @@ class DraftPolicy:
         if self.adaptive and drafted:
             if kept == drafted:
                 self.gamma = min(self.gamma + 1, self.gamma_max)
-            elif kept == 0 and self.gamma > FLOOR:
+            elif kept == 0 and self.gamma > self.floor:
                 self.gamma -= 1

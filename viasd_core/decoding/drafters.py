@@ -134,8 +134,10 @@ class ChainDrafter(Drafter):
         return full
 
     def prefill(self, ids: torch.Tensor, n: int) -> None:
-        """Catch up as the first proposal would (it then re-runs the last position for its logits)."""
-        self._first_logits(ids, n)
+        """Catch up on all but the last prompt position, as a proposal after n - 1 tokens would: the
+        first proposal then runs that one position for its logits, as any later proposal does."""
+        if n > 2:
+            self._first_logits(ids, n - 1)
 
     @abstractmethod
     def _first_logits(self, ids: torch.Tensor, n: int) -> torch.Tensor | None:

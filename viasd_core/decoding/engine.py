@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from viasd_core.decoding.draft_policy import UNMEASURED_START, DraftPolicy
+from viasd_core.decoding.draft_policy import FLOOR, UNMEASURED_START, DraftPolicy
 from viasd_core.decoding.drafters import Drafter
 from viasd_core.decoding.model import PASS_WIDTHS, FastModel
 from viasd_core.decoding.router import Thresholds
@@ -47,6 +47,7 @@ class GenerationConfig:
     auto_gamma: bool = False
     adaptive: bool = True
     gamma_max: int = 12
+    gamma_floor: int = FLOOR  # an adaptive block never shrinks below this (unless it started below)
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -66,6 +67,8 @@ class GenerationConfig:
             raise UsageError("--max-new-tokens must be at least 1")
         if self.gamma < 1:
             raise UsageError(f"gamma must be at least 1 (got {self.gamma}): pass --gamma 1 or more")
+        if not 1 <= self.gamma_floor <= max(self.gamma, self.gamma_max):
+            raise UsageError(f"the block floor must be between 1 and gamma_max (got {self.gamma_floor})")
         if max(self.gamma, self.gamma_max if self.adaptive else self.gamma) + 1 > PASS_WIDTHS[-1]:
             raise UsageError(f"gamma can be at most {PASS_WIDTHS[-1] - 1} (a verify pass covers gamma + 1 tokens)")
         if self.temperature < 0:
@@ -82,6 +85,11 @@ class GenerationConfig:
             raise UsageError(f"a draft tree holds at most {PASS_WIDTHS[-1] - 1} tokens (a verify pass covers size + 1)")
         if self.mode == "viasd" and self.thresholds is None:
             raise UsageError("viasd mode needs calibrated thresholds: run `viasd calibrate` first")
+
+    def start_at_measured(self, block: int) -> None:
+        """Start sd's blocks at the length measured fastest on this machine (the user gave no -g):
+        an adaptive block then never shrinks below it either (draft_policy.first_block)."""
+        self.gamma = self.gamma_floor = block
 
     @property
     def sampling(self) -> SamplingParams:
@@ -281,7 +289,8 @@ class Engine:
         if plan.step is not None:  # the drafter's own prompt positions: prefill, not the first step's draft
             self.drafter.prefill(self.ids, n)
         stats.time_prefill = self.clock() - t0
-        policy = DraftPolicy(config.gamma, max(config.gamma, config.gamma_max), adaptive=config.adaptive)
+        policy = DraftPolicy(config.gamma, max(config.gamma, config.gamma_max), adaptive=config.adaptive,
+                             floor=config.gamma_floor)
         try:
             while len(gen.tokens) < max_new:
                 g = 0 if plan.step is None else min(policy.block_length(), max_new - len(gen.tokens) - 1)

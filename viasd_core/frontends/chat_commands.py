@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from viasd_core import paths
+from viasd_core.decoding.draft_policy import FLOOR
 from viasd_core.decoding.engine import MODES, GenerationConfig
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.frontends.chat import Chat
@@ -103,7 +104,8 @@ def _gamma(chat: Chat, arg: str) -> Reply:
         n = int(arg)
     except ValueError:
         raise UsageError(f"/gamma needs a whole number, got '{arg}'")
-    _try_config(chat.config, gamma=n, gamma_max=max(chat.config.gamma_max, n))
+    # a block length given: the measured start's floor no longer holds (draft_policy.FLOOR does)
+    _try_config(chat.config, gamma=n, gamma_max=max(chat.config.gamma_max, n), gamma_floor=FLOOR)
     adaptive = f" (adaptive: the first block; then it follows acceptance, up to {chat.config.gamma_max})"
     return Reply("info", f"gamma {n}" + (adaptive if chat.config.adaptive else ""))
 

@@ -334,12 +334,15 @@ def format_curves(session: Session) -> dict[str, dict[str, float]] | None:
 
 
 def speed_probe(session: Session, prompts_ids: list[list[int]], max_new_tokens: int,
-                gamma: int = GenerationConfig.gamma) -> dict:
-    """Tokens per second of ar and sd (first block `gamma`) on the prompts (after one warm-up run each)."""
+                gamma: int | None = None) -> dict:
+    """Tokens per second of ar and sd on the prompts (after one warm-up run each); `gamma`: sd's
+    first block measured on this machine (None: GenerationConfig's)."""
     engine = session.engine
     out = {}
     for mode in ("ar", "sd") if engine.drafter is not None else ("ar",):
-        config = GenerationConfig(mode=mode, max_new_tokens=max_new_tokens, gamma=gamma)
+        config = GenerationConfig(mode=mode, max_new_tokens=max_new_tokens)
+        if gamma is not None:
+            config.start_at_measured(gamma)
         engine.reset()
         engine.generate(prompts_ids[0], config)  # warm-up
         total = RunStats(mode=mode)
@@ -368,7 +371,7 @@ def run_doctor(session: Session, prompts_ids: list[list[int]], max_new_tokens: i
         # without -g comes from them, and the speed probe's sd starts there as `viasd generate` would
         report.tree = choose_tree(session, refresh=True).to_dict()
         gamma = choose_first_block(session, GenerationConfig.gamma_max)
-        report.first_block = {"gamma": gamma, "reason": session.first_block[1]}
+        report.first_block = session.first_block_record()
         report.speed = speed_probe(session, prompts_ids, max_new_tokens, gamma)
         report.format_curves = format_curves(session)
     # Counted now that generations ran: CUDA-graph trees record a graph on a pass's second run.
