@@ -10,7 +10,7 @@ import torch
 
 from conftest import TinyTokenizer, tiny_model
 from test_feature_drafter import make_head
-from viasd_core.decoding.drafters import ModelDrafter
+from viasd_core.decoding.drafters import ModelDrafter, NgramDrafter
 from viasd_core.decoding.engine import Engine
 from viasd_core.decoding.feature_drafter import FeatureDrafter
 from viasd_core.decoding.model import FastModel
@@ -120,6 +120,9 @@ def test_a_draft_without_trees_has_its_chains_measured(viasd_home):
     alone = Engine(FastModel(target, max_len=64), TinyTokenizer())
     assert tree_choice.resolve_tree(alone, PROMPTS, "auto", {"target": "tiny"}).reason == "no draft"
     assert not list((viasd_home / "cache").glob("machine/*.json"))  # nothing measured without a draft
+    lookup = Engine(FastModel(target, max_len=64), TinyTokenizer(), drafter=NgramDrafter())
+    assert tree_choice.resolve_tree(lookup, PROMPTS, "auto", {"target": "tiny"}).reason.startswith("prompt lookup")
+    assert not list((viasd_home / "cache").glob("machine/*.json"))  # nor for prompt lookup: it runs no model
     draft = ModelDrafter(FastModel(tiny_model("llama", n_layers=1, seed=13), max_len=64, name="draft"), 256)
     eng = Engine(FastModel(target, max_len=64), TinyTokenizer(), drafter=draft)
     choice = tree_choice.resolve_tree(eng, PROMPTS, "auto", {"target": "tiny"})

@@ -9,15 +9,17 @@ user's cache folder (`viasd doctor --refresh` measures again):
 
 and picks the candidate of most expected tokens per second (decoding/tree_size.py). A chain or a
 plain step means no tree (chains are what `sd` drafts without one); a draft model that grows no
-trees has its chains measured alone (prompt lookup, which runs no model, is not measured). The fastest chain is also where sd's adaptive block starts when the
-user gives no `-g` (TreeChoice.best_chain, draft_policy.first_block). `N` grows trees of N nodes
-without measuring; `off` never grows one.
+trees has its chains measured alone (prompt lookup, which runs no model, is not measured). The
+fastest chain is also where sd's adaptive block starts when the user gives no `-g`
+(TreeChoice.best_chain, draft_policy.first_block). `N` grows trees of N nodes without measuring;
+`off` never grows one.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from viasd_core.decoding.drafters import NgramDrafter
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.decoding.model import PASS_WIDTHS
 from viasd_core.decoding.pass_timing import time_passes
@@ -67,7 +69,6 @@ class TreeChoice:
         return {"shape": asdict(self.shape) if self.shape else None, "reason": self.reason, "options": self.options,
                 "verify_seconds": {str(k): v for k, v in self.verify_seconds.items()}}
 
-
     def best_chain(self) -> int | None:
         """Drafts in the chain of most expected tokens/s among the probe's options (the first among
         equals); None where the probe did not run (`off`, `N`, no trees)."""
@@ -92,13 +93,13 @@ def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, ke
         return TreeChoice(None, "--tree off", [], {})
     if engine.drafter is None:
         return TreeChoice(None, "no draft", [], {})
-    if not engine.supports_tree and not engine.drafter.fast_models():
+    if isinstance(engine.drafter, NgramDrafter):
         return TreeChoice(None, "prompt lookup grows no trees and drafts at no cost: nothing to measure", [], {})
     if isinstance(choice, int):
         if not engine.supports_tree:
             return TreeChoice(None, NO_TREES, [], {})
         return TreeChoice(shape_for_size(choice), f"--tree {choice}", [], {})
-    weights = engine.drafter.weights_identity() if engine.drafter is not None else None
+    weights = engine.drafter.weights_identity()
     if weights is not None:
         key = {**key, "draft_weights": weights}  # a head retrained in place is measured again
     record = MachineRecord("tree", engine.device, key, CACHE_VERSION)

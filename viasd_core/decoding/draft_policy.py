@@ -9,23 +9,24 @@ the text may turn drafting-friendly (prompt lookup finds repeats, say).
 
 The first plain step is measured only after SPEC_FIRST speculative ones: the first blocks after a
 prompt are often rejected, and on a CPU where a 1-token pass is cheap (float32 here: 16.6 against
-22.5 ms for 3 tokens) two rejected blocks sent the policy to plain steps for much of the answer
-(fp32, 8 held-out prompts: 148 of 360 steps plain, tau 1.41 against 1.78 for a fixed block of 3;
-with SPEC_FIRST 8: 13-26 plain, tau 1.65-1.68; docs/benchmarks.md section 34).
+22.5 ms for 3 tokens) two slow first blocks sent the policy to plain steps for much of the answer
+(fp32, 8 held-out prompts: 148 of 360 steps plain, tau 1.41 against 1.78 for a fixed block of 3).
+Most of that was the drafter's catch-up on the prompt, timed as the first block's draft until it
+moved into the prefill (Drafter.prefill); with both, 13-26 steps plain, tau 1.65-1.68
+(docs/benchmarks.md section 34).
 
 Within speculative steps the block length follows acceptance: one more after a fully accepted
 block, one fewer after a block of which nothing was kept, never fewer than its floor (FLOOR drafts,
-or the measured first block below). Pure
-bookkeeping: no model, no tensor.
+or the measured first block below). Pure bookkeeping: no model, no tensor.
 
 The first block, where the user leaves it to viasd (no `-g`): the chain length that `--tree auto`'s
 probe measured fastest on this machine (tree_choice.py), never below FLOOR; UNMEASURED_START where
 nothing was measured (`--tree off` or N, other modes). A measured first block is also the block's
 floor (GenerationConfig.start_at_measured): it shrinks after empty blocks no further than the length
-this machine's verify curve and the draft's acceptance favour. On a 2-core CPU the probe picks 2
-drafts at int4 and 3 in float32, whose verify curve is nearly flat from 2 to 6 tokens; starting at 5
-cost about 2% against the best fixed block at int4, and shrinking to 2 in float32 about 3% against
-a floor of 3 (docs/benchmarks.md section 34).
+this machine's verify curve and the draft's acceptance favour. On a 2-core CPU the probe picks a
+chain of 1 at int4 (raised to 2) and 3 in float32, whose verify curve is nearly flat from 2 to 6
+tokens; starting at 5 cost about 2% against the best fixed block at int4, and shrinking to 2 in
+float32 about 3% against a floor of 3 (docs/benchmarks.md section 34).
 
 Why these rules (docs/benchmarks.md section 31, 26 held-out prompts on a 2-core AVX-512 EPYC): the
 earlier rule (one fewer after a block rejected before its middle, plain steps as soon as they
