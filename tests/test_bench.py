@@ -338,3 +338,22 @@ def test_eos_and_pad_ids_one_rule():
     assert eos_ids(loaded([7, 5], 9, None)) == {5, 7, 9} and pad_token_id(loaded([7, 5], 9, None)) == 5
     assert eos_ids(loaded(3, None, 0)) == {3} and pad_token_id(loaded(3, None, 0)) == 0  # pad 0 is a pad
     assert eos_ids(loaded(None, None, None)) == set() and pad_token_id(loaded(None, None, None)) == 0
+
+
+def test_sd_starts_at_the_measured_block_and_the_probe_speaks_through_the_log(tiny_dirs, viasd_home, prompt_file):
+    """Without -g, bench's sd starts where `viasd generate` would (the --tree auto probe's fastest
+    chain, cached): the meta says which and why; the probe's progress line goes through the log,
+    which -q silences, and is not printed again once cached."""
+    args = tiny_args(tiny_dirs, prompt_file, "--methods", "ar,sd,sd-tree", "--json", "--warmup", "0")
+    loud = run(*args)
+    assert loud.exit_code == 0, loud.stderr
+    assert loud.stderr.count("measuring this machine's verify costs") == 1
+    meta = json.loads(loud.stdout)["meta"]
+    assert meta["gamma"] is None and 2 <= meta["first_block"]["gamma"] <= 5
+    assert "fastest chain" in meta["first_block"]["reason"]
+    for path in (viasd_home / "cache" / "machine").glob("tree-*.json"):
+        path.unlink()  # measured again below, under -q
+    quiet = run(*args, "-q")
+    assert quiet.exit_code == 0 and quiet.stderr == ""
+    given = json.loads(run(*args, "-q", "--gamma", "4").stdout)["meta"]
+    assert given["gamma"] == 4

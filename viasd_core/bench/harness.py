@@ -156,7 +156,7 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
         elif m == "sd":
             runners[m] = EngineRunner(engine, gen_config("sd"))
         elif m == "sd-tree":
-            choice = session.tree or choose_tree(session, progress=lambda msg: print(msg, file=sys.stderr))
+            choice = session.tree or choose_tree(session)  # measure() resolved it through its log
             runners[m] = (EngineRunner(engine, gen_config("sd", tree=choice.shape)) if choice.shape is not None
                           else Skip(f"no draft tree: {choice.reason}"))
         elif m in NEEDS_PROFILE:
