@@ -11,7 +11,10 @@ from conftest import FAMILIES, every_kind_of_pass, tiny_model
 from viasd_core.decoding import layer_calls as lc
 from viasd_core.decoding import short_products as sp
 from viasd_core.decoding import weight_formats as wf
+from viasd_core import paths
+from viasd_core.decoding import model as model_module
 from viasd_core.decoding.model import FastModel
+from viasd_kernels import cpu_packed_mm
 from viasd_core.decoding.norms import norm_call
 from viasd_core.decoding.short_products import linear, mlp
 from viasd_core.decoding.weight_format import WeightFormat
@@ -46,16 +49,45 @@ def module_calls(layer, fused, model) -> lc.LayerCalls:
 
 @pytest.mark.parametrize("fmt", ["none", "int8", "int4"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_looked_up_calls_compute_what_module_calls_do(family, fmt):
+def test_looked_up_calls_compute_what_module_calls_do(family, fmt, monkeypatch):
     model = tiny_model(family, seed=3, **SHAPE)
     if fmt != "none":
         model = wf.packed_copy(model, WeightFormat.parse(fmt))
     ids = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(4))
     fast = FastModel(model, max_len=64)
     fast.short_rows = sp.BLOCKED  # float32: every short pass through the blocked product
-    looked_up = every_kind_of_pass(fast, ids)
+    looked_up = every_kind_of_pass(fast, ids)  # int4: short passes through the layer kernel where it binds
     fast._calls = [module_calls(layer, f, fast) for layer, f in zip(fast.layers, fast._fused)]
+    monkeypatch.setattr(model_module, "LAYER_KERNEL", False)  # the reference: every call one by one
     assert torch.equal(looked_up, every_kind_of_pass(fast, ids))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_layer_front_in_one_call_computes_what_the_calls_one_by_one_do(family, monkeypatch):
+    """int4 short passes run a layer's calls up to the MLP activation in one C call
+    (viasd_kernels.cpu_layer), handed the very kernels the pass calls: the same numbers, bit for bit,
+    in every kind of pass; where a part is not one of those kernels the layer keeps its calls one by
+    one."""
+    model = wf.packed_copy(tiny_model(family, seed=5, **SHAPE), WeightFormat.parse("int4"))
+    ids = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(6))
+    fast = FastModel(model, max_len=64)
+    with_front = every_kind_of_pass(fast, ids)
+    bound = sum(1 for front in fast._fronts.values() if front)
+    if not cpu_packed_mm.available(paths.kernel_dir()):  # no AVX-512 BF16: PyTorch's int4 kernels, no front
+        assert bound == 0 and cpu_packed_mm.why_not(paths.kernel_dir()) == "this CPU has no AVX-512 BF16 instructions"
+        return
+    # not taken: Qwen2's q/k/v biases, Qwen3's per-head norms, Gemma's norm (another formula)
+    assert bound == (0 if family in ("qwen2", "qwen3", "gemma") else len(fast.layers)), (family, fast._fronts)
+    calls = []
+    for ci in range(len(fast.layers)):  # the fronts bound above are the ones the passes below call
+        front = fast._fronts[ci]
+        if front:
+            call = front.fn
+            front.fn = lambda *a, call=call: calls.append(1) or call(*a)
+    assert torch.equal(with_front, every_kind_of_pass(fast, ids))
+    assert (len(calls) > 0) == (bound > 0)
+    monkeypatch.setattr(model_module, "LAYER_KERNEL", False)
+    assert torch.equal(with_front, every_kind_of_pass(fast, ids))
 
 
 def test_float_products_read_the_models_short_rows_at_each_call(monkeypatch):

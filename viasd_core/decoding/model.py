@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from viasd_kernels import cpu_rms_norm, cpu_rope_write
+from viasd_kernels import cpu_layer, cpu_rms_norm, cpu_rope_write
 
 from viasd_core import paths
 from viasd_core.errors import ViasdError
@@ -48,10 +48,11 @@ from viasd_core.decoding.tree_pass import TreePasses
 from viasd_core.decoding.fused_projections import fused
 from viasd_core.decoding.layer_calls import layer_calls
 from viasd_core.decoding.norms import norm_call
-from viasd_core.decoding.weight_formats import has_weight_format, widen_once
+from viasd_core.decoding.weight_formats import PackedLinear, has_weight_format, widen_once
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 PREFILL_CHUNK = 256  # longer passes run in chunks of this many positions (bounded memory)
+LAYER_KERNEL = True  # int4 CPU passes run a layer's front half in one C call (viasd_kernels.cpu_layer)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ class FastModel(attention.CachedPositions, TreePasses):
         cpu_packed = self.weight_format and self.device.type == "cpu"
         self._fused = [fused(layer) if cpu_packed else None for layer in self.layers]
         self._calls = [layer_calls(layer, f, self) for layer, f in zip(self.layers, self._fused)]  # layer_calls.py
+        self._fronts: dict = {}  # run-layer -> its front half in one C call (False: the calls one by one)
         self._final_norm = norm_call(self.norm)  # norms.py: one call on CPU
         # Float32 layers on CPU: which product short passes multiply through (short_products.ShortRows:
         # the weights read at the memory's speed). The blocked product for 1-row passes until a session
@@ -355,6 +357,11 @@ class FastModel(attention.CachedPositions, TreePasses):
         s = self.shape
         T = x.shape[1]
         c = self._calls[ci]
+        if by_row and key_mask is None and self.device.type == "cpu" and (front := self._front(ci)) is not None:
+            # the calls up to the MLP's activation in one C call, bit for bit the calls below
+            x, gate_up = front(x, cos, sin, pos, end)
+            gate, up = gate_up.split(c.gate_up_split, dim=-1)
+            return c.down(c.act(gate) * up, x)  # x + down_proj(...)
         h = c.input_norm(x)
         layer_cache = self.cache.layers[ci]
         # On CPU, eager: RoPE and the cache writes in one call, bit for bit the operators below
@@ -414,7 +421,37 @@ class FastModel(attention.CachedPositions, TreePasses):
             rope = "RoPE and cache writes in one C call"
         else:
             rope = f"RoPE through operators ({cpu_rope_write.why_not() or 'the cache is not one the kernel takes'})"
-        return f"{norm}; {rope}"
+        front = self.cache is not None and self.layers and self._front(0)
+        return f"{norm}; {rope}" + ("; an int4 layer's calls up to its MLP in one C call" if front else "")
+
+    def _front(self, ci: int) -> cpu_layer.LayerFront | None:
+        """Run-layer `ci`'s front half as one C call (viasd_kernels.cpu_layer: int4 layers with fused
+        q/k/v and gate/up without biases, their norms and RoPE through the CPU kernels), bound
+        once and again when the layer's cache is replaced; None where it does not apply (eager,
+        LAYER_KERNEL)."""
+        if not LAYER_KERNEL or torch.compiler.is_compiling():
+            return None
+        writer = self._rope_writer(self.cache.layers[ci])
+        front = self._fronts.get(ci)
+        if front is None or (front and front.writer is not writer):
+            front = self._bind_front(ci, writer) or False
+            self._fronts[ci] = front
+        return front or None
+
+    def _bind_front(self, ci: int, writer) -> cpu_layer.LayerFront | None:
+        c, fused = self._calls[ci], self._fused[ci]
+        if (writer is None or c.q_norm is not None or fused is None
+                or c.qkv is None or c.gate_up is None or self.dtype != torch.bfloat16):
+            return None
+        layer = self.layers[ci]
+        products = (fused.qkv, layer.self_attn.o_proj, fused.gate_up)
+        if any(type(m) is not PackedLinear or m._parameters.get("bias") is not None for m in products):
+            return None
+        bound = [m._short_product(m._buffers["qdata"], m._buffers["scale"]) for m in products]
+        if any(b is None or b.n != m.out_features for b, m in zip(bound, products)):
+            return None
+        return cpu_layer.bind(getattr(c.input_norm, "kernel", None), getattr(c.post_norm, "kernel", None), *bound,
+                              writer, self.shape.n_heads, c.scaling, self.windows[ci], build_dir=paths.kernel_dir())
 
     @staticmethod
     def _rope_writer(layer_cache: attention.LayerCache) -> cpu_rope_write.RopeWriter | None:
