@@ -86,6 +86,12 @@ def test_a_layer_front_in_one_call_computes_what_the_calls_one_by_one_do(family,
             front.fn = lambda *a, call=call: calls.append(1) or call(*a)
     assert torch.equal(with_front, every_kind_of_pass(fast, ids))
     assert (len(calls) > 0) == (bound > 0)
+    if bound:  # a weight replaced: its front is bound again, to the new tensor
+        before = fast._fronts[0]
+        fused = fast._fused[0].qkv
+        fused._buffers["qdata"] = fused._buffers["qdata"].clone()
+        assert torch.equal(with_front, every_kind_of_pass(fast, ids))
+        assert fast._fronts[0] is not before and fast._fronts[0].parts[2].weights[0] is fused._buffers["qdata"]
     monkeypatch.setattr(model_module, "LAYER_KERNEL", False)
     assert torch.equal(with_front, every_kind_of_pass(fast, ids))
 

@@ -427,24 +427,29 @@ class FastModel(attention.CachedPositions, TreePasses):
     def _front(self, ci: int) -> cpu_layer.LayerFront | None:
         """Run-layer `ci`'s front half as one C call (viasd_kernels.cpu_layer: int4 layers with fused
         q/k/v and gate/up without biases, their norms and RoPE through the CPU kernels), bound
-        once and again when the layer's cache is replaced; None where it does not apply (eager,
-        LAYER_KERNEL)."""
+        once and again when the layer's cache or weights are replaced; None where it does not apply
+        (traced passes, LAYER_KERNEL off)."""
         if not LAYER_KERNEL or torch.compiler.is_compiling():
             return None
         writer = self._rope_writer(self.cache.layers[ci])
         front = self._fronts.get(ci)
-        if front is None or (front and front.writer is not writer):
+        if front is None or (front and (front.writer is not writer or any(
+                m._buffers["qdata"] is not b.weights[0] for m, b in zip(self._front_products(ci), front.parts[2:5])))):
             front = self._bind_front(ci, writer) or False
             self._fronts[ci] = front
         return front or None
+
+    def _front_products(self, ci: int) -> tuple:
+        """The q/k/v, o and gate/up layers a front half multiplies through (its weights, checked at each call)."""
+        fused = self._fused[ci]
+        return fused.qkv, self.layers[ci].self_attn.o_proj, fused.gate_up
 
     def _bind_front(self, ci: int, writer) -> cpu_layer.LayerFront | None:
         c, fused = self._calls[ci], self._fused[ci]
         if (writer is None or c.q_norm is not None or fused is None
                 or c.qkv is None or c.gate_up is None or self.dtype != torch.bfloat16):
             return None
-        layer = self.layers[ci]
-        products = (fused.qkv, layer.self_attn.o_proj, fused.gate_up)
+        products = self._front_products(ci)
         if any(type(m) is not PackedLinear or m._parameters.get("bias") is not None for m in products):
             return None
         bound = [m._short_product(m._buffers["qdata"], m._buffers["scale"]) for m in products]
