@@ -36,7 +36,7 @@ CHAIN = 5  # the probe's chain: tau of every shorter chain comes from its per-po
 CURVE_WIDTHS = (1, 2, 3, 4, 6, 8, 11, 16)
 PROBE_PROMPTS = 2
 PROBE_TOKENS = 32
-CACHE_VERSION = 6  # 2: int8/int4 passes fused (their costs changed); 3: their rows attend through the row kernel; 4: the embedded head retrained (its acceptance changed); 5: int8/int4 short passes through cpu_packed_mm, rows attend faster; 6: cpu_packed_mm reads its scales block by block (a flatter verify curve)
+CACHE_VERSION = 7  # 2: int8/int4 passes fused (their costs changed); 3: their rows attend through the row kernel; 4: the embedded head retrained (its acceptance changed); 5: int8/int4 short passes through cpu_packed_mm, rows attend faster; 6: cpu_packed_mm reads its scales block by block (a flatter verify curve); 7: int4 layers' calls up to the MLP in one C call (every int4 pass ~1 ms faster)
 
 
 def shape_for_size(size: int) -> TreeShape:
