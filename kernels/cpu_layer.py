@@ -56,10 +56,12 @@ def _address(fn) -> int:
 class LayerFront:
     """One layer's front half bound to its weights and cache; `parts` keeps what the pointers point into."""
 
-    __slots__ = ("fn", "kernels", "layer", "parts", "writer", "hidden", "heads", "head_dim", "qkv_n", "gate_up_n")
+    __slots__ = ("fn", "kernels", "layer", "parts", "writer", "hidden", "heads", "head_dim", "qkv_n", "gate_up_n",
+                 "sources")
 
     def __init__(self, fn, kernels: _Kernels, layer: _Layer, parts: tuple, writer):
         self.fn, self.kernels, self.layer, self.parts, self.writer = fn, kernels, layer, parts, writer
+        self.sources: tuple = ()  # the caller's: what it bound the products from (to notice replaced weights)
         self.hidden, self.heads, self.head_dim = layer.hidden, layer.heads, layer.head_dim
         self.qkv_n, self.gate_up_n = layer.qkv_n, layer.gate_up_n
 

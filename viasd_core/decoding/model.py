@@ -434,29 +434,27 @@ class FastModel(attention.CachedPositions, TreePasses):
         writer = self._rope_writer(self.cache.layers[ci])
         front = self._fronts.get(ci)
         if front is None or (front and (front.writer is not writer or any(
-                m._buffers["qdata"] is not b.weights[0] for m, b in zip(self._front_products(ci), front.parts[2:5])))):
+                m._buffers["qdata"] is not b.weights[0] for m, b in zip(front.sources, front.parts[2:5])))):
             front = self._bind_front(ci, writer) or False
             self._fronts[ci] = front
         return front or None
-
-    def _front_products(self, ci: int) -> tuple:
-        """The q/k/v, o and gate/up layers a front half multiplies through (its weights, checked at each call)."""
-        fused = self._fused[ci]
-        return fused.qkv, self.layers[ci].self_attn.o_proj, fused.gate_up
 
     def _bind_front(self, ci: int, writer) -> cpu_layer.LayerFront | None:
         c, fused = self._calls[ci], self._fused[ci]
         if (writer is None or c.q_norm is not None or fused is None
                 or c.qkv is None or c.gate_up is None or self.dtype != torch.bfloat16):
             return None
-        products = self._front_products(ci)
+        products = (fused.qkv, self.layers[ci].self_attn.o_proj, fused.gate_up)
         if any(type(m) is not PackedLinear or m._parameters.get("bias") is not None for m in products):
             return None
         bound = [m._short_product(m._buffers["qdata"], m._buffers["scale"]) for m in products]
         if any(b is None or b.n != m.out_features for b, m in zip(bound, products)):
             return None
-        return cpu_layer.bind(getattr(c.input_norm, "kernel", None), getattr(c.post_norm, "kernel", None), *bound,
-                              writer, self.shape.n_heads, c.scaling, self.windows[ci], build_dir=paths.kernel_dir())
+        front = cpu_layer.bind(getattr(c.input_norm, "kernel", None), getattr(c.post_norm, "kernel", None), *bound,
+                               writer, self.shape.n_heads, c.scaling, self.windows[ci], build_dir=paths.kernel_dir())
+        if front is not None:
+            front.sources = products  # checked at every call: a replaced weight binds the front again
+        return front
 
     @staticmethod
     def _rope_writer(layer_cache: attention.LayerCache) -> cpu_rope_write.RopeWriter | None:
