@@ -1,0 +1,156 @@
+/* Short passes (1-16 rows) over float32 weights, each output computed the same way whatever the
+ * pass holds (viasd_kernels.cpu_f32_mm).
+ *
+ * Exported (declared below until viasd_kernels.h holds them): viasd_f32_mm, viasd_f32_mm_vector_bits.
+ *
+ * `sd` is exact only if a position's logits do not depend on how many rows share its pass. PyTorch's
+ * float32 products on a CPU (F.linear, oneDNN, torch.bmm) pick their kernels, and so their summation
+ * orders, by the number of rows: on SmolLM2-135M every row of passes of 2-16 rows differed from the
+ * 1-row pass (~5e-5 in the logits). Here output (m, n) is one fixed sequence of operations over x[m]
+ * and w[n] alone:
+ *
+ *     acc = 0 (16 float32 lanes);  for k = 0, 16, .., K - 16:  acc = acc + x[m, k:k+16] * w[n, k:k+16]
+ *     s   = the 16 lanes added in a fixed tree (lane i + lane i + 8, then + 4, + 2, + 1)
+ *     y   = s (+ bias[n]) (+ residual[m, n]),  each add rounded to float32
+ *
+ * the multiply-add contracted to one fused multiply-add wherever the compiler targets FMA (every
+ * instance of the update is the one expression in `rows_outs`, inlined with constant tile sizes, so
+ * it is contracted alike everywhere). A pass of R rows runs tiles of rows by outputs that share each
+ * loaded weight vector (the weights are read once a pass, however many rows), a 1-row pass runs
+ * ROW1_OUTS outputs at once so that enough loads are in flight to stream the weights at the
+ * memory's speed; which tile, which thread (threads split the outputs, OpenMP's static schedule,
+ * never the inputs) and where the buffers sit change nothing in an output's operations. Vectors are
+ * GCC vector extensions: the same lanes with AVX-512 (one register), AVX2 (two) or none.
+ *
+ * Built once per machine by viasd_kernels/cpu_f32_mm.py with the system C compiler.
+ */
+#include <stddef.h>
+#include <stdint.h>
+
+int viasd_f32_mm(const float *x, const float *w, const float *bias, int64_t M, int64_t N, int64_t K, float *out,
+                 const float *residual, int threads);
+int viasd_f32_mm_vector_bits(void);
+
+#define LANES 16
+#define MAX_ROWS 16
+#ifndef AHEAD
+#define AHEAD 1      /* tiles ahead that a tile asks for its weights */
+#endif
+#if defined(__AVX512F__)
+#define ROW_TILE 4   /* rows x outputs of accumulators in a tile: 16 of 32 vector registers */
+#define OUT_TILE 4
+#define ROW1_OUTS 8  /* outputs of a 1-row pass's tile */
+#else
+#define ROW_TILE 2   /* each vector two registers (AVX2) or more: 8 accumulators of 16 lanes */
+#define OUT_TILE 4
+#define ROW1_OUTS 4
+#endif
+
+typedef float vf16 __attribute__((vector_size(64)));
+typedef float vf16u __attribute__((vector_size(64), aligned(4), may_alias));  /* for loads from any float */
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+/* The widest vectors the build targets (512 AVX-512, 256 AVX, 128 SSE2 or NEON, else 0): the same
+ * numbers whichever, different tiles (the tests check that a build capped at AVX2 agrees). */
+int viasd_f32_mm_vector_bits(void) {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX__)
+    return 256;
+#elif defined(__SSE2__) || defined(__ARM_NEON)
+    return 128;
+#else
+    return 0;
+#endif
+}
+
+/* A vector's 16 lanes added in a fixed tree: halves, quarters, then (0 + 2) + (1 + 3). (Vectors
+ * go by address between functions: passed by value they would change the ABI without AVX-512.) */
+static inline float fold(const vf16 *v) {
+    union { vf16 v; vf8 h[2]; } a = {*v};
+    union { vf8 v; vf4 h[2]; } b = {a.h[0] + a.h[1]};
+    vf4 c = b.h[0] + b.h[1];
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* Outputs n0 .. n0 + J - 1 of rows x[0 .. R - 1] (R and J constants where inlined; `w[j]` each
+ * output's weights, `x` rows K apart), stored at out + r * N + j. */
+static inline __attribute__((always_inline)) void rows_outs(const int R, const int J, const float *x,
+                                                            const float *const *w, int64_t K, const float *bias,
+                                                            const float *residual, float *out, int64_t N,
+                                                            int64_t n_here, int64_t ahead) {
+    vf16 acc[ROW_TILE > 1 ? ROW_TILE : 1][ROW1_OUTS > OUT_TILE ? ROW1_OUTS : OUT_TILE];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++)
+            acc[r][j] = (vf16){0};
+    for (int64_t k = 0; k < K; k += LANES) {
+        vf16 xv[ROW_TILE];
+        for (int r = 0; r < R; r++)
+            xv[r] = *(const vf16u *)(x + r * K + k);
+        for (int j = 0; j < J; j++) {
+            const vf16 wv = *(const vf16u *)(w[j] + k);
+            if (ahead)
+                __builtin_prefetch(w[j] + k + ahead, 0, 3);
+            for (int r = 0; r < R; r++)
+                acc[r][j] = acc[r][j] + xv[r] * wv;  /* the one update of every output */
+        }
+    }
+    for (int j = 0; j < J && j < n_here; j++)
+        for (int r = 0; r < R; r++) {
+            float y = fold(&acc[r][j]);
+            if (bias)
+                y = y + bias[j];
+            if (residual)
+                y = y + residual[r * N + j];
+            out[r * N + j] = y;
+        }
+}
+
+/* One tile of outputs (n_here <= J of them, the rest of `w` pointing at real rows whose results are
+ * dropped) for all M rows, ROW_TILE rows at a time; each weight vector is loaded once per row tile
+ * from the cache the first row tile brought it into. */
+static void tile(const float *x, int64_t M, const float *const *w, int64_t K, const float *bias,
+                 const float *residual, float *out, int64_t N, int64_t n_here) {
+    if (M == 1) {
+        rows_outs(1, ROW1_OUTS, x, w, K, bias, residual, out, N, n_here, ROW1_OUTS * K * AHEAD);
+        return;
+    }
+    for (int64_t r0 = 0; r0 < M; r0 += ROW_TILE) {
+        const int64_t ahead = r0 == 0 ? OUT_TILE * K * AHEAD : 0;  /* the first row tile streams the weights */
+        const float *xr = x + r0 * K, *res = residual ? residual + r0 * N : NULL;
+        float *o = out + r0 * N;
+        switch (M - r0 < ROW_TILE ? M - r0 : ROW_TILE) {  /* a constant row count for each body */
+        case 1: rows_outs(1, OUT_TILE, xr, w, K, bias, res, o, N, n_here, ahead); break;
+#if ROW_TILE > 2
+        case 2: rows_outs(2, OUT_TILE, xr, w, K, bias, res, o, N, n_here, ahead); break;
+        case 3: rows_outs(3, OUT_TILE, xr, w, K, bias, res, o, N, n_here, ahead); break;
+#endif
+        default: rows_outs(ROW_TILE, OUT_TILE, xr, w, K, bias, res, o, N, n_here, ahead); break;
+        }
+    }
+}
+
+/* out [M, N] = x [M, K] times w [N, K] transposed, plus bias [N] and residual [M, N] where they are
+ * not NULL; float32, contiguous. K a multiple of 16, 1 <= M <= MAX_ROWS. Returns 0, or -1 for
+ * arguments it does not take. */
+int viasd_f32_mm(const float *x, const float *w, const float *bias, int64_t M, int64_t N, int64_t K, float *out,
+                 const float *residual, int threads) {
+    if (M <= 0 || M > MAX_ROWS || N <= 0 || K <= 0 || K % LANES)
+        return -1;
+    const int64_t outs = M == 1 ? ROW1_OUTS : OUT_TILE;
+    const int64_t tiles = (N + outs - 1) / outs;
+#ifdef _OPENMP
+    #pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static)
+#else
+    (void)threads;
+#endif
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * outs, n_here = N - n0 < outs ? N - n0 : outs;
+        const float *wj[ROW1_OUTS > OUT_TILE ? ROW1_OUTS : OUT_TILE];
+        for (int64_t j = 0; j < outs; j++)
+            wj[j] = w + (n0 + (j < n_here ? j : n_here - 1)) * K;
+        tile(x, M, wj, K, bias ? bias + n0 : NULL, residual ? residual + n0 : NULL, out + n0, N, n_here);
+    }
+    return 0;
+}

@@ -1,0 +1,124 @@
+"""A CPU's short passes over float32 weights, each row's outputs the same whatever the pass holds.
+
+`sd` promises `ar`'s tokens, so a position's logits must not depend on how many rows share its pass.
+PyTorch's float32 products on a CPU (F.linear, oneDNN's packed product, the `torch.bmm` blocked
+product of viasd_core/decoding/short_products.py) choose their kernels, and so their summation
+orders, by the number of rows: on SmolLM2-135M every row of every pass of 2-16 rows differed from
+the same row computed alone (~5e-5 in the logits). This kernel computes each output by one fixed
+sequence over its row and its weights (16 float32 lanes over the inputs in order, one fused
+multiply-add a step where the CPU has FMA, the lanes added in a fixed tree; cpu_f32_mm.c says how),
+whatever the pass's width, the thread count and the thread that runs it.
+
+- **Kernel**: `bind(weight, bias=None, build_dir=...)` -> `Bound` (`bound(x)` for x [..., K] float32
+  of 1 to MAX_ROWS rows -> [..., N]; `bound(x, residual)` -> `residual + x W^T (+ bias)`, bit for bit
+  PyTorch's add), or None where it does not take the weight (not a contiguous float32 [N, K] CPU
+  tensor with K a multiple of 16, a bias that is not [N] float32) or cannot be built here
+  (`why_not`), and the caller keeps its PyTorch product. The bound weight is read in place, never
+  copied: a call after the weight's storage was replaced raises ValueError (bind again).
+- **Reference**: `f32_mm_reference`, the same sums in float64 before the kernel's roundings
+  (tests/test_kernels_cpu_f32_mm.py compares them, and checks each row bit for bit across pass
+  widths, thread counts and an AVX2-only build).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from . import cpu_build
+
+SOURCE = Path(__file__).with_name("cpu_f32_mm.c")
+MAX_ROWS, LANES = 16, 16  # the C file's limits: 1 to 16 rows, inputs a multiple of 16
+
+
+_ptr, _i32, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+ARGTYPES = {  # as the prototypes at the top of cpu_f32_mm.c
+    "viasd_f32_mm": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i32],  # x, w, bias, M, N, K, out, residual, threads
+    "viasd_f32_mm_vector_bits": [],
+}
+
+
+def _function(build_dir: Path, name: str = "viasd_f32_mm"):
+    try:
+        return cpu_build.function(SOURCE, build_dir, name, ARGTYPES[name])
+    except TypeError:  # a cpu_build that types every function from viasd_kernels.h's prototypes
+        return cpu_build.function(SOURCE, build_dir, name)
+
+
+def vector_bits(build_dir: Path) -> int | None:
+    """The widest vectors the kernel's build targets (512: AVX-512, 256: AVX2, ...; the numbers are
+    the same whichever), or None where it cannot be built here."""
+    fn = _function(build_dir, "viasd_f32_mm_vector_bits")
+    return None if fn is None else fn()
+
+
+def why_not() -> str | None:
+    """Why the kernel could not be built here (None: it was, or was not tried yet)."""
+    return cpu_build.why_not(SOURCE)
+
+
+class Bound:
+    """One layer's short-pass product, bound to its weight (and bias): `bound(x)` for x [..., K]
+    float32, contiguous, on the CPU, of 1 to MAX_ROWS rows -> a new [..., N] float32 tensor. A pass
+    calls it for every layer, so it checks what is cheap to check and calls the kernel."""
+
+    __slots__ = ("fn", "weight", "bias", "ptr", "bias_ptr", "n", "k")
+
+    def __init__(self, fn, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.fn, self.weight, self.bias = fn, weight, bias
+        self.ptr, self.bias_ptr = weight.data_ptr(), None if bias is None else bias.data_ptr()
+        self.n, self.k = weight.shape
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] -> [..., N]; with `residual` ([..., N] float32, contiguous) `residual + x W^T
+        (+ bias)` in the same call, bit for bit PyTorch's add of the two (the product rounded first)."""
+        if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+            raise ValueError(f"the float32 product takes contiguous float32 CPU rows, not {x.dtype} on {x.device}"
+                             f"{'' if x.is_contiguous() else ', non-contiguous'}")
+        if x.dim() == 0 or x.shape[-1] != self.k:
+            raise ValueError(f"the float32 product takes rows of {self.k} inputs, not {tuple(x.shape)}")
+        m = x.numel() // self.k
+        if not 1 <= m <= MAX_ROWS:
+            raise ValueError(f"the float32 product takes 1 to {MAX_ROWS} rows, not {m}")
+        if self.weight.data_ptr() != self.ptr or (self.bias is not None and self.bias.data_ptr() != self.bias_ptr):
+            raise ValueError("the float32 product's weight was replaced since it was bound: bind it again")
+        out = torch.empty(*x.shape[:-1], self.n, dtype=torch.float32)
+        if residual is not None and (residual.shape != out.shape or residual.dtype != torch.float32
+                                     or residual.device.type != "cpu" or not residual.is_contiguous()):
+            raise ValueError(f"the float32 product's residual must be {tuple(out.shape)} float32, contiguous, "
+                             f"on the CPU")
+        rc = self.fn(x.data_ptr(), self.ptr, self.bias_ptr, m, self.n, self.k, out.data_ptr(),
+                     None if residual is None else residual.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise ValueError(f"the float32 product refused x {tuple(x.shape)}, weight {tuple(self.weight.shape)}")
+        return out
+
+
+def takes(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether the kernel takes `weight` (and `bias`): float32 [N, K] on the CPU, contiguous, K a
+    multiple of LANES; a bias [N] float32, contiguous, on the CPU."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.is_contiguous() and weight.shape[0] > 0 and weight.shape[1] > 0
+            and weight.shape[1] % LANES == 0
+            and (bias is None or (bias.device.type == "cpu" and bias.dtype == torch.float32
+                                  and tuple(bias.shape) == (weight.shape[0],) and bias.is_contiguous())))
+
+
+def bind(weight: torch.Tensor, bias: torch.Tensor | None = None, *, build_dir: Path) -> Bound | None:
+    """The short-pass product over `weight` [N, K] (and `bias` [N]), or None where the kernel does not
+    take them (`takes`) or cannot be built here (`why_not()`). Tensors that need gradients are bound
+    as they are (the kernel has no backward: the caller keeps autograd's passes off it); the bound
+    tensors are kept, not copies, so that a replaced storage (`layer.weight.data = other`) is seen."""
+    fn = _function(build_dir) if takes(weight, bias) else None
+    if fn is None:
+        return None
+    return Bound(fn, weight, bias)
+
+
+def f32_mm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the kernel computes, in float64 before its roundings: x [..., K] @ weight [N, K]^T + bias.
+    [..., N] float64."""
+    y = x.double() @ weight.double().t()
+    return y if bias is None else y + bias.double()
