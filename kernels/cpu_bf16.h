@@ -8,6 +8,17 @@
 #include <stdint.h>
 #include <string.h>
 
+/* No fused multiply-add in a function: each product rounded on its own, as PyTorch's operators do.
+ * GCC takes an attribute on the function (VIASD_NO_CONTRACT before it); clang ignores that attribute
+ * and takes a pragma as the first line of the function's body (VIASD_NO_CONTRACT_BODY). Write both. */
+#if defined(__clang__)
+#define VIASD_NO_CONTRACT
+#define VIASD_NO_CONTRACT_BODY _Pragma("clang fp contract(off)")
+#else
+#define VIASD_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#define VIASD_NO_CONTRACT_BODY
+#endif
+
 typedef float vf16 __attribute__((vector_size(64)));
 typedef uint16_t vh16 __attribute__((vector_size(32)));
 typedef uint32_t vu16 __attribute__((vector_size(64)));

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
+#include "viasd_kernels.h"
 #if defined(__AVX512BW__)
 #include <immintrin.h>
 #endif
@@ -31,9 +32,10 @@
 
 /* out [N, K] bfloat16 from the packed weight q and scale_and_zero sz. Returns 0, or -1 for
  * arguments it cannot take. */
-__attribute__((optimize("fp-contract=off")))
+VIASD_NO_CONTRACT
 int viasd_int4_widen(const uint8_t *q, const uint16_t *sz, int64_t N, int64_t K, int64_t group, int block,
                      uint16_t *out, int threads) {
+    VIASD_NO_CONTRACT_BODY
     if (block <= 0 || block > MAX_BLOCK || block % 2 || N <= 0 || N % block || K <= 0 || group <= 0
         || group > MAX_GROUP || K % group)
         return -1;

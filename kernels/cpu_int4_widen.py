@@ -18,7 +18,6 @@ result (cpu_int4_widen.c says how; docs/benchmarks.md section 28).
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
@@ -28,9 +27,9 @@ from . import cpu_build
 SOURCE = Path(__file__).with_name("cpu_int4_widen.c")
 MAX_BLOCK, MAX_GROUP = 64, 256  # the C file's limits
 
+
 def _function(build_dir: Path):
-    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    return cpu_build.function(SOURCE, build_dir, "viasd_int4_widen", [ptr, ptr, i64, i64, i64, i32, ptr, i32])
+    return cpu_build.function(SOURCE, build_dir, "viasd_int4_widen")
 
 
 def why_not() -> str | None:
@@ -44,6 +43,8 @@ def widen(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, block: 
     outputs (qdata [N, K / 2] uint8, scale_and_zero [K / group, N, 2] bfloat16): q * scale +
     (zero - 8 * scale) in float32, rounded once. None where the kernel does not take these tensors
     or cannot run here."""
+    if qdata.dim() != 2:
+        return None
     n, k = qdata.shape[0], qdata.shape[1] * 2
     if (qdata.device.type != "cpu" or qdata.dtype != torch.uint8 or not qdata.is_contiguous()
             or scale_and_zero.dtype != torch.bfloat16 or scale_and_zero.device.type != "cpu"

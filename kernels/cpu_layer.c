@@ -15,65 +15,73 @@
  *   gu   = h2 W_gate_up^T
  *
  * The caller then runs silu(gate) * up and the down product (with x2 as its residual) as before.
- * bfloat16 activations; returns 0, or the step that refused its arguments (1-7).
+ * bfloat16 activations; returns 0, or the step that refused its arguments (1-7). The structs and the
+ * prototypes are viasd_kernels.h's.
  */
+#include <stddef.h>
 #include <stdint.h>
 
-typedef int (*norm_fn)(const void *, const void *, void *, int64_t, int64_t, float, int);
-typedef int (*int4_mm_fn)(const void *, const void *, const void *, int64_t, int64_t, int64_t, int64_t, void *,
-                          const void *, int);
-typedef int (*rope_fn)(const void *, int64_t, const void *, int64_t, const void *, int64_t, const void *,
-                       const void *, const int64_t *, void *, void *, void *, int, int, int, int, int64_t, int);
-typedef int (*attention_fn)(const void *, int64_t, int64_t, const void *, const void *, int, int, int, int, int,
-                            int64_t, int, int, const uint8_t *, int64_t, float, void *, int);
-
-/* The kernels (their addresses) */
-struct kernels {
-    const void *norm, *int4_mm, *rope, *attention;
-};
-
-/* One layer's weights, cache and sizes (bound once) */
-struct layer {
-    const void *norm_in, *norm_post;
-    float eps_in, eps_post;
-    const void *qkv_q, *qkv_sz;
-    int64_t qkv_n;
-    const void *o_q, *o_sz;
-    const void *gate_up_q, *gate_up_sz;
-    int64_t gate_up_n;
-    void *k_cache, *v_cache;
-    int64_t slots, group;
-    int hidden, heads, kv_heads, head_dim;
-    float scale;
-    int window;  /* a sliding window's keys (0: none) */
-};
+#include "viasd_kernels.h"
 
 /* x [T, hidden]; scratch h, h2 [T, hidden], qkv [T, qkv_n], q [heads, T, head_dim], a [T, heads *
  * head_dim]; out x2 [T, hidden], gu [T, gate_up_n]; cos, sin [T, head_dim]; pos [T] slots; rows attend
- * the cache up to `end` (causal, within the layer's window). */
-int viasd_layer_front(const struct kernels *k, const struct layer *L, int T, const void *x, void *h, void *qkv,
-                      void *q, void *a, void *x2, void *h2, void *gu, const void *cos, const void *sin,
-                      const int64_t *pos, int end, int threads) {
-    const norm_fn norm = (norm_fn)k->norm;
-    const int4_mm_fn mm = (int4_mm_fn)k->int4_mm;
+ * the cache up to `end` (causal, within the layer's window). The kernels are called through pointers
+ * of their own prototypes' types (viasd_kernels.h), so every argument is checked by the compiler. */
+int viasd_layer_front(const struct viasd_layer_kernels *k, const struct viasd_layer *L, int T, const void *x,
+                      void *h, void *qkv, void *q, void *a, void *x2, void *h2, void *gu, const void *cos,
+                      const void *sin, const int64_t *pos, int end, int threads) {
     const int64_t H = L->hidden, D = L->head_dim, inner = (int64_t)L->heads * L->head_dim;
-    if (norm(x, L->norm_in, h, T, H, L->eps_in, 1))
+    if (k->norm(x, L->norm_in, h, T, H, L->eps_in, 1))
         return 1;
-    if (mm(h, L->qkv_q, L->qkv_sz, T, L->qkv_n, H, L->group, qkv, 0, threads))
+    if (k->int4_mm(h, L->qkv_q, L->qkv_sz, T, L->qkv_n, H, L->group, qkv, 0, threads))
         return 2;
     const char *b = (const char *)qkv;  /* q, k, v side by side in each row, bfloat16 */
-    if (((rope_fn)k->rope)(b, L->qkv_n, b + inner * 2, L->qkv_n, b + (inner + (int64_t)L->kv_heads * D) * 2,
-                           L->qkv_n, cos, sin, pos, q, L->k_cache, L->v_cache, T, L->heads, L->kv_heads,
-                           L->head_dim, L->slots, 1))
+    if (k->rope(b, L->qkv_n, b + inner * 2, L->qkv_n, b + (inner + (int64_t)L->kv_heads * D) * 2, L->qkv_n, cos, sin,
+                pos, q, L->k_cache, L->v_cache, T, L->heads, L->kv_heads, L->head_dim, L->slots, 1))
         return 3;
-    if (((attention_fn)k->attention)(q, (int64_t)T * D, D, L->k_cache, L->v_cache, 1, T, L->heads, L->kv_heads,
-                                     L->head_dim, L->slots, end, L->window, 0, end, L->scale, a, threads))
+    if (k->attention(q, (int64_t)T * D, D, L->k_cache, L->v_cache, 1, T, L->heads, L->kv_heads, L->head_dim,
+                     L->slots, end, L->window, 0, end, L->scale, a, threads))
         return 4;
-    if (mm(a, L->o_q, L->o_sz, T, H, inner, L->group, x2, x, threads))
+    if (k->int4_mm(a, L->o_q, L->o_sz, T, H, inner, L->group, x2, x, threads))
         return 5;
-    if (norm(x2, L->norm_post, h2, T, H, L->eps_post, 1))
+    if (k->norm(x2, L->norm_post, h2, T, H, L->eps_post, 1))
         return 6;
-    if (mm(h2, L->gate_up_q, L->gate_up_sz, T, L->gate_up_n, H, L->group, gu, 0, threads))
+    if (k->int4_mm(h2, L->gate_up_q, L->gate_up_sz, T, L->gate_up_n, H, L->group, gu, 0, threads))
         return 7;
     return 0;
+}
+
+#define PUT(v) do { if (i < n) out[i] = (int64_t)(v); i++; } while (0)
+
+int viasd_layer_layout(int64_t *out, int n) {
+    int i = 0;
+    PUT(sizeof(struct viasd_layer_kernels));
+    PUT(offsetof(struct viasd_layer_kernels, norm));
+    PUT(offsetof(struct viasd_layer_kernels, int4_mm));
+    PUT(offsetof(struct viasd_layer_kernels, rope));
+    PUT(offsetof(struct viasd_layer_kernels, attention));
+    PUT(sizeof(struct viasd_layer));
+    PUT(offsetof(struct viasd_layer, norm_in));
+    PUT(offsetof(struct viasd_layer, norm_post));
+    PUT(offsetof(struct viasd_layer, eps_in));
+    PUT(offsetof(struct viasd_layer, eps_post));
+    PUT(offsetof(struct viasd_layer, qkv_q));
+    PUT(offsetof(struct viasd_layer, qkv_sz));
+    PUT(offsetof(struct viasd_layer, qkv_n));
+    PUT(offsetof(struct viasd_layer, o_q));
+    PUT(offsetof(struct viasd_layer, o_sz));
+    PUT(offsetof(struct viasd_layer, gate_up_q));
+    PUT(offsetof(struct viasd_layer, gate_up_sz));
+    PUT(offsetof(struct viasd_layer, gate_up_n));
+    PUT(offsetof(struct viasd_layer, k_cache));
+    PUT(offsetof(struct viasd_layer, v_cache));
+    PUT(offsetof(struct viasd_layer, slots));
+    PUT(offsetof(struct viasd_layer, group));
+    PUT(offsetof(struct viasd_layer, hidden));
+    PUT(offsetof(struct viasd_layer, heads));
+    PUT(offsetof(struct viasd_layer, kv_heads));
+    PUT(offsetof(struct viasd_layer, head_dim));
+    PUT(offsetof(struct viasd_layer, scale));
+    PUT(offsetof(struct viasd_layer, window));
+    return i;
 }

@@ -12,6 +12,14 @@ separate calls compute (tests/test_layer_calls.py compares the passes bit for bi
 - **Kernel**: `bind(...)` -> `LayerFront` (`front(x, cos, sin, pos, end)` -> (x2, gate_up)), or None
   where a part is not the kernel it takes (the caller keeps the calls one by one).
 - **Reference**: the pass's own calls one by one (viasd_core/decoding/model.py `_layer`).
+- **Checks**: the call refuses (ValueError, one line) what would make the C code read or write the
+  wrong memory: x, cos, sin or pos not of the bound shapes, dtypes (pos int64: an int32 `pos` would
+  be read two slots at a time) or layouts, not on the CPU, more rows than MAX_ROWS, `end` short of
+  the pass or past the cache; a slot outside the cache is refused by the kernel before anything is
+  written. A bound tensor whose storage moved (`.data =` on a weight or the cache) is bound again
+  (its part's `check`), or refused where the kernels do not take it now: ~1 us a call for all of it.
+  The structs are viasd_kernels.h's (`struct viasd_layer_kernels`, `struct viasd_layer`), read from
+  the header; tests/test_kernels_contract.py compares their layout with the compiler's.
 """
 
 from __future__ import annotations
@@ -21,27 +29,21 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_build, cpu_row_attention
+from . import cpu_build, cpu_packed_mm, cpu_row_attention
 
 SOURCE = Path(__file__).with_name("cpu_layer.c")
-_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [("norm", _P), ("int4_mm", _P), ("rope", _P), ("attention", _P)]
+    _fields_ = cpu_build.struct_fields("viasd_layer_kernels")
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("norm_in", _P), ("norm_post", _P), ("eps_in", _F), ("eps_post", _F),
-                ("qkv_q", _P), ("qkv_sz", _P), ("qkv_n", _I64), ("o_q", _P), ("o_sz", _P),
-                ("gate_up_q", _P), ("gate_up_sz", _P), ("gate_up_n", _I64), ("k_cache", _P), ("v_cache", _P),
-                ("slots", _I64), ("group", _I64), ("hidden", _I), ("heads", _I), ("kv_heads", _I),
-                ("head_dim", _I), ("scale", _F), ("window", _I)]
+    _fields_ = cpu_build.struct_fields("viasd_layer")
 
 
 def _function(build_dir: Path):
-    return cpu_build.function(SOURCE, build_dir, "viasd_layer_front",
-                              [_P, _P, _I] + [_P] * 8 + [_P, _P, _P, _I, _I])
+    return cpu_build.function(SOURCE, build_dir, "viasd_layer_front")
 
 
 def why_not() -> str | None:
@@ -53,25 +55,73 @@ def _address(fn) -> int:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
+_data_ptr = torch.Tensor.data_ptr
+
+
+def _watched(parts: tuple) -> tuple[torch.Tensor, ...]:
+    """The tensors whose addresses the layer struct holds (or is computed from)."""
+    norm_in, norm_post, qkv, o, gate_up, writer = parts
+    return (norm_in.weight, norm_post.weight, *qkv.weights, *o.weights, *gate_up.weights, *writer.caches)
+
+
+def _layer(parts: tuple, heads: int, scale: float, window: int) -> _Layer:
+    norm_in, norm_post, qkv, o, gate_up, writer = parts
+    return _Layer(norm_in=norm_in.ptr, norm_post=norm_post.ptr, eps_in=norm_in.eps, eps_post=norm_post.eps,
+                  qkv_q=qkv.ptrs[0], qkv_sz=qkv.ptrs[1], qkv_n=qkv.n, o_q=o.ptrs[0], o_sz=o.ptrs[1],
+                  gate_up_q=gate_up.ptrs[0], gate_up_sz=gate_up.ptrs[1], gate_up_n=gate_up.n, k_cache=writer.kc,
+                  v_cache=writer.vc, slots=writer.s, group=qkv.tail[0], hidden=norm_in.h, heads=heads,
+                  kv_heads=writer.hkv, head_dim=writer.d, scale=scale, window=window)
+
+
 class LayerFront:
     """One layer's front half bound to its weights and cache; `parts` keeps what the pointers point into."""
 
     __slots__ = ("fn", "kernels", "layer", "parts", "writer", "hidden", "heads", "head_dim", "qkv_n", "gate_up_n",
-                 "sources")
+                 "sources", "watched", "ptrs", "scale", "window")
 
-    def __init__(self, fn, kernels: _Kernels, layer: _Layer, parts: tuple, writer):
-        self.fn, self.kernels, self.layer, self.parts, self.writer = fn, kernels, layer, parts, writer
+    def __init__(self, fn, kernels: _Kernels, parts: tuple, heads: int, scale: float, window: int):
+        self.fn, self.kernels, self.parts, self.writer = fn, kernels, parts, parts[5]
+        self.heads, self.scale, self.window = heads, scale, window
         self.sources: tuple = ()  # the caller's: what it bound the products from (to notice replaced weights)
-        self.hidden, self.heads, self.head_dim = layer.hidden, layer.heads, layer.head_dim
-        self.qkv_n, self.gate_up_n = layer.qkv_n, layer.gate_up_n
+        self._bind()
+
+    def _bind(self) -> None:
+        self.layer = _layer(self.parts, self.heads, self.scale, self.window)
+        self.hidden, self.head_dim = self.layer.hidden, self.layer.head_dim
+        self.qkv_n, self.gate_up_n = self.layer.qkv_n, self.layer.gate_up_n
+        self.watched = _watched(self.parts)
+        self.ptrs = tuple(map(_data_ptr, self.watched))
+
+    def check(self) -> None:
+        """Binds the layer again where a bound tensor's storage moved (`.data =`), through each part's
+        own check (ValueError where a part does not take its new tensor, or the sizes no longer fit)."""
+        if tuple(map(_data_ptr, self.watched)) == self.ptrs:
+            return
+        for part in self.parts:
+            part.check()
+        before = (self.hidden, self.head_dim, self.qkv_n, self.gate_up_n, self.layer.kv_heads, self.layer.slots)
+        layer = _layer(self.parts, self.heads, self.scale, self.window)
+        if (layer.hidden, layer.head_dim, layer.qkv_n, layer.gate_up_n, layer.kv_heads) != before[:5]:
+            raise ValueError(f"the layer kernel's tensors were replaced by ones of other sizes: bind it again")
+        self._bind()
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, pos: torch.Tensor,
                  end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x [1, T, hidden] bfloat16 contiguous at slots pos [T] (int64), cos and sin_signed [T, head_dim],
         attending the cache up to `end` -> (x + attention output projected [1, T, hidden], the gate/up
         product [1, T, gate_up_n])."""
-        T = x.shape[1]
+        T = x.shape[1] if x.dim() == 3 else 0
         bf = torch.bfloat16
+        cs = (T, self.head_dim)
+        if not (x.dtype is bf and cos.dtype is bf and sin_signed.dtype is bf and pos.dtype is torch.int64
+                and x.is_cpu and cos.is_cpu and sin_signed.is_cpu and pos.is_cpu
+                and x.is_contiguous() and cos.is_contiguous() and sin_signed.is_contiguous() and pos.is_contiguous()
+                and 0 < T <= cpu_packed_mm.MAX_ROWS and x.shape[0] == 1 and x.shape[2] == self.hidden
+                and cos.shape == cs and sin_signed.shape == cs and pos.shape == (T,)
+                and T <= end <= self.layer.slots):
+            raise ValueError(self._wrong(x, cos, sin_signed, pos, end))
+        if tuple(map(_data_ptr, self.watched)) != self.ptrs:
+            self.check()
         h, h2 = torch.empty(T, self.hidden, dtype=bf), torch.empty(T, self.hidden, dtype=bf)
         qkv = torch.empty(T, self.qkv_n, dtype=bf)
         q = torch.empty(self.heads, T, self.head_dim, dtype=bf)
@@ -83,8 +133,25 @@ class LayerFront:
                      cos.data_ptr(), sin_signed.data_ptr(), pos.data_ptr(), end, torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"the layer kernel's step {rc} refused its arguments: x {tuple(x.shape)}, end {end}, "
-                             f"slots {pos.tolist()}")
+                             f"slots {pos.tolist()} of {self.layer.slots}")
         return x2, gu
+
+    def _wrong(self, x, cos, sin_signed, pos, end) -> str:
+        """What the call's arguments do not fit (one line), off the hot path."""
+        T = x.shape[1] if x.dim() == 3 else None
+        for name, t, dtype in (("x", x, torch.bfloat16), ("cos", cos, torch.bfloat16),
+                               ("sin", sin_signed, torch.bfloat16), ("pos", pos, torch.int64)):
+            if t.dtype is not dtype or not t.is_cpu:
+                return f"the layer kernel takes {name} {dtype} on the CPU, not {t.dtype} on {t.device}"
+            if not t.is_contiguous():
+                return f"the layer kernel takes {name} contiguous, not with strides {t.stride()}"
+        want = {"x": (1, T, self.hidden), "cos": (T, self.head_dim), "sin": (T, self.head_dim), "pos": (T,)}
+        if T is None or not 0 < T <= cpu_packed_mm.MAX_ROWS:
+            return f"the layer kernel takes x [1, 1..{cpu_packed_mm.MAX_ROWS}, {self.hidden}], not {tuple(x.shape)}"
+        for name, t in (("x", x), ("cos", cos), ("sin", sin_signed), ("pos", pos)):
+            if tuple(t.shape) != want[name]:
+                return f"the layer kernel takes {name} {list(want[name])}, not {list(t.shape)}"
+        return f"the layer kernel takes end in [{T}, {self.layer.slots}] (the pass's rows .. the cache), not {end}"
 
 
 def bind(norm_in, norm_post, qkv, o, gate_up, writer, heads: int, scale: float, window: int | None, *,
@@ -106,8 +173,6 @@ def bind(norm_in, norm_post, qkv, o, gate_up, writer, heads: int, scale: float, 
     attention = cpu_row_attention._function(build_dir) if fn is not None else None
     if attention is None:
         return None
-    kernels = _Kernels(_address(norm_in.fn), _address(qkv.fn), _address(writer.fn), _address(attention))
-    layer = _Layer(norm_in.ptr, norm_post.ptr, norm_in.eps, norm_post.eps, qkv.ptrs[0], qkv.ptrs[1], qkv.n,
-                   o.ptrs[0], o.ptrs[1], gate_up.ptrs[0], gate_up.ptrs[1], gate_up.n, writer.kc, writer.vc, writer.s,
-                   qkv.tail[0], hidden, heads, hkv, d, scale, window or 0)
-    return LayerFront(fn, kernels, layer, parts, writer)
+    kernels = _Kernels(norm=_address(norm_in.fn), int4_mm=_address(qkv.fn), rope=_address(writer.fn),
+                       attention=_address(attention))
+    return LayerFront(fn, kernels, parts, heads, scale, window or 0)

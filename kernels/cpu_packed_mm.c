@@ -37,14 +37,16 @@
  * here; PyTorch rounds nothing to bfloat16 but multiplies in float32).
  *
  * Built once per machine by viasd_kernels/cpu_packed_mm.py; where the compiler does not target
- * AVX-512 BF16 the functions return -2 and the engine keeps PyTorch's kernels.
+ * AVX-512 BF16 and VBMI (int4_pair's byte picks; Cooper Lake has BF16 without VBMI) the functions
+ * return -2 and the engine keeps PyTorch's kernels.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "cpu_bf16.h"
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include "viasd_kernels.h"
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
 #define VIASD_PACKED 1
 #include <immintrin.h>
 #endif

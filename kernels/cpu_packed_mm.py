@@ -20,7 +20,6 @@ pass, exactly, to bfloat16, and multiply every row through AVX-512 BF16's pair d
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import torch
@@ -34,18 +33,20 @@ _why_not: dict[Path, str] = {}
 
 
 def _functions_for(build_dir: Path) -> tuple | None:
-    ptr, i32, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-    has = cpu_build.function(SOURCE, build_dir, "viasd_packed_mm_available", [])
+    has = cpu_build.function(SOURCE, build_dir, "viasd_packed_mm_available")
     if has is None:
         _why_not[build_dir] = cpu_build.why_not(SOURCE) or "the kernel could not be built"
         return None
     if not has():
-        _why_not[build_dir] = "this CPU has no AVX-512 BF16 instructions"
+        own = cpu_build.cpu_isa_class()
+        if cpu_build.isa_class() != own and own == "avx512_bf16":
+            _why_not[build_dir] = (f"{cpu_build.ISA_ENV}={cpu_build.max_isa()} caps the instruction set below "
+                                   f"AVX-512 BF16")
+        else:
+            _why_not[build_dir] = "this CPU has no AVX-512 BF16 instructions"
         return None
-    int4 = [ptr, ptr, ptr, i64, i64, i64, i64, ptr, ptr, i32]  # x, q, scales, M, N, K, group, out, residual, threads
-    int8 = [ptr, ptr, ptr, i64, i64, i64, ptr, ptr, i32]  # x, q, scale, M, N, K, out, residual, threads
-    return (cpu_build.function(SOURCE, build_dir, "viasd_int4_mm", int4),
-            cpu_build.function(SOURCE, build_dir, "viasd_int8_mm", int8))
+    return (cpu_build.function(SOURCE, build_dir, "viasd_int4_mm"),
+            cpu_build.function(SOURCE, build_dir, "viasd_int8_mm"))
 
 
 def available(build_dir: Path) -> bool:
@@ -60,37 +61,78 @@ def why_not(build_dir: Path) -> str | None:
 
 class Bound:
     """One layer's short-pass product, bound once to its weight: `bound(x)` for x [..., K] bfloat16,
-    contiguous, of 1 to MAX_ROWS rows -> [..., N] bfloat16. A pass calls it for every layer, so it
-    does no more than allocate the output and call the kernel; `weights` are the layer's tensors it
-    was bound to (the caller binds again if they are replaced), `reads` what the kernel reads (the
-    weights, or copies of them laid out for it)."""
+    contiguous, on the CPU, of 1 to MAX_ROWS rows -> [..., N] bfloat16. A pass calls it for every
+    layer, so it checks what it hands the kernel in one expression (~0.4 us), allocates the output
+    and calls the kernel; `weights` are the layer's tensors it was bound to (the caller binds again
+    if they are replaced; a weight whose storage was replaced in place, `.data =`, is bound again
+    here, or refused where the kernel does not take it), `reads` what the kernel reads (the weights,
+    or copies of them laid out for it)."""
 
-    __slots__ = ("fn", "weights", "reads", "ptrs", "n", "k", "tail")
+    __slots__ = ("fn", "weights", "reads", "ptrs", "sources", "n", "k", "tail")
 
     def __init__(self, fn, weights: tuple[torch.Tensor, torch.Tensor], tail: tuple[int, ...],
                  reads: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.fn, self.weights, self.tail = fn, weights, tail
         self.reads = weights if reads is None else reads
         self.ptrs = tuple(w.data_ptr() for w in self.reads)
+        self.sources = tuple(w.data_ptr() for w in weights)  # where the weights were when bound
         self.n = weights[0].shape[0]
         self.k = weights[0].shape[1] * (2 if weights[0].dtype == torch.uint8 else 1)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N]; with `residual` ([..., N] bfloat16, contiguous) `residual + x W^T`
         in the same call, bit for bit PyTorch's add of the two (the product rounded first)."""
-        if x.shape[-1] != self.k:
-            raise ValueError(f"the packed product takes rows of {self.k} inputs, not {x.shape[-1]}")
+        if x.dtype is not torch.bfloat16 or not x.is_cpu or x.shape[-1] != self.k or not x.is_contiguous():
+            raise ValueError(f"the packed product takes contiguous bfloat16 rows of {self.k} inputs on the CPU, "
+                             f"not {tuple(x.shape)} {x.dtype} on {x.device}"
+                             + ("" if x.is_contiguous() else f" with strides {x.stride()}"))
+        w = self.weights
+        if w[0].data_ptr() != self.sources[0] or w[1].data_ptr() != self.sources[1]:
+            self.check()
         m = x.numel() // self.k
         out = torch.empty(*x.shape[:-1], self.n, dtype=torch.bfloat16)
-        if residual is not None and (residual.shape != out.shape or residual.dtype != torch.bfloat16
-                                     or not residual.is_contiguous()):
-            raise ValueError(f"the packed product's residual must be {tuple(out.shape)} bfloat16, contiguous")
+        if residual is not None and (residual.shape != out.shape or residual.dtype is not torch.bfloat16
+                                     or not residual.is_cpu or not residual.is_contiguous()):
+            raise ValueError(f"the packed product's residual must be {tuple(out.shape)} bfloat16, contiguous, "
+                             f"on the CPU, not {tuple(residual.shape)} {residual.dtype} on {residual.device}")
         rc = self.fn(x.data_ptr(), *self.ptrs, m, self.n, self.k, *self.tail, out.data_ptr(),
                      None if residual is None else residual.data_ptr(), torch.get_num_threads())
         if rc != 0:
             why = "out of memory" if rc == -3 else f"arguments it does not take (code {rc})"
             raise ValueError(f"the packed product failed: {why}: x {tuple(x.shape)}, weight {tuple(self.weights[0].shape)}")
         return out
+
+    def check(self) -> None:
+        """Binds the weights again where their storage moved (`.data =`: what the kernel read was
+        freed), laying them out again; ValueError where the kernel does not take them now."""
+        qdata, scale = self.weights
+        if (qdata.data_ptr(), scale.data_ptr()) == self.sources:
+            return
+        int4 = qdata.dtype == torch.uint8
+        if int4:
+            takes = _takes_int4(qdata, self.tail[0], scale, BLOCK)
+        else:
+            takes = _takes_int8(qdata, scale)
+        if not takes or qdata.shape[0] != self.n:
+            raise ValueError(f"the packed product's weight was replaced by {tuple(qdata.shape)} {qdata.dtype} "
+                             f"(scales {tuple(scale.shape)}) on {qdata.device}, which it does not take: bind it again")
+        self.reads = (qdata, scales_by_block(scale, BLOCK)) if int4 else (qdata, scale)
+        self.ptrs = tuple(w.data_ptr() for w in self.reads)
+        self.sources = (qdata.data_ptr(), scale.data_ptr())
+
+
+def _takes_int4(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, block: int | None) -> bool:
+    n, k = qdata.shape[0], qdata.shape[1] * 2 if qdata.dim() == 2 else -1
+    return (qdata.device.type == "cpu" and qdata.dtype == torch.uint8 and qdata.dim() == 2 and qdata.is_contiguous()
+            and block == BLOCK and n % BLOCK == 0 and 0 < group <= MAX_GROUP and group % 2 == 0 and k % group == 0
+            and scale_and_zero.device.type == "cpu" and scale_and_zero.dtype == torch.bfloat16
+            and scale_and_zero.is_contiguous() and tuple(scale_and_zero.shape) == (k // group, n, 2))
+
+
+def _takes_int8(qdata: torch.Tensor, scale: torch.Tensor) -> bool:
+    return (qdata.device.type == "cpu" and qdata.dtype == torch.int8 and qdata.dim() == 2 and qdata.is_contiguous()
+            and qdata.shape[1] % 32 == 0 and qdata.shape[1] <= MAX_K8 and scale.device.type == "cpu"
+            and scale.dtype == torch.bfloat16 and scale.is_contiguous() and tuple(scale.shape) == (qdata.shape[0],))
 
 
 def bind_int4(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, block: int | None, *,
@@ -100,11 +142,7 @@ def bind_int4(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, blo
     the kernel does not take it or cannot run here. The kernel reads a copy of the scales laid out
     block by block (`scales_by_block`: K * N * 4 / group bytes more, a quarter of the weight's at group
     32), which a 1-token pass streams instead of missing on one every group (cpu_packed_mm.c)."""
-    n, k = qdata.shape[0], qdata.shape[1] * 2
-    takes = (qdata.device.type == "cpu" and qdata.dtype == torch.uint8 and qdata.is_contiguous() and block == BLOCK
-             and n % BLOCK == 0 and 0 < group <= MAX_GROUP and group % 2 == 0 and k % group == 0
-             and scale_and_zero.dtype == torch.bfloat16 and scale_and_zero.is_contiguous()
-             and tuple(scale_and_zero.shape) == (k // group, n, 2))
+    takes = _takes_int4(qdata, group, scale_and_zero, block)
     fns = _functions_for(build_dir) if takes else None
     if fns is None:
         return None
@@ -121,10 +159,7 @@ def scales_by_block(scale_and_zero: torch.Tensor, block: int) -> torch.Tensor:
 def bind_int8(qdata: torch.Tensor, scale: torch.Tensor, *, build_dir: Path) -> Bound | None:
     """The short-pass product of an int8 weight qdata [N, K] with a bfloat16 scale per output, or None
     where the kernel does not take it or cannot run here."""
-    k = qdata.shape[1]
-    takes = (qdata.device.type == "cpu" and qdata.dtype == torch.int8 and qdata.is_contiguous() and k % 32 == 0
-             and k <= MAX_K8 and scale.dtype == torch.bfloat16 and scale.is_contiguous()
-             and tuple(scale.shape) == (qdata.shape[0],))
+    takes = _takes_int8(qdata, scale)
     fns = _functions_for(build_dir) if takes else None
     return None if fns is None else Bound(fns[1], (qdata, scale), ())
 

@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
+#include "viasd_kernels.h"
 
 #define LANES 16
 

@@ -18,11 +18,13 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
+#include "viasd_kernels.h"
 
 /* y = x * c + roll(x, D / 2) * s over the first half (partner i + D / 2) and the second (i - D / 2) */
-__attribute__((optimize("fp-contract=off")))
+VIASD_NO_CONTRACT
 static void rotate_f32(const float *restrict x, const float *restrict c, const float *restrict s, float *restrict y,
                        int D) {
+    VIASD_NO_CONTRACT_BODY
     const int half = D / 2;
     for (int i = 0; i < half; i++) {
         float a = x[i] * c[i];
@@ -36,9 +38,10 @@ static void rotate_f32(const float *restrict x, const float *restrict c, const f
     }
 }
 
-__attribute__((optimize("fp-contract=off")))
+VIASD_NO_CONTRACT
 static void rotate_bf16(const uint16_t *restrict x, const uint16_t *restrict c, const uint16_t *restrict s,
                         uint16_t *restrict y, int D) {
+    VIASD_NO_CONTRACT_BODY
     const int half = D / 2;
     for (int i = 0; i < half; i++) {
         float a = bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * bf16_to_f32(c[i])));

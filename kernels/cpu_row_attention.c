@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "cpu_bf16.h"
+#include "viasd_kernels.h"
 
 #define LANES 16
 #define MAX_HEAD_DIM 512
@@ -70,31 +71,38 @@ static inline vf16 vmax(vf16 a, vf16 b) {
     return x.f;
 }
 
-/* The lanes of a and b that idx names (0-15 a's, 16-31 b's). */
-static inline vf16 pick(vf16 a, vf16 b, const vi16 idx) {
-    return __builtin_shuffle(a, b, idx);
-}
+/* The lanes of a and b that the 16 constant indices name (0-15 a's, 16-31 b's): a permutation, no
+ * arithmetic. __builtin_shufflevector is clang's and GCC's (12 and later); older GCCs have only
+ * __builtin_shuffle, which clang lacks. */
+#ifndef __has_builtin
+#define __has_builtin(x) 0
+#endif
+#if __has_builtin(__builtin_shufflevector)
+#define PICK(a, b, ...) ((vf16)__builtin_shufflevector(a, b, __VA_ARGS__))
+#else
+#define PICK(a, b, ...) __builtin_shuffle(a, b, (vi16){__VA_ARGS__})
+#endif
+#define LO8 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define HI8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define LO4 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
+#define HI4 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31
+#define LO2 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29
+#define HI2 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
+#define LO1 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+#define HI1 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
 
 /* The lane sums of 16 vectors: out[i] = sum of v[i]'s 16 lanes, in a fixed tree (halves, quarters,
  * pairs, lanes), each sum's order set by i alone. */
 static inline vf16 sum16(vf16 v[16]) {
-    const vi16 lo8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const vi16 hi8 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    const vi16 lo4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const vi16 hi4 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    const vi16 lo2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    const vi16 hi2 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    const vi16 lo1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    const vi16 hi1 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
     vf16 a[8], b[4], c[2];
     for (int i = 0; i < 8; i++)  /* keys 2i, 2i + 1: 8 partial sums each */
-        a[i] = pick(v[2 * i], v[2 * i + 1], lo8) + pick(v[2 * i], v[2 * i + 1], hi8);
+        a[i] = PICK(v[2 * i], v[2 * i + 1], LO8) + PICK(v[2 * i], v[2 * i + 1], HI8);
     for (int i = 0; i < 4; i++)  /* keys 4i .. 4i + 3: 4 each */
-        b[i] = pick(a[2 * i], a[2 * i + 1], lo4) + pick(a[2 * i], a[2 * i + 1], hi4);
+        b[i] = PICK(a[2 * i], a[2 * i + 1], LO4) + PICK(a[2 * i], a[2 * i + 1], HI4);
     for (int i = 0; i < 2; i++)  /* keys 8i .. 8i + 7: 2 each */
-        c[i] = pick(b[2 * i], b[2 * i + 1], lo2) + pick(b[2 * i], b[2 * i + 1], hi2);
+        c[i] = PICK(b[2 * i], b[2 * i + 1], LO2) + PICK(b[2 * i], b[2 * i + 1], HI2);
     /* keys 0-15, one sum each, in the order 0 1 | 2 3 | ... of the lanes (a, b, c kept keys in order) */
-    return pick(c[0], c[1], lo1) + pick(c[0], c[1], hi1);
+    return PICK(c[0], c[1], LO1) + PICK(c[0], c[1], HI1);
 }
 
 /* The keys of row t, in cache order, into `keys`; returns how many. */

@@ -18,7 +18,6 @@ float32 and bfloat16.
 
 from __future__ import annotations
 
-import ctypes
 import math
 from pathlib import Path
 
@@ -31,13 +30,8 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 LANES, MAX_HEAD_DIM, MAX_GROUP = 16, 512, 16  # the C file's limits: head width a multiple of 16, 16 query heads a KV head
 
 
-_ptr, _i32, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-ARGTYPES = [_ptr, _i64, _i64, _ptr, _ptr, _i32, _i32, _i32, _i32, _i32, _i64, _i32, _i32, _ptr, _i64, ctypes.c_float,
-            _ptr, _i32]
-
-
 def _function(build_dir: Path):
-    return cpu_build.function(SOURCE, build_dir, "viasd_row_attention", ARGTYPES)
+    return cpu_build.function(SOURCE, build_dir, "viasd_row_attention")
 
 
 def why_not() -> str | None:
@@ -53,15 +47,27 @@ def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, w
 
     With `key_mask` [T, end] (a token tree's rows) row t reads the slots it marks, in cache order;
     without, the slots up to its own (the last `window` of them under a sliding window). None where
-    the kernel cannot take these tensors here (the caller then attends its own way)."""
-    if q.device.type != "cpu" or q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype):
+    the kernel cannot take these tensors here (the caller then attends its own way); ValueError, one
+    line naming it, for tensors that do not fit together (shapes, `end` outside the cache or short of
+    the pass, a mask that is not [T, >= end] on the CPU)."""
+    if not q.is_cpu or q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype):
         return None
-    if k.device.type != "cpu" or v.device.type != "cpu" or not (k.is_contiguous() and v.is_contiguous()):
+    if not k.is_cpu or not v.is_cpu or not (k.is_contiguous() and v.is_contiguous()):
         return None
+    if q.dim() != 4 or k.dim() != 4 or q.shape[0] != 1 or k.shape != v.shape or k.shape[0] != 1 or k.shape[3] != q.shape[3]:
+        raise ValueError(f"row attention takes q [1, Hq, T, D] and k, v [1, Hkv, S, D] alike, not q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     _, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if D % LANES or D > MAX_HEAD_DIM or Hq % Hkv or Hq // Hkv > MAX_GROUP:
         return None
+    if not 0 < end <= S or (key_mask is None and end < T) or (window is not None and window < 0):
+        raise ValueError(f"row attention refused its arguments: end {end} for {T} rows over a cache of {S} slots"
+                         + (f", window {window}" if window is not None else ""))
+    if key_mask is not None and (not key_mask.is_cpu or key_mask.dim() != 2 or key_mask.shape[0] != T
+                                 or key_mask.shape[1] < end):
+        raise ValueError(f"row attention refused its arguments: key_mask {tuple(key_mask.shape)} on "
+                         f"{key_mask.device}, not [{T}, >= {end}] on the CPU")
     fn = _function(build_dir)
     if fn is None:
         return None

@@ -137,9 +137,10 @@ def test_a_header_beside_the_source_is_part_of_the_library_name(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     (src / "probe.c").write_text('#include "probe.h"\nint viasd_probe(void) { return PROBE; }\n')
+    (src / "viasd_kernels.h").write_text("int viasd_probe(void);\n")
     (src / "probe.h").write_text("#define PROBE 1\n")
-    first = cpu_build.function(src / "probe.c", tmp_path / "one", "viasd_probe", [])
+    first = cpu_build.function(src / "probe.c", tmp_path / "one", "viasd_probe")
     (src / "probe.h").write_text("#define PROBE 2\n")
-    second = cpu_build.function(src / "probe.c", tmp_path / "two", "viasd_probe", [])
+    second = cpu_build.function(src / "probe.c", tmp_path / "two", "viasd_probe")
     assert (first(), second()) == (1, 2)
     assert {p.name for p in (tmp_path / "one").iterdir()} != {p.name for p in (tmp_path / "two").iterdir()}
