@@ -12,8 +12,9 @@ A job ends early when its `reason` is set, polled after every engine step (Engin
 should_stop): 'abort' (the client went away), 'timeout' (its deadline passed; the deadline
 counts from arrival, queueing included) or 'shutdown'. A job still waiting is simply skipped.
 The engine keeps its committed tokens between jobs, so a request that extends the previous
-conversation re-uses its KV cache; everything tokenizer- and engine-side runs on the worker
-thread only.
+conversation re-uses its KV cache, but only the positions a fresh server would compute alike
+(serve_cache.PrefixReuse): an answer never depends on what the earlier requests were.
+Everything tokenizer- and engine-side runs on the worker thread only.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from viasd_core.decoding.drafters import NgramDrafter
 from viasd_core.decoding.engine import Generation
 from viasd_core.decoding.fidelity import fidelity
 from viasd_core.errors import ViasdError
+from viasd_core.frontends.serve_cache import PrefixReuse
 from viasd_core.frontends.serve_errors import ApiError, bad_request, internal, queue_full, shutting_down, timed_out
 from viasd_core.frontends.serve_metrics import ServeMetrics
 from viasd_core.frontends.serve_schema import GenRequest
@@ -60,6 +62,7 @@ class EngineWorker:
     def __init__(self, session: Session, metrics: ServeMetrics, served_draft: str, max_queue: int):
         self.session = session
         self.engine = session.engine
+        self.reuse = PrefixReuse(self.engine)  # which cached positions a request may keep
         self.metrics = metrics
         self.max_queue = max_queue  # jobs waiting beside the running one
         drafter = self.engine.drafter
@@ -194,6 +197,7 @@ class EngineWorker:
             except Exception as e:  # a bug: one line in the log, a clean engine for the next request
                 log.error("generation failed: %s: %s", type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
                 self.engine.reset()
+                self.reuse.forget()
                 last = "error", internal(e)
             finally:
                 with self._lock:  # the job leaves before its answer goes out: the client's next request fits
@@ -259,7 +263,11 @@ class EngineWorker:
             ids = self._prompt_ids(request)
             self._post(job, "started", len(ids))
             self._use_drafter(request.draft)
-            gen: Generation = self.engine.generate(ids, config, on_emit=on_emit, should_stop=should_stop)
+            self.reuse.before(ids)
+            try:
+                gen: Generation = self.engine.generate(ids, config, on_emit=on_emit, should_stop=should_stop)
+            finally:
+                self.reuse.after(ids)
         except ApiError as e:
             return "error", e
         except ViasdError as e:  # the engine's own checks
