@@ -31,6 +31,7 @@ from . import cpu_build
 
 SOURCE = Path(__file__).with_name("cpu_f32_mm.c")
 MAX_ROWS, LANES = 16, 16  # the C file's limits: 1 to 16 rows, inputs a multiple of 16
+_F32 = torch.float32
 
 
 _ptr, _i32, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -74,25 +75,25 @@ class Bound:
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N]; with `residual` ([..., N] float32, contiguous) `residual + x W^T
         (+ bias)` in the same call, bit for bit PyTorch's add of the two (the product rounded first)."""
-        if x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        shape = x.shape
+        if x.dtype is not _F32 or not x.is_cpu or not x.is_contiguous():
             raise ValueError(f"the float32 product takes contiguous float32 CPU rows, not {x.dtype} on {x.device}"
                              f"{'' if x.is_contiguous() else ', non-contiguous'}")
-        if x.dim() == 0 or x.shape[-1] != self.k:
-            raise ValueError(f"the float32 product takes rows of {self.k} inputs, not {tuple(x.shape)}")
+        if not shape or shape[-1] != self.k:
+            raise ValueError(f"the float32 product takes rows of {self.k} inputs, not {tuple(shape)}")
         m = x.numel() // self.k
         if not 1 <= m <= MAX_ROWS:
             raise ValueError(f"the float32 product takes 1 to {MAX_ROWS} rows, not {m}")
         if self.weight.data_ptr() != self.ptr or (self.bias is not None and self.bias.data_ptr() != self.bias_ptr):
             raise ValueError("the float32 product's weight was replaced since it was bound: bind it again")
-        out = torch.empty(*x.shape[:-1], self.n, dtype=torch.float32)
-        if residual is not None and (residual.shape != out.shape or residual.dtype != torch.float32
-                                     or residual.device.type != "cpu" or not residual.is_contiguous()):
+        out = torch.empty(*shape[:-1], self.n, dtype=_F32)
+        if residual is not None and (residual.shape != out.shape or residual.dtype is not _F32 or not residual.is_cpu
+                                     or not residual.is_contiguous()):
             raise ValueError(f"the float32 product's residual must be {tuple(out.shape)} float32, contiguous, "
                              f"on the CPU")
-        rc = self.fn(x.data_ptr(), self.ptr, self.bias_ptr, m, self.n, self.k, out.data_ptr(),
-                     None if residual is None else residual.data_ptr(), torch.get_num_threads())
-        if rc != 0:
-            raise ValueError(f"the float32 product refused x {tuple(x.shape)}, weight {tuple(self.weight.shape)}")
+        if self.fn(x.data_ptr(), self.ptr, self.bias_ptr, m, self.n, self.k, out.data_ptr(),
+                   None if residual is None else residual.data_ptr(), torch.get_num_threads()) != 0:
+            raise ValueError(f"the float32 product refused x {tuple(shape)}, weight {tuple(self.weight.shape)}")
         return out
 
 
