@@ -12,7 +12,10 @@ import json
 import os
 import shutil
 import tempfile
+from datetime import datetime, timezone
 from pathlib import Path
+
+from viasd_core.errors import UsageError
 
 
 def package_data() -> Path:
@@ -49,6 +52,78 @@ def config_dir() -> Path:
         return base / "config"
     xdg = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
     return Path(xdg) / "viasd"
+
+
+def check_writable_dir(path: str | Path, what: str) -> Path:
+    """Refuse (UsageError: one line, exit 2) a folder a command could not write its files in,
+    before the command's work starts (its result must not be lost at the end). `path` is a folder,
+    or does not exist yet and is created by the command when it writes: then its nearest existing
+    ancestor must be a folder. Writable means a probe file can be created there (tempfile; then
+    removed): permission bits alone do not stop root, /proc does. Nothing is created or left
+    behind. `what` names the path in the message ("--out"). Returns the path, `~` expanded."""
+    path = Path(path).expanduser()
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise UsageError(f"{what} '{path}' is a file: give a folder")
+    _check_folder(path, what, path)
+    return path
+
+
+def check_writable_file(path: str | Path, what: str, noun: str = "file") -> Path:
+    """Refuse (as check_writable_dir) a file atomic_write_text could not write: a folder, or one
+    whose folder is not writable (or cannot be created)."""
+    path = Path(path).expanduser()
+    if os.path.isdir(path):
+        raise UsageError(f"{what} '{path}' is a folder: give the path of the {noun} to write")
+    _check_folder(path.parent, what, path)
+    return path
+
+
+def check_replaceable_dir(path: str | Path, what: str) -> Path:
+    """Refuse (as check_writable_dir) a folder atomic_folder could not put in place: an existing
+    file, or one whose parent folder is not writable (the new folder is made beside it)."""
+    path = Path(path).expanduser()
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise UsageError(f"{what} '{path}' is a file: give a folder (an existing folder is replaced)")
+    _check_folder(path.parent, what, path)
+    return path
+
+
+def _check_folder(folder: Path, what: str, shown: Path) -> None:
+    """`folder` exists and takes a probe file, or its nearest existing ancestor does."""
+    while not os.path.lexists(folder) and folder != folder.parent:
+        folder = folder.parent
+    if not os.path.isdir(folder):
+        raise UsageError(f"{what} '{shown}': cannot write under '{folder}' (a file, not a folder): choose another path")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".viasd-probe-")
+    except OSError as e:
+        raise UsageError(f"{what} '{shown}': cannot write under '{folder}' ({e.strerror or e}): choose another path")
+    os.close(fd)
+    os.unlink(probe)
+
+
+def write_elsewhere(write, name: str) -> Path | None:
+    """Where a command's result goes when its own path fails at the end (the disk filled, the
+    folder vanished): `write(folder)` into a new folder `unsaved/<name>-<UTC time>-XXXX` of the
+    cache, else `viasd-unsaved-<name>-<UTC time>-XXXX` in the current folder. Returns that folder,
+    or None when neither could be written (no half-written folder is left then)."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    for base, prefix in ((lambda: cache_dir() / "unsaved", f"{name}-{stamp}-"),
+                         (Path.cwd, f"viasd-unsaved-{name}-{stamp}-")):
+        try:
+            base = base()  # the current folder may have vanished too
+            base.mkdir(parents=True, exist_ok=True)
+            folder = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+        except OSError:
+            continue
+        try:
+            folder.chmod(0o755)  # mkdtemp makes it private
+            write(folder)
+        except OSError:
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        return folder
+    return None
 
 
 def atomic_write_text(path: Path, text: str) -> None:
