@@ -47,8 +47,6 @@ int viasd_f32_mm_vector_bits(void);
 
 typedef float vf16 __attribute__((vector_size(64)));
 typedef float vf16u __attribute__((vector_size(64), aligned(4), may_alias));  /* for loads from any float */
-typedef float vf8 __attribute__((vector_size(32)));
-typedef float vf4 __attribute__((vector_size(16)));
 
 /* The widest vectors the build targets (512 AVX-512, 256 AVX, 128 SSE2 or NEON, else 0): the same
  * numbers whichever, different tiles (the tests check that a build capped at AVX2 agrees). */
@@ -64,18 +62,11 @@ int viasd_f32_mm_vector_bits(void) {
 #endif
 }
 
-/* A vector's 16 lanes added in a fixed tree: halves, quarters, then (0 + 2) + (1 + 3). (Vectors
- * go by address between functions: passed by value they would change the ABI without AVX-512.) */
-static inline float fold(const vf16 *v) {
-    union { vf16 v; vf8 h[2]; } a = {*v};
-    union { vf8 v; vf4 h[2]; } b = {a.h[0] + a.h[1]};
-    vf4 c = b.h[0] + b.h[1];
-    return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
-/* fold() of 16 vectors at once: s[i] = fold(&v[i]) bit for bit (the same adds of the same lanes),
- * each step adding lanes picked from two vectors so that one add serves several sums. The picks are
- * vector constructors, which GCC and clang compile to shuffles. */
+/* The lane sums of 16 vectors, s[i] = v[i]'s 16 lanes added in a fixed tree: lane l + lane l + 8
+ * (l < 8), then l + l + 4 (l < 4), then (0 + 2) + (1 + 3). Each step adds lanes picked from two
+ * vectors, so that one add serves several sums; the picks are vector constructors, which GCC and
+ * clang compile to shuffles. (Vectors go by address between functions: passed by value they would
+ * change the ABI without AVX-512.) */
 #define HALVES(a, b, o) (vf16){a[o], a[o + 1], a[o + 2], a[o + 3], a[o + 4], a[o + 5], a[o + 6], a[o + 7], \
                                b[o], b[o + 1], b[o + 2], b[o + 3], b[o + 4], b[o + 5], b[o + 6], b[o + 7]}
 #define QUARTERS(a, b, o) (vf16){a[o], a[o + 1], a[o + 2], a[o + 3], a[o + 8], a[o + 9], a[o + 10], a[o + 11], \

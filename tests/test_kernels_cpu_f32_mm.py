@@ -2,8 +2,11 @@
 
 The product against its float64 reference (within float32 rounding), each row bit for bit the row
 computed alone in passes of every width from 1 to 16 on 1 and 2 threads (what keeps `sd` equal to
-`ar` in float32), the same numbers from a build capped at AVX2 (a CPU without AVX-512), the bias and
-the residual added as PyTorch adds them, and what it refuses (bad rows, a replaced weight). A kernel
+`ar` in float32), the same numbers from a build capped at AVX2 (a CPU without AVX-512), the lanes
+added in the documented tree and each step a fused multiply-add (on numbers where only those roundings
+happen), the bias and the residual added as PyTorch adds them, and what it refuses (bad rows, a
+replaced weight). Changing the tree, turning contraction off, folding the 1-row pass's lanes or the
+AVX2 build's another way, or adding the residual before the bias fails them (checked by mutation). A kernel
 that does not build fails these tests under CI; elsewhere they skip, saying why.
 """
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 
 import pytest
 import torch
@@ -132,6 +136,46 @@ def test_the_capped_build_has_no_avx512(build_dir, avx2_dir):
         assert fm.vector_bits(avx2_dir) in (256, 128, 0)
     if "avx512f" in cpu_build.cpu_identity().split():
         assert native == 512
+
+
+def lane_tree(p: torch.Tensor) -> torch.Tensor:
+    """The kernel's sum of 16 float32 lanes [..., 16]: l + l + 8, then l + l + 4, then (0 + 2) + (1 + 3)."""
+    s8 = p[..., :8] + p[..., 8:]
+    s4 = s8[..., :4] + s8[..., 4:]
+    return (s4[..., 0] + s4[..., 2]) + (s4[..., 1] + s4[..., 3])
+
+
+def test_the_lanes_are_added_in_the_documented_order(build_dir, avx2_dir):
+    """Products exact in float32 (small integers times powers of two) so that only the adds round:
+    16 inputs are one lane each, and the result is `lane_tree` of the products bit for bit (another
+    order rounds differently on these numbers: checked). 32 inputs: lane l is one fused multiply-add
+    of input l + 16 on input l's product (exact in float64 here), where the CPU has FMA."""
+    g = torch.Generator().manual_seed(7)
+    m, n = fm.MAX_ROWS, 40
+    x = torch.randint(-9, 10, (m, 16), generator=g).float()
+    w = 2.0 ** torch.randint(-20, 21, (n, 16), generator=g).float() * torch.randint(1, 8, (n, 16), generator=g)
+    products = x[:, None, :] * w[None, :, :]  # [m, n, 16], exact
+    want = lane_tree(products)
+    assert not torch.equal(want, products.sum(-1)) and not torch.equal(want, products.cumsum(-1)[..., -1])
+    with avx2_only():
+        capped = fm.bind(w, build_dir=avx2_dir)
+    for bound in (fm.bind(w, build_dir=build_dir), capped):
+        assert torch.equal(bound(x), want)
+        assert torch.equal(torch.cat([bound(x[i : i + 1]) for i in range(m)]), want)
+    if "fma" in cpu_build.cpu_identity().split() or platform.machine().lower() in ("aarch64", "arm64"):
+        # first products below 2^11 with a few bits, second ones in [1, 4) of 36 bits: the float64 sum is exact
+        w1 = 2.0 ** torch.randint(-4, 5, (n, 16), generator=g).float() * torch.randint(1, 8, (n, 16), generator=g)
+        x2 = (torch.rand(m, 16, generator=g) * 2**12).floor() / 2**12 + 1
+        w2 = torch.rand(n, 16, generator=g) + 1
+        first = x[:, None, :] * w1[None, :, :]
+        second = x2[:, None, :].double() * w2[None, :, :].double()
+        lanes = (second + first.double()).float()  # one rounding, as a fused multiply-add
+        assert not torch.equal(lanes, x2[:, None, :] * w2[None, :, :] + first)  # two roundings differ
+        xs, ws = torch.cat([x, x2], 1), torch.cat([w1, w2], 1)
+        with avx2_only():
+            capped = fm.bind(ws, build_dir=avx2_dir)
+        for bound in (fm.bind(ws, build_dir=build_dir), capped):
+            assert torch.equal(bound(xs), lane_tree(lanes))
 
 
 def test_bias_and_residual_are_added_as_pytorch_adds_them(build_dir):
