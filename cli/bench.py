@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from viasd_core.bench import harness as core
-from viasd_core.bench.files import summary_json
+from viasd_core.bench.files import OutputsNotWritten, summary_json
 from viasd_core.bench.formats import run_formats, split_formats
 from viasd_core.bench.measure import PromptSource, measure, project
 from viasd_core.decoding.draft_policy import UNMEASURED_START
@@ -146,30 +146,39 @@ def bench(
     """Benchmark every method on the same models, prompts and seeds; the summary on stdout."""
     log = (lambda msg: None) if quiet else (lambda msg: typer.echo(msg, err=True))
     formats = split_formats(opts.quant)
-    if synthetic is not None:
-        if formats is not None:
-            raise UsageError("--synthetic projects one shape on random weights: it takes a single --quant")
-        summary = project(synthetic, opts, UNMEASURED_START if gamma is None else gamma, acceptance_from, force, out, log)
-        show = print_projection
-    elif acceptance_from is not None or force:
-        raise UsageError("--acceptance-from and --force only apply with --synthetic")
-    else:
-        config = core.BenchConfig(methods=core.parse_methods(methods), max_new_tokens=max_new_tokens, gamma=gamma,
-                                  adaptive=adaptive, min_confidence=min_confidence, warmup=warmup, repeats=repeats,
-                                  seed=seed, raw=raw,
-                                  viasd_profiles=[p.strip() for p in (viasd_profiles or "").split(",") if p.strip()])
-        source = PromptSource(prompts, limit, categories)
-        if formats is not None:
-            summary = run_formats(opts, config, source, formats, out, log)
-            show = print_formats
+    unsaved = None
+    try:
+        if synthetic is not None:
+            if formats is not None:
+                raise UsageError("--synthetic projects one shape on random weights: it takes a single --quant")
+            show = print_projection
+            summary = project(synthetic, opts, UNMEASURED_START if gamma is None else gamma, acceptance_from, force, out,
+                              log)
+        elif acceptance_from is not None or force:
+            raise UsageError("--acceptance-from and --force only apply with --synthetic")
         else:
-            with ExitStack() as stack:
-                summary = measure(opts, config, source, out, log, progress=None if quiet else _progress(stack))
-            show = functools.partial(print_summary, breakdown=breakdown)
+            config = core.BenchConfig(methods=core.parse_methods(methods), max_new_tokens=max_new_tokens, gamma=gamma,
+                                      adaptive=adaptive, min_confidence=min_confidence, warmup=warmup, repeats=repeats,
+                                      seed=seed, raw=raw,
+                                      viasd_profiles=[p.strip() for p in (viasd_profiles or "").split(",") if p.strip()])
+            source = PromptSource(prompts, limit, categories)
+            if formats is not None:
+                summary = run_formats(opts, config, source, formats, out, log)
+                show = print_formats
+            else:
+                show = functools.partial(print_summary, breakdown=breakdown)
+                with ExitStack() as stack:
+                    summary = measure(opts, config, source, out, log, progress=None if quiet else _progress(stack))
+    except OutputsNotWritten as e:  # --out failed at the end: the files went elsewhere (e names where)
+        summary, unsaved = e.summary, e
     if as_json:
         sys.stdout.write(summary_json(summary))
     else:
         show(summary)
+        if unsaved is not None and unsaved.fallback is None:  # written nowhere: the summary on stdout too
+            sys.stdout.write(summary_json(summary))
+    if unsaved is not None:
+        raise unsaved
 
 
 def _progress(stack: ExitStack):

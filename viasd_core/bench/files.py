@@ -1,6 +1,11 @@
 """The files and the description of a `viasd bench` run: `results.jsonl`, `summary.json` (both
 written atomically, NaN/inf as null), the plots, and the meta block (date, command, device,
-versions, models) that makes a measurement traceable."""
+versions, models) that makes a measurement traceable.
+
+--out is checked before the run (check_out); a write that still fails at the end (the disk fills,
+the folder vanishes) puts the files in a new folder of the cache instead, else of the current
+folder (paths.write_elsewhere), and says where (OutputsNotWritten): a run is not lost to its last
+step."""
 
 from __future__ import annotations
 
@@ -10,14 +15,15 @@ import platform
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from viasd_core.bench.harness import BenchConfig, peak_memory_source
-from viasd_core.bench.plots import write_plots
+from viasd_core.bench.plots import PLOTS, write_plots
 from viasd_core.devices import device_name
 from viasd_core.errors import ViasdError
-from viasd_core.paths import atomic_write_text
+from viasd_core.paths import atomic_write_text, check_writable_dir, check_writable_file, write_elsewhere
 from viasd_core.session import Session
 
 
@@ -95,18 +101,21 @@ def summary_json(summary: dict) -> str:
     return json.dumps(json_safe(summary), indent=2) + "\n"
 
 
-def _out_folder(out_dir: str | Path) -> Path:
-    out = Path(out_dir)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ViasdError(f"cannot create --out folder '{out_dir}': {e.strerror}")
+RUN_FILES = ("results.jsonl", "summary.json", *PLOTS)  # what write_outputs puts in --out
+
+
+def check_out(out_dir: str | Path, files=RUN_FILES) -> Path:
+    """--out, before anything runs: a folder that exists or can be created, writable, where none of
+    `files` is a folder (paths.check_writable_dir and check_writable_file: UsageError, exit 2)."""
+    out = check_writable_dir(out_dir, "--out")
+    for name in files:
+        check_writable_file(out / name, "--out")
     return out
 
 
 def write_summary(out_dir: str | Path, summary: dict) -> Path:
     """summary.json under out_dir, written atomically (temporary file, then rename)."""
-    path = _out_folder(out_dir) / "summary.json"
+    path = Path(out_dir) / "summary.json"
     atomic_write_text(path, summary_json(summary))
     return path
 
@@ -114,6 +123,33 @@ def write_summary(out_dir: str | Path, summary: dict) -> Path:
 def write_outputs(out_dir: str | Path, rows: list[dict], summary: dict) -> list[Path]:
     """results.jsonl, summary.json (each written atomically) and the PNG plots under out_dir;
     returns the paths written."""
-    results = _out_folder(out_dir) / "results.jsonl"
+    results = Path(out_dir) / "results.jsonl"
     atomic_write_text(results, "".join(json.dumps(json_safe(r)) + "\n" for r in rows))
     return [results, write_summary(out_dir, summary)] + write_plots(Path(out_dir), rows, summary["methods"])
+
+
+class OutputsNotWritten(ViasdError):
+    """The run's files could not be written to --out at the end. `fallback`: the folder they were
+    written to instead (None: none could be written; the summary is only what the command prints).
+    `summary`: the run's summary, for the command to show before it fails."""
+
+    def __init__(self, message: str, summary: dict, fallback: Path | None):
+        super().__init__(message)
+        self.summary = summary
+        self.fallback = fallback
+
+
+def write_or_fall_back(out_dir: str | Path, write: Callable[[Path], list[Path]], summary: dict) -> list[Path]:
+    """`write(out_dir)`; if it fails (OSError), `write` again into a new folder of the cache, else
+    of the current folder (paths.write_elsewhere), and raise OutputsNotWritten naming it: what was
+    measured is kept, and the command exits non-zero."""
+    try:
+        return write(Path(out_dir))
+    except OSError as e:
+        reason = e.strerror or str(e)
+    folder = write_elsewhere(write, "bench")
+    if folder is not None:
+        raise OutputsNotWritten(f"could not write to --out '{out_dir}' ({reason}): this run's files are in "
+                                f"'{folder}' instead", summary, folder)
+    raise OutputsNotWritten(f"could not write to --out '{out_dir}' ({reason}), nor to the cache or the current "
+                            "folder: the summary JSON is on stdout, the per-run lines are lost", summary, None)

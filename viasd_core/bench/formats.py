@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+from viasd_core.bench.files import check_out
 from viasd_core.bench.harness import BenchConfig
 from viasd_core.bench.measure import PromptSource, measure
 from viasd_core.errors import UsageError, ViasdError
@@ -52,8 +53,10 @@ def run_formats(opts: ModelOptions, config: BenchConfig, prompts: PromptSource, 
     if not out:
         raise UsageError("--quant with several formats needs --out DIR (each format writes DIR/<format>/)")
     config.validate()  # bad input is one error here, not one per process
+    out = check_out(out, ("formats.json",))
+    for fmt in formats:
+        check_out(out / fmt)
     prompts.load()
-    out = Path(out)
     summaries: dict[str, dict] = {}
     for fmt in formats:
         path = out / fmt / "summary.json"

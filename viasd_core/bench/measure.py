@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from viasd_core.bench.files import make_meta, session_meta, write_outputs, write_summary
+from viasd_core.bench.files import check_out, make_meta, session_meta, write_or_fall_back, write_outputs, write_summary
 from viasd_core.bench import harness
 from viasd_core.bench.harness import BenchConfig
 from viasd_core.bench.summary import summarize
@@ -37,11 +37,14 @@ class PromptSource:
 
 def measure(opts: ModelOptions, config: BenchConfig, prompts: PromptSource, out: str | None = None,
             log: Callable[[str], None] = lambda msg: None, progress=None, command: list[str] | None = None) -> dict:
-    """Run the bench and return its summary ({"meta", "methods"}); with `out`, write results.jsonl,
-    summary.json and the plots there. `progress(total)`, once the number of runs is known (an extra
+    """Run the bench and return its summary ({"meta", "methods"}); with `out` (checked first), write
+    results.jsonl, summary.json and the plots there: if that fails, they go to a fallback folder
+    and files.OutputsNotWritten says where. `progress(total)`, once the number of runs is known (an extra
     profile adds a method), returns the harness's on_run callback (or None). `command`: the command
     line the meta block records (default: this process's)."""
     config.validate()
+    if out:
+        check_out(out)
     prompt_list = prompts.load()
     needs_draft = any(m in harness.NEEDS_DRAFT for m in config.methods) or bool(config.viasd_profiles)
     session = build_session(opts, mode="sd" if needs_draft else "ar", progress=log, need_profile=False)
@@ -56,7 +59,7 @@ def measure(opts: ModelOptions, config: BenchConfig, prompts: PromptSource, out:
         "methods": summarize(result.rows, result.statuses, result.peak_memory, config.methods),
     }
     if out:
-        paths = write_outputs(out, result.rows, summary)
+        paths = write_or_fall_back(out, lambda folder: write_outputs(folder, result.rows, summary), summary)
         log("wrote " + ", ".join(str(p) for p in paths))
     return summary
 
@@ -64,7 +67,7 @@ def measure(opts: ModelOptions, config: BenchConfig, prompts: PromptSource, out:
 def project(synthetic: str, opts: ModelOptions, gamma: int, acceptance_from: str | None = None, force: bool = False,
             out: str | None = None, log: Callable[[str], None] = lambda msg: None) -> dict:
     """The PROJECTION of `synthetic` (loading/synthetic.py) on the options' device and dtype; with
-    `out`, its summary.json is written there."""
+    `out` (checked first), its summary.json is written there (or to a fallback folder, as measure's)."""
     from viasd_core.devices import resolve_device
     from viasd_core.loading import synthetic as syn
 
@@ -72,9 +75,12 @@ def project(synthetic: str, opts: ModelOptions, gamma: int, acceptance_from: str
     plan = syn.SyntheticPlan(name=synthetic, device=str(device), dtype=opts.dtype, gamma=gamma, force=force,
                              acceptance_from=acceptance_from)
     syn.check_plan(plan)
+    if out:
+        check_out(out, ("summary.json",))
     projection = syn.run_synthetic(plan, progress=log)
     summary = {"meta": make_meta(device, label=syn.LABEL, synthetic=synthetic, gamma=gamma, acceptance_from=acceptance_from),
                "projection": projection}
     if out:
-        log(f"wrote {write_summary(out, summary)} (a PROJECTION)")
+        (path,) = write_or_fall_back(out, lambda folder: [write_summary(folder, summary)], summary)
+        log(f"wrote {path} (a PROJECTION)")
     return summary
