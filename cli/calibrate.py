@@ -10,7 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from viasd_core.calibration.calibrate import DEFAULT_BUDGET, DEFAULT_SKIP_RATIO, CalibrationMissed, run_calibration
+from viasd_core.calibration.calibrate import (DEFAULT_BUDGET, DEFAULT_SKIP_RATIO, CalibrationMissed, ProfileNotSaved,
+                                               check_profile_path, run_calibration)
 from viasd_core.calibration.candidates import SLIM_FORMAT_CHOICES
 from viasd_core.decoding.stats import format_fidelity
 from viasd_core.errors import ViasdError
@@ -104,6 +105,7 @@ def calibrate(
     slim_formats: Annotated[str, typer.Option("--slim-formats", help=f"Weight formats of the target's copies to try as slim views besides its own weights: {SLIM_FORMAT_CHOICES}. auto: every format below the target's precision.")] = "auto",
 ):
     """Find the slim verifier and calibrate the tier thresholds to a fidelity budget."""
+    check_profile_path(opts.profile)  # also in run_calibration; here before the progress bars draw anything
     prompt_list = load_prompts(prompts, limit=limit)
     err = Console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -119,9 +121,15 @@ def calibrate(
             err.print(candidates_table(e.report))
             err.print(report_table(e.report))
             raise ViasdError(str(e))
-    if as_json:
+        except ProfileNotSaved as e:  # not written where it belongs at the end: e names where it is
+            report, unsaved = e.report, e
+        else:
+            unsaved = None
+    if as_json or (unsaved is not None and unsaved.report.saved_to is None):  # written nowhere: the JSON on stdout
         typer.echo(json.dumps(report.profile.to_json(), indent=2))
-    else:
+    if not as_json:
         Console().print(candidates_table(report))
         Console().print(report_table(report))
+    if unsaved is not None:
+        raise unsaved
     err.print(f"profile saved to {report.saved_to}" + ("" if report.met_budget else " (forced: it MISSES the budget)"))

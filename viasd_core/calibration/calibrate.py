@@ -17,7 +17,6 @@ docs/algorithm.md sections 4 and 5, one step per module of this package:
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +27,8 @@ from viasd_core.calibration.mask_search import MaskEvaluator, MaskSearch, search
 from viasd_core.calibration.runs import RunSummary, run_prompts
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.decoding.stats import format_fidelity
-from viasd_core.errors import UsageError
+from viasd_core import paths
+from viasd_core.errors import UsageError, ViasdError
 
 DEFAULT_BUDGET = 0.01
 DEFAULT_SKIP_RATIO = 0.45
@@ -47,17 +47,12 @@ def check_skip_ratio(ratio: float) -> None:
 
 def check_profile_path(path: str | Path | None) -> None:
     """The file the profile will be written to must be writable: checked before anything runs (a
-    calibration takes minutes; its result must not be lost at the end). None: the config directory."""
+    calibration takes minutes; its result must not be lost at the end). None: the config
+    directory's profiles folder (the file's name needs the loaded models; the folder is checked)."""
     if path is None:
-        return
-    path = Path(path).expanduser()
-    if path.is_dir():
-        raise UsageError(f"--profile '{path}' is a folder: give the path of the profile file to write")
-    folder = path.parent
-    while not folder.exists() and folder != folder.parent:  # the nearest folder that exists: created below it
-        folder = folder.parent
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        raise UsageError(f"--profile '{path}': cannot write under '{folder}': choose another path")
+        paths.check_writable_dir(paths.config_dir() / "profiles", "the profiles folder")
+    else:
+        paths.check_writable_file(path, "--profile", noun="profile file")
 
 
 @dataclass
@@ -135,13 +130,10 @@ def run_calibration(opts, prompts, budget: float = DEFAULT_BUDGET, skip_ratio: f
     profile = make_profile(session, chosen, candidates, costs, budget, heldout_viasd, heldout_sd,
                            measured_extra={"n_fit_prompts": len(fit_ids), "n_heldout_prompts": len(heldout_ids),
                                            "max_new_tokens": max_new_tokens, "gamma": gamma})
-    saved = None
-    if met or force:
-        from viasd_core.loading.profile import save_profile
-
-        saved = str(save_profile(profile, Path(profile_path).expanduser() if profile_path is not None else None))
-    report = CalibrationReport(profile, saved, met, search, fit, heldout_viasd, heldout_sd, costs, len(fit_ids),
+    report = CalibrationReport(profile, None, met, search, fit, heldout_viasd, heldout_sd, costs, len(fit_ids),
                                len(heldout_ids), candidates, chosen)
+    if met or force:
+        report.saved_to = save_or_fall_back(report, profile_path)
     if not met and not force:
         raise CalibrationMissed(report)
     return report
@@ -171,6 +163,34 @@ def make_profile(session, chosen: Candidate, candidates: list[Candidate], costs:
         candidates=[c.to_json() for c in candidates],
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
+
+
+def save_or_fall_back(report: CalibrationReport, path: str | Path | None) -> str:
+    """Save the report's profile to `path` (None: the config directory); if that fails at this
+    point (OSError: the disk filled, the folder vanished), save it in a new folder of the cache,
+    else of the current folder (paths.write_elsewhere), and raise ProfileNotSaved naming it."""
+    from viasd_core.loading.profile import profile_path as default_path, save_profile
+
+    p = report.profile
+    path = Path(path).expanduser() if path is not None else default_path(p.target_id, p.draft_id, p.quant, p.device)
+    try:
+        return str(save_profile(p, path))
+    except OSError as e:
+        reason = e.strerror or str(e)
+    folder = paths.write_elsewhere(lambda f: save_profile(p, f / path.name), "profile")
+    report.saved_to = None if folder is None else str(folder / path.name)
+    raise ProfileNotSaved(report, path, reason)
+
+
+class ProfileNotSaved(ViasdError):
+    """The profile could not be written where it belongs at the end of a calibration; `report.saved_to`:
+    where it was written instead (None: nowhere; the command prints its JSON on stdout)."""
+
+    def __init__(self, report: CalibrationReport, path: Path, reason: str):
+        where = (f"it is in '{report.saved_to}' instead: move it to '{path}' or pass --profile '{report.saved_to}'"
+                 if report.saved_to else "nor to the cache or the current folder: its JSON is on stdout")
+        super().__init__(f"could not write the profile to '{path}' ({reason}): {where}")
+        self.report = report
 
 
 class CalibrationMissed(Exception):
