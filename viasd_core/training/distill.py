@@ -36,7 +36,7 @@ from viasd_core.loading.prompts import load_prompts
 from viasd_core.training.draft_eval import evaluate_agreement
 from viasd_core.training.draft_init import check_target, default_layer_ids, init_draft
 from viasd_core.training.draft_train import train_draft
-from viasd_core.training.shared import resolve_bf16
+from viasd_core.training.shared import check_out, resolve_bf16, save_or_fall_back
 from viasd_core.training.teacher_answers import DEFAULT_PROMPTS, Record, build_dataset, choose_vocab, vocab_coverage
 
 
@@ -91,8 +91,10 @@ def run_distill(target_ref: str, out: str | Path, config: DistillConfig, device:
     """`viasd distill`: load the target (fp32), generate its data (greedy for every prompt, sampled
     for every `sampled_every`-th; the held-out prompts, greedy only, choose the best step), train
     the draft, measure its agreement on `eval_prompts` if given, and save it to `out` (atomically).
-    Returns the draft folder. Every input is checked before the target is loaded."""
+    Returns the draft folder. Every input (`out` too) is checked before the target is loaded; if
+    `out` cannot be written at the end, the draft goes to a fallback folder the error names."""
     config.validate()
+    out = check_out(out)
     prompts_path = Path(config.prompts) if config.prompts is not None else DEFAULT_PROMPTS
     prompts = load_prompts(prompts_path)
     evaluation = load_prompts(config.eval_prompts, limit=config.eval_limit) if config.eval_prompts is not None else None
@@ -153,4 +155,5 @@ def run_distill(target_ref: str, out: str | Path, config: DistillConfig, device:
         scores = evaluate_agreement(draft, records_eval)
         info["eval"] = {k: v for k, v in scores.items() if k != "by_category"} | {"file": str(config.eval_prompts)}
         log(f"top-1 agreement {scores['agreement']:.3f} on {scores['prompts']} prompts")
-    return save_draft(out, draft, vocab_map, tok, target=str(target.model_id).replace("/", "--"), training=info)
+    return save_or_fall_back(out, lambda folder: save_draft(folder, draft, vocab_map, tok,
+                                                            target=str(target.model_id).replace("/", "--"), training=info))

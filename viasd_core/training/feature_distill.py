@@ -28,6 +28,7 @@ from viasd_core.decoding.eagle_files import save_feature_head
 from viasd_core.errors import UsageError
 from viasd_core.loading.models import load_model
 from viasd_core.loading.prompts import load_prompts
+from viasd_core.training.shared import check_out, save_or_fall_back
 
 
 @dataclass
@@ -77,8 +78,11 @@ def _load_records(path: Path) -> list[Record]:
 def run_feature_distill(target_ref: str, out: str | Path, config: FeatureDistillConfig, work: str | Path,
                         device: Optional[str] = None, trust_remote_code: bool = False,
                         log: Callable[[str], None] = lambda msg: None) -> Path:
-    """Train and save an EAGLE-3 head for `target_ref` (stages cached under `work`). Returns the head folder."""
+    """Train and save an EAGLE-3 head for `target_ref` (stages cached under `work`). Returns the head folder.
+    `out` and `work` are checked before the target loads; if `out` cannot be written at the end,
+    the head goes to a fallback folder the error names."""
     config.validate()
+    out = check_out(out, work)
     prompts_path = Path(config.prompts) if config.prompts is not None else DEFAULT_PROMPTS
     prompts = load_prompts(prompts_path)
     evaluation = load_prompts(config.eval_prompts, limit=config.eval_limit) if config.eval_prompts is not None else None
@@ -154,4 +158,4 @@ def run_feature_distill(target_ref: str, out: str | Path, config: FeatureDistill
         log(f"evaluation: first-position agreement {scores['agreement'][0]:.3f} on {len(feats)} prompts")
     head.config_dict["viasd_training"] = info
     head.to(torch.bfloat16)
-    return save_feature_head(head, out)
+    return save_or_fall_back(out, lambda folder: save_feature_head(head, folder))
