@@ -8,7 +8,6 @@ rolled back when refused). Nothing here writes to a terminal: `cli/chat.py` rend
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from viasd_core import paths
 from viasd_core.decoding.draft_policy import FLOOR
@@ -147,7 +146,7 @@ def _reset(chat: Chat, arg: str) -> Reply:
 def _save(chat: Chat, arg: str) -> Reply:
     if not arg:
         raise UsageError("/save needs a file name: /save chat.json")
-    path = Path(arg).expanduser()
+    path = paths.check_writable_file(arg, "/save", noun="transcript file")  # one line; the chat goes on
     try:
         paths.atomic_write_json(path, chat.to_json())
     except OSError as e:
