@@ -35,7 +35,7 @@ DtypeOpt = Annotated[
     Optional[str], typer.Option("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU).")
 ]
 DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="cpu, cuda or cuda:N (default: cuda if available).")]
-QuantOpt = Annotated[str, typer.Option("--quant", help="Target weights: auto (on a CPU, for the embedded model, the fastest of none, int8 and int4 on this machine, timed once and cached; else none), none, int8 or int4 (weight-only, packed by torchao; bf16 activations), 8bit or 4bit (bitsandbytes LLM.int8 / NF4).")]
+QuantOpt = Annotated[str, typer.Option("--quant", help="Target weights: auto (on a CPU, for the embedded model, the fastest of none, int8 and int4 on this machine, timed once and cached; else none), none, int8 or int4 (weight-only, packed by torchao; bf16 activations), 8bit or 4bit (bitsandbytes LLM.int8 / NF4). Greedy sd and exact emit ar's tokens bit for bit on a CPU at none (float32), int8 and int4; at 8bit/4bit, compiled, or on a GPU, up to the kernels' rounding (a near-tie may flip; not measured on a GPU). viasd doctor says which applies.")]
 DraftQuantOpt = Annotated[str, typer.Option("--draft-quant", help="Draft weights: none, int8, int4, 8bit or 4bit (as --quant).")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the model repo (off by default).")]
 AllowPickleOpt = Annotated[bool, typer.Option("--allow-pickle", help="Allow pickle (.bin) weights (off by default: safetensors only).")]
