@@ -293,8 +293,11 @@ def function(source: Path, build_dir: Path, name: str, argtypes: list | None = N
     types those of its prototype in the header beside `source`, or None where the library cannot
     be built here or has no such function (`why_not`). `argtypes`, where a caller still passes its
     own, must be the header's (ValueError otherwise)."""
-    # Asked for at every call of some kernels (row attention): Path() of a Path costs ~2 us
-    key = (source, build_dir, name, os.environ.get(ISA_ENV), OPENMP)
+    # Asked for at every call of some kernels (row attention): Path() of a Path costs ~2 us, reading
+    # the environment ~0.4 us, so the cap and OPENMP in force when a folder's function is first
+    # asked for stay its own for the process (as oneDNN reads ONEDNN_MAX_CPU_ISA once); another
+    # folder gets the cap in force then
+    key = (source, build_dir, name)
     fn = _functions.get(key, False)
     if fn is False:
         source = source if isinstance(source, Path) else Path(source)
