@@ -148,7 +148,7 @@ def test_the_rule_follows_the_timings():
     rows, why = sp.pick_rows({**timings(blocked=[11.0, 12.2, 22.8], packed=[12.2, 12.3, 13.1], plain=[25, 35, 28]), **long})
     assert rows == sp.ShortRows(4, 16, prefill=True) and why.endswith("; 256-token prefill chunk packed 200, plain 350 ms")
     slower = {("packed", 256): 0.40, ("plain", 256): 0.35}
-    assert sp.pick_rows({**timings(blocked=[11, 12, 22], packed=[12, 12, 13], plain=[25, 35, 28]), **slower})[0] == (4, 16, False)
+    assert sp.pick_rows({**timings(blocked=[11, 12, 22], packed=[12, 12, 13], plain=[25, 35, 28]), **slower})[0] == sp.ShortRows(4, 16, False)
     assert [sp.ShortRows(1, 16, True).way(r) for r in (1, 2, 16, 17, 256)] == ["blocked"] + ["packed"] * 4
     assert [sp.ShortRows(1, 16).way(r) for r in (16, 17)] == ["packed", "plain"]
 
@@ -229,7 +229,7 @@ def test_the_packed_copies_are_left_out_where_they_would_crowd_the_memory(viasd_
     rows, why = sp.choose_rows(engine, key, repeats=1)
     assert rows == sp.ShortRows(1, 0) and why.startswith("measured (cached); packed not taken")
     monkeypatch.setattr(devices, "free_memory_bytes", lambda device: int(need / sp.FREE_SHARE) + 1)
-    assert sp.choose_rows(engine, key, repeats=1)[0] == (1, 16, True)  # room again: the cached choice as it was
+    assert sp.choose_rows(engine, key, repeats=1)[0] == sp.ShortRows(1, 16, True)  # room again: the cached choice as it was
 
 
 @needs_onednn

@@ -7,7 +7,7 @@ nn.Module.__call__'s hook handling) a pass. `LayerCalls` holds the layer's submo
 methods and the products' callables, made when the FastModel is built, so the pass calls them
 directly. The products' arithmetic is unchanged: each callable is what the pass called before (a
 packed layer's `forward`, or `short_products.linear` over a float layer with the model's current
-`short_rows`); o and down also add the residual, inside a packed layer's call (`add_to`: the kernel
+`pass_rows`); o and down also add the residual, inside a packed layer's call (`add_to`: the kernel
 adds it as it stores each output, bit for bit PyTorch's add). The RMSNorms are `norms.norm_call`'s
 (a one-call kernel on CPU that sums the squares in its own order: within a rounding step of the
 module's output). tests/test_layer_calls.py compares a pass with the plain module calls.
@@ -53,10 +53,10 @@ class LayerCalls:
 
 def product(module: torch.nn.Module, model) -> Call:
     """`module`'s product as the pass calls it: a packed layer's own forward, else `linear` over the
-    layer with `model`'s short-pass products as they are at the call (FastModel.short_rows)."""
+    layer with `model`'s short-pass products as they are at the call (FastModel.pass_rows)."""
     if type(module) is PackedLinear:
         return module.forward
-    return lambda x: linear(x, module, model.short_rows)
+    return lambda x: linear(x, module, model.pass_rows)
 
 
 def product_add(module: torch.nn.Module, model) -> AddCall:
@@ -84,6 +84,6 @@ def layer_calls(layer: torch.nn.Module, fused, model) -> LayerCalls:
         gate_up=gate_up, gate_up_split=fused.gate_up_split if gate_up is not None else (0, 0),
         act=(m.act_fn.forward if isinstance(m.act_fn, torch.nn.Module) else m.act_fn) if gate_up is not None else None,
         down=product_add(m.down_proj, model) if gate_up is not None else None,
-        mlp=lambda x: mlp(x, m, model.short_rows),
+        mlp=lambda x: mlp(x, m, model.pass_rows),
         scaling=attn.scaling,
     )

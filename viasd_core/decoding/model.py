@@ -43,7 +43,7 @@ from viasd_core.errors import ViasdError
 from viasd_core.decoding import attention, graph_outputs
 from viasd_core.decoding.rope import apply_rope, check_rope, signed_sin
 from viasd_core.decoding.pass_widths import PASS_WIDTHS, pass_width
-from viasd_core.decoding.short_products import DEFAULT, linear
+from viasd_core.decoding.short_products import DEFAULT, ShortRows, linear
 from viasd_core.decoding.tree_pass import TreePasses
 from viasd_core.decoding.fused_projections import fused
 from viasd_core.decoding.layer_calls import layer_calls
@@ -139,14 +139,18 @@ class FastModel(attention.CachedPositions, TreePasses):
             self.dtype = torch.float32
         self.quantized = getattr(hf_model, "hf_quantizer", None) is not None  # bitsandbytes
         self.weight_format = has_weight_format(hf_model)  # int8/int4 weight-only (weight_formats.PackedLinear)
-        # Whether eager short passes attend one position at a time. On CPU a bf16 pass's attention
-        # rounds differently with the number of queries and keys in the call (up to 0.4 in a logit
-        # of SmolLM2 int4: the kernel tiles them differently), while the int8/int4 layers and the
-        # output head compute each row alike at any row count. Attending per position over exactly
-        # its keys makes a token's logits independent of the pass it is in, so plain decoding and
-        # block verification compute the same numbers (sd == ar). A model whose tokens need not
+        # Whether eager short passes are row-invariant: each position attends over exactly its keys
+        # (row attention) and multiplies through products that compute each row alike at any row
+        # count (short_products' `invariant` way for float layers; the int8/int4 layers' own kernels),
+        # so a token's logits do not depend on the pass it is in and plain decoding and block
+        # verification compute the same numbers (sd == ar). On a CPU a pass's attention rounds
+        # differently with the number of queries and keys in the call (up to 0.4 in a logit of
+        # SmolLM2 int4), and float32 F.linear with its number of rows (every row of SmolLM2's 2-16
+        # row passes differed from the row alone, by up to 1e-4). Not bitsandbytes (its CPU kernels
+        # round by row count: not promised) nor CUDA (not measured). A model whose tokens need not
         # match another pass's (a slim view: slim_view.slim_verifier) may turn it off.
-        self.row_attention = self.weight_format and self.device.type != "cuda"
+        self._short_rows = DEFAULT
+        self.row_attention = not self.quantized and self.device.type != "cuda"
         # int8/int4 on CPU: q/k/v and gate/up as one product each (fused_projections.py)
         cpu_packed = self.weight_format and self.device.type == "cpu"
         self._fused = [fused(layer) if cpu_packed else None for layer in self.layers]
@@ -156,6 +160,7 @@ class FastModel(attention.CachedPositions, TreePasses):
         # Float32 layers on CPU: which product short passes multiply through (short_products.ShortRows:
         # the weights read at the memory's speed). The blocked product for 1-row passes until a session
         # measures it (choose_rows); PLAIN: every product through the layers themselves (F.linear).
+        # A row-invariant model's short passes take the invariant way whatever is set (`short_rows`).
         self.short_rows = DEFAULT
         self.vocab_limit: int | None = None  # logits at columns >= vocab_limit are -inf (None: no mask)
         self.max_len = 0
@@ -173,6 +178,29 @@ class FastModel(attention.CachedPositions, TreePasses):
         self.allocate(max_len)
 
     # ------------------------------------------------------------------ set-up
+    @property
+    def row_attention(self) -> bool:
+        """Whether eager short passes are row-invariant (see __init__): attention by row, and the
+        float layers' short products through short_products' `invariant` way."""
+        return self._row_attention
+
+    @row_attention.setter
+    def row_attention(self, on: bool) -> None:
+        self._row_attention = bool(on)
+        self.pass_rows = self._short_rows._replace(invariant=self._row_attention)
+
+    @property
+    def short_rows(self):
+        """The products short float passes take where rows need not match (short_products.ShortRows:
+        measured per machine); `pass_rows` is what the passes use: the same, `invariant` while the
+        model is row-invariant (a plain attribute, read at every product call)."""
+        return self._short_rows
+
+    @short_rows.setter
+    def short_rows(self, rows) -> None:
+        self._short_rows = ShortRows(rows) if isinstance(rows, int) else rows
+        self.pass_rows = self._short_rows._replace(invariant=getattr(self, "_row_attention", False))
+
     def _window(self, layer) -> int | None:
         attn = layer.self_attn
         window = getattr(attn, "sliding_window", None)
@@ -345,7 +373,7 @@ class FastModel(attention.CachedPositions, TreePasses):
         if captured:
             cache.features[input_pos] = torch.cat(captured, dim=-1)  # [T, n * H]
         h = self._final_norm(x[0].index_select(0, rows))
-        logits = linear(h, self.lm_head, self.short_rows).float()
+        logits = linear(h, self.lm_head, self.pass_rows).float()
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
             logits[:, self.vocab_limit:] = float("-inf")
         return logits

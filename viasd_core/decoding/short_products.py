@@ -29,11 +29,16 @@ thread count and models, and `viasd doctor` measures again.
 products with) wherever `up_to` gives it no other product; `mlp` is the gated MLP of every supported
 family (down(act(gate(x)) * up(x))) over `linear`.
 
-Rounding: each product sums an output in its own order (a difference of float32 rounding, ~1e-6
-relative). F.linear's own rows already round differently with the number of rows in a pass on a
-CPU, and so does the packed product (its 1-row kernel differs for long inputs), so this changes
-nothing about exactness: in float32 `sd` and `exact` match `ar` token for token as before (tested),
-and a rounding flip needs a near-tie of that size.
+Row invariance: F.linear, the blocked and the packed product each round a row differently with the
+number of rows in the pass (every row of SmolLM2-135M's float32 passes of 2-16 rows differed from the
+same row decoded alone, by up to 1e-4 in a logit), so a model whose passes must give a position the
+same logits in any pass (the target of `sd` and `exact`: FastModel.row_invariant) takes the
+`invariant` way for its short passes instead: viasd_kernels' row-invariant float32 product
+(`cpu_f32_mm`: each output's sum in one fixed order, whatever the pass's other rows and the thread
+count), or, where that kernel cannot run (no C compiler, another dtype), `by_row`: F.linear over one
+row at a time (the same 1-row call for a position in any pass; exact, and as slow as the rows are
+many). The blocked and packed products stay for models whose rows need not match (drafts, slim
+views) and for prompt chunks (longer passes, computed alike in every mode).
 """
 
 from __future__ import annotations
@@ -43,6 +48,10 @@ import weakref
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
+from viasd_kernels import cpu_f32_mm
+
+from viasd_core import paths
 
 SHORT_ROWS = 16  # passes of up to this many rows (PASS_WIDTHS[-1]) are short
 MID = 4  # the blocked product's last fast width on the CPUs measured
@@ -61,16 +70,22 @@ class ShortRows(NamedTuple):
     blocked: int = 0
     packed: int = 0
     prefill: bool = False
+    invariant: bool = False  # every short pass row-invariant (the model's own setting: FastModel.row_invariant)
 
     def way(self, rows: int) -> str:
+        if self.invariant and rows <= SHORT_ROWS:
+            return "invariant"
         if rows <= self.blocked:
             return "blocked"
         return "packed" if rows <= self.packed or (self.prefill and rows > SHORT_ROWS) else "plain"
 
     def describe(self) -> str:
-        parts = [f"blocked up to {self.blocked} row{'s' if self.blocked > 1 else ''}"] if self.blocked else []
-        if self.packed > self.blocked:
-            parts.append(f"packed up to {self.packed}")
+        if self.invariant:
+            parts = ["row-invariant up to 16 rows"]
+        else:
+            parts = [f"blocked up to {self.blocked} row{'s' if self.blocked > 1 else ''}"] if self.blocked else []
+            if self.packed > self.blocked:
+                parts.append(f"packed up to {self.packed}")
         if self.prefill:
             parts.append("packed prefill")
         return ", ".join(parts) or "F.linear"
@@ -78,7 +93,7 @@ class ShortRows(NamedTuple):
 
 PLAIN, BLOCKED, PACKED = ShortRows(0, 0), ShortRows(SHORT_ROWS, 0), ShortRows(0, SHORT_ROWS, prefill=True)
 DEFAULT = ShortRows(1, 0)  # until a session measures: the blocked product for 1-row passes
-_VALID = {(b, p, f) for b in (0, 1, MID, SHORT_ROWS) for p in (0, SHORT_ROWS) for f in (False, True)}
+_VALID = {(b, p, f, False) for b in (0, 1, MID, SHORT_ROWS) for p in (0, SHORT_ROWS) for f in (False, True)}  # as measured; `invariant` is the model's
 
 
 def applies(layer: torch.nn.Module) -> bool:
@@ -120,11 +135,54 @@ def _short_rows(up_to: ShortRows | int) -> ShortRows:
     return ShortRows(up_to) if isinstance(up_to, int) else up_to
 
 
+# layer -> ((weight's address, version), its row-invariant product, or None where the kernel does not take it)
+_invariant: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[int, int], object]]" = weakref.WeakKeyDictionary()
+
+
+def invariant_product(layer: torch.nn.Linear):
+    """`layer`'s row-invariant float32 product (viasd_kernels.cpu_f32_mm, bound on first use and again
+    when the weight changes), or None where the kernel does not take it or cannot run here."""
+    w = layer.weight
+    key = (w.data_ptr(), w._version)
+    hit = _invariant.get(layer)
+    if hit is None or hit[0] != key:
+        bias = None if layer.bias is None else layer.bias.detach()
+        hit = (key, cpu_f32_mm.bind(w.detach(), bias, build_dir=paths.kernel_dir()))
+        _invariant[layer] = hit
+    return hit[1]
+
+
+def by_row(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """`layer(x)` one row at a time: each row through the same 1-row call in a pass of any width (the
+    row-invariant products' plain reference, and their fallback)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = torch.cat([layer(x2[i : i + 1]) for i in range(x2.shape[0])])
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _invariant_linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """A short pass's product, each row as it would be alone: a float nn.Linear through the kernel
+    (float32) or one row at a time; any other layer (an int8/int4 PackedLinear, whose kernels compute
+    each row alike at any row count) is called as it is."""
+    if type(layer) is not torch.nn.Linear:
+        return layer(x)
+    if (x.dtype == torch.float32 and layer.weight.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad))):
+        bound = invariant_product(layer)
+        if bound is not None:
+            return bound(x.contiguous())
+    return by_row(x, layer)
+
+
 def linear(x: torch.Tensor, layer: torch.nn.Module, up_to: ShortRows | int = BLOCKED) -> torch.Tensor:
     """`layer(x)` for x [..., in]; through the product `up_to` gives a pass of x's rows where the
     layer takes it (the packed one only outside autograd and torch.compile's tracing)."""
     rows = x.numel() // x.shape[-1]
     way = _short_rows(up_to).way(rows)
+    if way == "invariant":
+        if not torch.compiler.is_compiling():
+            return _invariant_linear(x, layer)
+        way = _short_rows(up_to)._replace(invariant=False).way(rows)  # traced: graphs round by width anyway
     # torch.compile's tracing first: it cannot trace into `packs` (torch.backends.mkldnn is skipped)
     if way == "packed" and not torch.compiler.is_compiling() and packs(layer) and not (
             torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad)):

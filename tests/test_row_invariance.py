@@ -1,0 +1,203 @@
+"""Row invariance, the property `sd == ar` rests on: a position's logits do not depend on how many
+other rows share its pass. For every format the engine promises exact on a CPU (float32, bfloat16,
+int8, int4), every family, at 1 and 2 threads, with viasd's C kernels built and with none of them
+(no compiler: every fallback), each row of a chain pass of any width 1-16 and of a token tree's pass
+equals, bit for bit, the same position decoded alone. bitsandbytes' CPU formats are not promised
+(their kernels round by row count): the model says so (`row_attention` off) and the test checks that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import FAMILIES, tiny_model
+from viasd_core import paths
+from viasd_core.decoding.exactness import promise
+from viasd_core.decoding.model import FastModel
+from viasd_core.decoding.tree import TokenTree, ancestor_matrix
+from viasd_core.decoding.weight_format import WeightFormat
+from viasd_core.decoding.weight_formats import apply_weight_format
+from viasd_kernels import cpu_build, cpu_f32_mm, cpu_packed_mm, cpu_row_attention
+
+PROMPT, SPAN = 20, 16  # a prefill of PROMPT positions, then SPAN positions compared
+WIDTHS = (2, 3, 5, 6, 8, 11, 16)
+FORMATS = ("float32", "bfloat16", "int8", "int4")
+
+
+def target(family: str, fmt: str) -> FastModel:
+    model = tiny_model(family, n_layers=3, seed=3)
+    if fmt != "float32":
+        model = model.to(torch.bfloat16)
+    if fmt in ("int8", "int4"):
+        apply_weight_format(model, WeightFormat.parse(fmt))
+    return FastModel(model, max_len=128)
+
+
+def tokens(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def alone(fast: FastModel, ids: torch.Tensor) -> torch.Tensor:
+    """Positions PROMPT .. PROMPT + SPAN - 1 each decoded alone (1-token passes): [SPAN, vocab]."""
+    fast.reset()
+    fast.forward(ids[:PROMPT], 0, 1)
+    return torch.cat([fast.forward(ids[p : p + 1], p, 1) for p in range(PROMPT, PROMPT + SPAN)])
+
+
+def in_passes_of(fast: FastModel, ids: torch.Tensor, width: int) -> torch.Tensor:
+    """The same positions verified in passes of `width` rows (every row's logits)."""
+    fast.rollback(PROMPT)
+    out = []
+    for lo in range(PROMPT, PROMPT + SPAN, width):
+        hi = min(lo + width, PROMPT + SPAN)
+        out.append(fast.forward(ids[lo:hi], lo, hi - lo))
+    return torch.cat(out)
+
+
+def in_a_tree(fast: FastModel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A token tree over the root PROMPT (after 3 cached positions): the chain of the next 4 tokens
+    as its first branch, with siblings off the root and off its second node. (the tree's rows for
+    the root and the chain, the same positions decoded alone)."""
+    n = PROMPT + 4
+    chain = ids[n : n + 4]
+    toks = torch.cat([chain, torch.tensor([7, 9, 11])])
+    parents = torch.tensor([-1, 0, 1, 2, -1, 1, -1])
+    depths = torch.tensor([1, 2, 3, 4, 1, 3, 1])
+    tree = TokenTree(toks, parents, depths, ancestor_matrix(parents, 4), 4)
+    fast.rollback(n - 1)
+    got = fast.verify_tree(ids, n, tree)  # root (position n - 1) and the 7 nodes
+    fast.rollback(PROMPT)
+    want = torch.cat([fast.forward(ids[p : p + 1], p, 1) for p in range(PROMPT, n + 4)])
+    return torch.cat([got[:1], got[1:5]]), want[n - 1 - PROMPT :]
+
+
+def width_dependent_rows(fast: FastModel, ids: torch.Tensor) -> dict:
+    """{width or "tree": rows whose logits differ from the row decoded alone} (empty: invariant)."""
+    ref = alone(fast, ids)
+    bad = {}
+    for w in WIDTHS:
+        got = in_passes_of(fast, ids, w)
+        rows = (got != ref).any(-1).nonzero().flatten().tolist()
+        if rows:
+            bad[w] = rows
+    if fast.supports_tree:
+        got, want = in_a_tree(fast, ids)
+        rows = (got != want).any(-1).nonzero().flatten().tolist()
+        if rows:
+            bad["tree"] = rows
+    return bad
+
+
+@pytest.fixture
+def no_compiler(monkeypatch, tmp_path):
+    """No C kernel can be built (no compiler, a fresh kernels folder): every pass takes its
+    fallbacks, as on a machine without a compiler or without the instructions a kernel needs."""
+    monkeypatch.setenv("VIASD_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    paths._cache_dirs.cache_clear()
+    yield
+    paths._cache_dirs.cache_clear()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_rows_logits_do_not_depend_on_its_pass(family, fmt, threads):
+    torch.set_num_threads(threads)
+    fast = target(family, fmt)
+    assert fast.row_attention
+    assert width_dependent_rows(fast, tokens(PROMPT + SPAN + 8, seed=threads)) == {}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_rows_stay_invariant_without_any_c_kernel(family, fmt, no_compiler):
+    torch.set_num_threads(2)
+    fast = target(family, fmt)
+    assert width_dependent_rows(fast, tokens(PROMPT + SPAN + 8, seed=5)) == {}
+    # and the fallbacks did run: no kernel was built for this folder
+    assert cpu_f32_mm.bind(torch.zeros(16, 16), build_dir=paths.kernel_dir()) is None
+    assert cpu_row_attention.row_attention(*[torch.zeros(1, 1, 1, 16)] * 3, 1, build_dir=paths.kernel_dir()) is None
+
+
+def test_the_check_finds_a_width_dependent_product(monkeypatch):
+    """The test above can fail: F.linear's own float32 rows (the products before they were made
+    row-invariant) round by the pass's width at 2 threads."""
+    from viasd_core.decoding import short_products
+
+    torch.set_num_threads(2)
+    fast = target("llama", "float32")
+    monkeypatch.setattr(short_products, "_invariant_linear", lambda x, layer: layer(x * (1 + 1e-6 * (x.numel() > x.shape[-1]))))
+    assert width_dependent_rows(fast, tokens(PROMPT + SPAN + 8)) != {}
+
+
+def test_bitsandbytes_formats_are_not_promised_row_invariant():
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from conftest import save_tiny_model_dir
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        save_tiny_model_dir(d)
+        model = AutoModelForCausalLM.from_pretrained(d, quantization_config=BitsAndBytesConfig(
+            load_in_8bit=True, llm_int8_threshold=0.0), device_map={"": "cpu"})
+    fast = FastModel(model, max_len=64)
+    assert fast.quantized and not fast.row_attention and not fast.pass_rows.invariant
+    assert not promise(fast).exact and "bitsandbytes" in promise(fast).why
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_what_is_promised_follows_how_the_model_runs(fmt):
+    fast = target("llama", fmt)
+    assert promise(fast).exact
+    fast.row_attention = False  # as a slim view runs
+    assert not promise(fast).exact and not fast.pass_rows.invariant
+    fast.row_attention = True
+    assert fast.pass_rows.invariant
+    if fast.compilable:
+        fast.compile()
+        assert not promise(fast).exact and "compiled" in promise(fast).why
+
+
+def _report_under_this_cap() -> None:
+    """Run in a process started with VIASD_MAX_CPU_ISA set: what runs, and the width-dependent rows
+    of each format at 2 threads, as one JSON line."""
+    torch.set_num_threads(2)
+    out = {"isa": cpu_build.isa_class(), "aten": torch.backends.cpu.get_cpu_capability(),
+           "packed_mm": cpu_packed_mm.available(paths.kernel_dir()),
+           "f32_mm": cpu_f32_mm.bind(torch.zeros(16, 16), build_dir=paths.kernel_dir()) is not None}
+    for fmt in FORMATS:
+        out[fmt] = width_dependent_rows(target("qwen2", fmt), tokens(PROMPT + SPAN + 8, seed=9))
+    print(json.dumps(out, default=str))
+
+
+@pytest.mark.parametrize("cap", ["avx2", "avx512"])
+def test_each_instruction_set_class_is_row_invariant(cap, tmp_path):
+    """VIASD_MAX_CPU_ISA makes this CPU build viasd's kernels, and dispatch PyTorch's, as a CPU of the
+    lower class would: each class below this CPU's is checked here, whatever CPU runs the tests."""
+    env = {**os.environ, "VIASD_MAX_CPU_ISA": cap, "VIASD_HOME": str(tmp_path / "home")}
+    env.pop("ATEN_CPU_CAPABILITY", None)
+    env.pop("ONEDNN_MAX_CPU_ISA", None)
+    code = "import test_row_invariance as t; t._report_under_this_cap()"
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    own = cpu_build.cpu_isa_class()
+    want = min(own, cap, key=cpu_build.ISA_CLASSES.index) if own in cpu_build.ISA_CLASSES else own
+    assert report["isa"] == want
+    if want == "avx2":
+        assert report["aten"] == "AVX2" and not report["packed_mm"]
+    if want == "avx512":
+        assert report["aten"] == "AVX512" and not report["packed_mm"]  # the packed products need AVX-512 BF16
+    assert report["f32_mm"]  # the float32 product builds for every class (portable C)
+    assert {fmt: report[fmt] for fmt in FORMATS} == {fmt: {} for fmt in FORMATS}
