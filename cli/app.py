@@ -44,12 +44,26 @@ def main() -> None:
 
     _register()
     try:
+        _check_isa_cap()
         app()
     except KeyboardInterrupt:
         typer.echo("Interrupted.", err=True)
         sys.exit(130)
     except Exception as e:
         sys.exit(report_error(e))
+
+
+def _check_isa_cap() -> None:
+    """VIASD_MAX_CPU_ISA is read by every kernel build: a value it does not know is a usage error now,
+    not a kernel quietly left unbuilt later."""
+    from viasd_kernels import cpu_build
+
+    from viasd_core.errors import UsageError
+
+    try:
+        cpu_build.max_isa()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def get_app() -> typer.Typer:

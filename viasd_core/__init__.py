@@ -9,3 +9,7 @@ import logging as _logging
 # lines on stderr, where viasd keeps its statistics, for every command.
 for _name in ("torchao", "torch.utils._pytree"):
     _logging.getLogger(_name).setLevel(_logging.ERROR)
+
+from viasd_core import cpu_isa as _cpu_isa
+
+_cpu_isa.apply()  # before any tensor operation: PyTorch's kernels follow VIASD_MAX_CPU_ISA too
