@@ -105,7 +105,7 @@ class LayerFront:
         before = (self.hidden, self.head_dim, self.qkv_n, self.gate_up_n, self.layer.kv_heads, self.layer.slots)
         layer = _layer(self.parts, self.heads, self.scale, self.window)
         if (layer.hidden, layer.head_dim, layer.qkv_n, layer.gate_up_n, layer.kv_heads) != before[:5]:
-            raise ValueError(f"the layer kernel's tensors were replaced by ones of other sizes: bind it again")
+            raise ValueError("the layer kernel's tensors were replaced by ones of other sizes: bind it again")
         self._bind()
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, pos: torch.Tensor,
