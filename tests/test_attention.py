@@ -165,6 +165,7 @@ class Calls:
 def test_every_user_attends_through_the_shared_routine(monkeypatch):
     target = tiny_model("llama", n_layers=3, seed=7)
     fast = FastModel(target, max_len=32)
+    fast.row_attention = False  # one call a layer (as a slim view attends); by row below
     head = eagle_train.init_head(target, (0, 1, 2), torch.arange(0, 256, 2), seed=0)
     head.allocate(32)
     ids = torch.randint(3, 256, (12,), generator=torch.Generator().manual_seed(7))

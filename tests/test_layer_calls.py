@@ -26,7 +26,7 @@ def module_calls(layer, fused, model) -> lc.LayerCalls:
     """The reference: every submodule called through nn.Module.__call__, looked up at each call."""
     def prod(name):
         return lambda x: linear(x, getattr(layer.self_attn, name) if name != "down_proj" else layer.mlp.down_proj,
-                                model.short_rows)
+                                model.pass_rows)
 
     def prod_add(name):  # o and down: the residual added by PyTorch (the pass adds it inside a packed call)
         call = prod(name)
@@ -44,7 +44,7 @@ def module_calls(layer, fused, model) -> lc.LayerCalls:
         gate_up=(lambda x: fused.gate_up(x)) if gate_up else None,
         gate_up_split=fused.gate_up_split if gate_up else (0, 0),
         act=(lambda x: layer.mlp.act_fn(x)) if gate_up else None, down=prod_add("down_proj") if gate_up else None,
-        mlp=lambda x: mlp(x, layer.mlp, model.short_rows), scaling=layer.self_attn.scaling)
+        mlp=lambda x: mlp(x, layer.mlp, model.pass_rows), scaling=layer.self_attn.scaling)
 
 
 @pytest.mark.parametrize("fmt", ["none", "int8", "int4"])
@@ -105,4 +105,4 @@ def test_float_products_read_the_models_short_rows_at_each_call(monkeypatch):
         fast.short_rows = rows  # a session measures and sets it after the model is built
         seen.clear()
         fast.forward(ids[:4], 0, 4)
-        assert seen and all(up_to == rows for up_to in seen)
+        assert seen and all(up_to == rows._replace(invariant=True) == fast.pass_rows for up_to in seen)
