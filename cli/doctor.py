@@ -26,8 +26,10 @@ EXAMPLES
   viasd doctor -m Qwen/Qwen2.5-7B-Instruct -d Qwen/Qwen2.5-0.5B-Instruct --json
 
 Exit code 1 when a check fails: the compiled pass differs from the eager one, or sd / exact emit
-other greedy tokens than ar (in bfloat16 / float16: by more than a rounding flip of a near-tie;
---json gives the margin at each first divergence).
+other greedy tokens than ar. Where the engine promises bit-exact passes (float32, int8 and int4 on a
+CPU) any divergence fails; where kernels round by pass width (bitsandbytes 8bit/4bit, compiled
+passes, a GPU) only one beyond a rounding flip of a near-tie. `exactness` in the report says which
+promise applies; --json gives the margin at each first divergence.
 """
 
 

@@ -1,7 +1,10 @@
 """`viasd doctor`: its checks pass on a sound engine and fail, with exit code 1, on a broken one."""
 
+import importlib.util
 import json
 import os
+
+import pytest
 
 import torch
 from typer.testing import CliRunner
@@ -51,7 +54,9 @@ def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home, monk
     env = report["environment"]
     assert env["device"] == "cpu" and env["dtype"] == "float32" and env["compiled"] == []
     assert env["cuda_graphs"] is False and env["cuda_graphs_recorded"] == 0 and env["torch"] == torch.__version__
-    assert env["row_attention"] is None  # float32 layers attend in one call: no pass is compared row by row
+    # attention row by row exactly where the passes are row-invariant, which is what makes them bit-exact
+    assert (env["row_attention"] is not None) == env["exactness"].startswith("bit-exact")
+    assert env["exactness_reason"]
     assert env["int4_widening"] is None  # no int4 weights to widen
     assert env["packed_products"] is None  # nor int8/int4 products
     # the norms and RoPE of its passes: one C call each where the kernels build (they must in CI)
@@ -185,14 +190,20 @@ def test_rounding_rule_on_synthetic_logits():
 
 
 def test_doctor_bfloat16_tolerates_rounding_and_fails_a_broken_mode(tiny_dirs, viasd_home, monkeypatch):
+    """bfloat16 follows the engine's promise for the model: bit-exact where its passes are
+    row-invariant (no divergence at all), else near-ties within the rounding limit; a broken mode
+    fails either way."""
     args = ("-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "--dtype", "bfloat16", "--quant", "none",
             "--prompts", 3, "-n", 16, "--no-speed", "--json")
     sound = doctor(*args)
     assert sound.exit_code == 0, sound.stdout + sound.stderr
     report = json.loads(sound.stdout)
     assert report["ok"] is True and report["environment"]["dtype"] == "bfloat16"
+    exact = report["environment"]["exactness"].startswith("bit-exact")
     for check in report["checks"][1:3]:  # sd, exact (the tree check is skipped: a draft model)
-        assert check["status"] == PASS and check["facts"]["rule"] == "rounding" and check["facts"]["factor"] == 8
+        assert check["status"] == PASS and check["facts"]["rule"] == ("bit-exact" if exact else "rounding")
+        assert check["facts"]["factor"] == 8 and check["facts"]["promise"] == ("bit-exact" if exact else "up to rounding")
+        assert not (exact and check["facts"]["divergences"])
         for d in check["facts"]["divergences"]:  # any flip there is within the rounding limit
             assert d["tolerated"] and 0 <= d["margin"] <= d["limit"]
 
@@ -216,10 +227,14 @@ def test_doctor_bfloat16_tolerates_rounding_and_fails_a_broken_mode(tiny_dirs, v
     report = json.loads(r.stdout)
     assert report["ok"] is False
     for check in report["checks"][1:3]:  # sd, exact (the tree check is skipped: a draft model)
-        assert check["status"] == FAIL and "differs from ar at new token 0" in check["detail"] and " > " in check["detail"]
+        assert check["status"] == FAIL and "differs from ar at new token 0" in check["detail"]
         first = check["facts"]["divergences"][0]
         assert first["prompt"] == 1 and first["new_token"] == 0 and not first["tolerated"]
-        assert first["margin"] > first["limit"] > 0 and first["scale"] > 0 and first["token"] != first["ar_token"]
+        assert first["margin"] > 0 and first["scale"] > 0 and first["token"] != first["ar_token"]
+        if exact:
+            assert first["limit"] is None and "bfloat16 must match exactly" in check["detail"]
+        else:
+            assert first["margin"] > first["limit"] > 0 and " > " in check["detail"]
 
 
 def test_doctor_float32_fails_any_divergence(tiny_dirs, viasd_home):
@@ -354,3 +369,97 @@ def test_doctor_shows_the_verify_curve_of_each_format_auto_chooses_between(tiny_
                for curve in curves.values())
     table = doctor(*args)
     assert table.exit_code == 0 and "verify curve per format" in table.stdout and "int4 ms" in table.stdout
+
+
+# --- which promise applies: bit-exact or up to rounding ---------------------------------------
+
+def width_dependent_head(session, near: float = 0.1):
+    """Make the target's output head width-dependent, as a product that rounds by pass width would
+    be: in a pass of r > 1 rows a row whose two best logits are within `near` of each other gets
+    them swapped (the runner-up ends 0.01 * r above), the way such rounding flips a near-tie; a
+    1-row pass (ar's) is untouched."""
+    head = session.engine.target.lm_head
+    inner = head.forward
+
+    def forward(x):
+        y = inner(x)
+        rows = x.numel() // x.shape[-1]
+        if rows == 1:
+            return y
+        y = y.clone()
+        flat = y.view(-1, y.shape[-1])
+        top = flat.float().topk(2, dim=-1)
+        for r in range(flat.shape[0]):
+            first, second = top.values[r].tolist()
+            if first - second < near:
+                flat[r, top.indices[r, 1]] = first + 0.01 * rows
+        return y
+
+    head.forward = forward
+    return session
+
+
+@needs_torchao
+def test_doctor_is_strict_where_the_int_formats_promise_bit_exact_passes(tiny_dirs, viasd_home, monkeypatch):
+    """int8/int4 on a CPU are promised bit-exact: a width-dependent product fails doctor, even where
+    its flips are near-ties that bfloat16's rounding rule would have tolerated; the real code passes."""
+    from viasd_core.frontends.doctor import RESOLUTION_FACTOR, spacing
+
+    args = ("-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "--quant", "int8", "--prompts", 3, "-n", 32,
+            "--threads", 1, "--no-speed", "--json")
+    sound = doctor(*args)
+    assert sound.exit_code == 0, sound.stdout + sound.stderr
+    report = json.loads(sound.stdout)
+    assert report["ok"] is True and report["environment"]["exactness"].startswith("bit-exact")
+    for check in report["checks"][1:3]:  # sd, exact
+        assert check["status"] == PASS and check["facts"]["promise"] == "bit-exact" and not check["facts"]["divergences"]
+        assert "(int8: bit-exact)" in check["detail"]
+
+    import viasd_cli.doctor as cli_doctor
+
+    monkeypatch.setattr(cli_doctor, "build_session", lambda opts, **kw: width_dependent_head(build_session(opts, **kw)))
+    broken = doctor(*args)
+    assert broken.exit_code == 1, broken.stdout + broken.stderr
+    report = json.loads(broken.stdout)
+    sd = report["checks"][1]
+    assert sd["status"] == FAIL and "int8 must match exactly (promised bit-exact here)" in sd["detail"]
+    flips = sd["facts"]["divergences"]
+    assert flips and all(d["limit"] is None and not d["tolerated"] for d in flips)
+    # the flips are near-ties: the bfloat16 rule (8 spacings at the row's largest |logit|) would have passed them
+    assert any(d["margin"] is not None and d["margin"] <= RESOLUTION_FACTOR * spacing(torch.bfloat16, d["scale"])
+               for d in flips)
+
+
+def test_doctor_says_which_promise_applies(tiny_dirs, viasd_home):
+    from viasd_core.decoding.exactness import Promise
+    from viasd_core.frontends.doctor import exactness, promise_words, rounding_dtype
+
+    session = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=str(tiny_dirs["draft"]), quant="none"),
+                            mode="sd")
+    target = session.engine.target
+    env = environment(session)
+    assert env["exactness"] == promise_words(exactness(target)) and env["exactness_reason"] == exactness(target).why
+    assert rounding_dtype(target) == torch.float32
+    assert promise_words(Promise(False, "x")) == \
+        "up to rounding: sd and exact equal ar up to the kernel's rounding (a near-tie may flip)"
+    check = check_exact_mode(session, "sd", [[8, 9, 10, 11, 12, 13]], max_new_tokens=8)
+    assert check.status == PASS and check.facts["promise"] == ("bit-exact" if exactness(target).exact else "up to rounding")
+    assert check.facts["why"] == exactness(target).why
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
+@pytest.mark.parametrize("quant", ["8bit", "4bit"])
+def test_doctor_reports_bitsandbytes_as_equal_up_to_rounding(tiny_dirs, viasd_home, quant):
+    """bitsandbytes' CPU kernels round a row by its pass's width: promised up to rounding, not bit-exact,
+    with near-ties judged at float16's resolution (the kernels compute in it)."""
+    from viasd_core.frontends.doctor import exactness, rounding_dtype
+
+    session = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=str(tiny_dirs["draft"]), quant=quant),
+                            mode="sd")
+    target = session.engine.target
+    assert target.quantized and not exactness(target).exact and "bitsandbytes" in exactness(target).why
+    assert environment(session)["exactness"].startswith("up to rounding: sd and exact equal ar up to the kernel's rounding")
+    assert rounding_dtype(target) in (torch.float16, torch.bfloat16)
+    check = check_exact_mode(session, "sd", [[8, 9, 10, 11, 12, 13]], max_new_tokens=8)
+    assert check.facts["promise"] == "up to rounding" and check.facts["rule"] == "rounding"
+    assert check.status == PASS and "equal to ar up to the kernel's rounding" in check.detail

@@ -6,21 +6,26 @@ the checks ran, not read from the requested mode); then checks, on their machine
 compiled pass equals the eager one and that the exact modes (`sd`, `exact`) emit `ar`'s greedy
 tokens; then a short speed probe (`ar` vs `sd`). Any failed check makes the report fail.
 
-What "equal" means depends on the dtype. In float32 the exact modes must emit `ar`'s tokens bit
-for bit. In bfloat16 and float16 they are not promised to (on any device, CPU included): a token
-is scored by passes of different widths in different modes (`ar` one position at a time, `sd` a
-whole block), and kernels reduce a different number of rows or queries in a different order. On
-CPU for instance the attention of a wider pass, and a 1-row matmul (another kernel than the
-multi-row one), round a logit of the bf16 SmolLM2 differently. A development probe on CPU (the
-embedded SmolLM2, --quant none, bf16; 16 shipped prompts x 32 greedy positions, each row's top 5
-logits, `ar`'s 1-token passes against one pass over the whole text): the same position's logits
-differed by up to 4 bf16 spacings at the row's largest |logit|, and where that flipped the argmax
-(5 positions), `ar`'s own margin between the two tokens was at most 1 spacing; `viasd doctor`
-there flips near-ties with margins 0 and 0.0625 (limit 1.0). So a divergence fails only when `ar`'s
-logits separate the two tokens (`ar`'s choice and the other mode's) by more than
-RESOLUTION_FACTOR spacings of the dtype at the row's largest |logit|: twice the largest measured
-difference, since a flip needs both logits to move. The margin at each first divergence is in
-the report (`--json`: the check's `facts`).
+What "equal" means is the engine's promise for the target as it runs (decoding/exactness.py's
+`promise`, shown as `exactness` in the report and in --json), never the dtype alone. Where the
+promise is bit-exact (eager passes on a CPU whose short passes are row-invariant, as in float32 and
+the int8/int4 weight-only formats, whose activations are bfloat16) any divergence fails: a token's
+logits do not depend on the pass that computed them, so a flip, however near the tie, is a broken
+invariant. Where it is "up to rounding" (bitsandbytes' 8bit/4bit kernels, which round a row
+differently with the number of rows in its pass; compiled passes; anything on a GPU, not measured
+here) the exact modes may flip a near-tie: a token is scored by passes of different widths in
+different modes (`ar` one position at a time, `sd` a whole block), and kernels reduce a different
+number of rows or queries in a different order. A development probe on CPU (the embedded SmolLM2,
+--quant none, bf16 before its passes were row-invariant; 16 shipped prompts x 32 greedy positions,
+each row's top 5 logits, `ar`'s 1-token passes against one pass over the whole text): the same
+position's logits differed by up to 4 bf16 spacings at the row's largest |logit|, and where that
+flipped the argmax (5 positions), `ar`'s own margin between the two tokens was at most 1 spacing.
+So there a divergence fails only when `ar`'s logits separate the two tokens (`ar`'s choice and the
+other mode's) by more than RESOLUTION_FACTOR spacings at the row's largest |logit| of the dtype the
+kernels round in (`rounding_dtype`: float16 for bitsandbytes, whose kernels compute in it, unless
+the model runs in bfloat16; the model's dtype otherwise): twice the largest measured difference,
+since a flip needs both logits to move. The margin at each first divergence is in the report
+(`--json`: the check's `facts`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from viasd_core.bench.files import versions
 from viasd_core.devices import device_name
 from viasd_core.decoding import attention, weight_formats
 from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.decoding.exactness import Promise, promise
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.tree import TreeShape
 from viasd_core.session import Session, choose_first_block, choose_tree
@@ -109,6 +115,8 @@ def environment(session: Session, refresh: bool = False) -> dict:
         "cuda_available": torch.cuda.is_available(),
         "bf16_supported": bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()),
         "bf16_products": bf16_verdict(device, refresh=refresh),
+        "exactness": promise_words(exactness(engine.target)),
+        "exactness_reason": exactness(engine.target).why,
         **versions(),
     }
     for name in ("bitsandbytes", "torchao", "triton"):
@@ -143,9 +151,33 @@ def cuda_graphs_recorded(device: torch.device) -> int | None:
 
 
 # ---------------------------------------------------------------------- rounding
+EXACT, ROUNDING = "bit-exact", "up to rounding"  # the two promises, as the report names them
+
+
 def bit_exact(dtype: torch.dtype) -> bool:
-    """Whether the exact modes must emit ar's tokens bit for bit in `dtype` (float32 only)."""
+    """The dtype's own default where no promise is given: bit for bit in float32 only. The checks
+    follow the engine's promise for the model instead (`exactness`)."""
     return dtype not in (torch.bfloat16, torch.float16)
+
+
+def exactness(model: FastModel) -> Promise:
+    """What the exact modes promise against `ar` for `model` as it runs (decoding/exactness.py)."""
+    return promise(model)
+
+
+def promise_words(p: Promise) -> str:
+    """The promise as the report says it."""
+    return (f"{EXACT}: sd and exact emit ar's greedy tokens bit for bit" if p.exact
+            else f"{ROUNDING}: sd and exact equal ar up to the kernel's rounding (a near-tie may flip)")
+
+
+def rounding_dtype(model: FastModel) -> torch.dtype:
+    """The dtype whose resolution a near-tie is judged in where the promise is up to rounding:
+    bitsandbytes' kernels compute in float16 (bfloat16 where the model runs in it), others in the
+    model's own dtype."""
+    if model.quantized:
+        return torch.bfloat16 if model.dtype == torch.bfloat16 else torch.float16
+    return model.dtype
 
 
 def spacing(dtype: torch.dtype, magnitude: float) -> float:
@@ -160,19 +192,23 @@ def logit_scale(logits: torch.Tensor) -> float:
     return float(finite.abs().max()) if finite.numel() else 0.0
 
 
-def rounding_limit(dtype: torch.dtype, logits: torch.Tensor) -> float | None:
+def rounding_limit(dtype: torch.dtype, logits: torch.Tensor, exact: bool | None = None) -> float | None:
     """The largest logit difference rounding alone explains in `logits` computed in `dtype`:
-    RESOLUTION_FACTOR spacings at their largest |logit|; None where `dtype` must be bit-exact."""
-    return None if bit_exact(dtype) else RESOLUTION_FACTOR * spacing(dtype, logit_scale(logits))
+    RESOLUTION_FACTOR spacings at their largest |logit|; None where the passes must be bit-exact
+    (`exact`: the engine's promise; None: the dtype's default, bit_exact)."""
+    exact = bit_exact(dtype) if exact is None else exact
+    return None if exact else RESOLUTION_FACTOR * spacing(dtype, logit_scale(logits))
 
 
-def judge_divergence(reference: torch.Tensor, ar_token: int, token: int, dtype: torch.dtype) -> dict:
+def judge_divergence(reference: torch.Tensor, ar_token: int, token: int, dtype: torch.dtype,
+                     exact: bool | None = None) -> dict:
     """Whether a mode emitting `token` where ar emitted `ar_token` is a rounding flip of a near-tie.
 
     `reference`: ar's logits [V] that chose `ar_token`. The margin is how much more they score
-    `ar_token` than `token`; it is tolerated when within rounding_limit (never in float32).
+    `ar_token` than `token`; it is tolerated when within rounding_limit (never where the promise,
+    `exact`, is bit-exact; None: the dtype's default).
     """
-    limit = rounding_limit(dtype, reference)
+    limit = rounding_limit(dtype, reference, exact)
     margin = float(reference[ar_token] - reference[token])
     chose = bool(reference[ar_token] == reference.max())  # the logits are ar's own choice
     if not math.isfinite(margin):  # `token` is masked out (-inf): no rounding gets there
@@ -267,31 +303,43 @@ def _divergence(engine, ids: list[int], mode: str, max_new_tokens: int, tree: Tr
                 "token": got[where] if where < len(got) else None, "margin": None, "limit": None,
                 "scale": None, "tolerated": False,
                 "why": "one of them ended early" if ended else "no logits of ar's seen there"}
-    return {"new_token": where, **judge_divergence(reference, ar[where], got[where], engine.target.dtype)}
+    target = engine.target
+    exact = exactness(target).exact
+    return {"new_token": where, **judge_divergence(reference, ar[where], got[where],
+                                                   target.dtype if exact else rounding_dtype(target), exact)}
 
 
-def _describe(d: dict, dtype: torch.dtype) -> str:
+def _describe(d: dict, dtype: torch.dtype, label: str) -> str:
+    """`dtype`: the one near-ties are judged in; `label`: what runs (float32, int8, 4bit, ...)."""
     if d["margin"] is None:
         return d["why"]
     if d["limit"] is None:
-        return f"margin {d['margin']:.3g}; {str(dtype).replace('torch.', '')} must match exactly"
+        return f"margin {d['margin']:.3g}; {label} must match exactly (promised bit-exact here)"
     sign = "<=" if d["tolerated"] else ">"
     return (f"margin {d['margin']:.3g} {sign} {d['limit']:.3g} = {RESOLUTION_FACTOR} "
             f"{str(dtype).replace('torch.', '')} spacings at |logit| {d['scale']:.3g}")
 
 
+def _label(session: Session) -> str:
+    """What the target runs as: its weight format where it has one, else its dtype."""
+    fmt = str(session.target.format)
+    return fmt if fmt not in ("none", "None", "") else str(session.engine.target.dtype).replace("torch.", "")
+
+
 def check_exact_mode(session: Session, mode: str, prompts_ids: list[list[int]], max_new_tokens: int,
                      tree: TreeShape | None = None) -> Check:
     """`mode` (sd over trees of `tree`'s shape, if given) must emit ar's greedy tokens on every
-    prompt: exactly in float32; in bf16/fp16 up to rounding flips of near-ties at the first
-    divergence (see the module doc)."""
+    prompt: bit for bit where the engine promises it (`exactness`); elsewhere up to rounding flips
+    of near-ties at the first divergence (see the module doc)."""
     engine = session.engine
     name = f"{mode} == ar (greedy)" if tree is None else f"{mode} with trees of {tree.size} == ar (greedy)"
     if engine.drafter is None:
         return Check(name, SKIP, "no draft (--draft none)")
     if tree is not None and not engine.supports_tree:
         return Check(name, SKIP, "the draft grows no trees")
-    dtype = engine.target.dtype
+    promised = exactness(engine.target)
+    dtype = engine.target.dtype if promised.exact else rounding_dtype(engine.target)
+    label = _label(session)
     own_slim = engine.slim
     if mode == "exact" and own_slim is None:
         # exactness does not depend on which layers the slim keeps: the first half and the last
@@ -306,19 +354,20 @@ def check_exact_mode(session: Session, mode: str, prompts_ids: list[list[int]], 
     finally:
         engine.slim = own_slim
         engine.reset()
-    facts = {"rule": "bit-exact" if bit_exact(dtype) else "rounding", "factor": RESOLUTION_FACTOR,
-             "divergences": divergences}
+    facts = {"rule": "bit-exact" if promised.exact else "rounding", "promise": EXACT if promised.exact else ROUNDING,
+             "why": promised.why, "factor": RESOLUTION_FACTOR, "divergences": divergences}
     failed = [d for d in divergences if not d["tolerated"]]
     if failed:
         d = failed[0]
         return Check(name, FAIL, f"prompt {d['prompt']}: differs from ar at new token {d['new_token']} "
-                                 f"({_describe(d, dtype)})", facts)
+                                 f"({_describe(d, dtype, label)})", facts)
     if divergences:
         d = divergences[0]
         return Check(name, PASS, f"{len(prompts_ids) - len(divergences)} of {len(prompts_ids)} prompts identical; "
-                                 f"the others flip a near-tie (prompt {d['prompt']} at new token {d['new_token']}: "
-                                 f"{_describe(d, dtype)})", facts)
-    return Check(name, PASS, f"{len(prompts_ids)} prompts x {max_new_tokens} tokens identical", facts)
+                                 f"the others flip a near-tie, equal to ar up to the kernel's rounding (prompt "
+                                 f"{d['prompt']} at new token {d['new_token']}: {_describe(d, dtype, label)})", facts)
+    kind = "bit-exact" if promised.exact else "equal to ar up to the kernel's rounding, and here identical"
+    return Check(name, PASS, f"{len(prompts_ids)} prompts x {max_new_tokens} tokens identical ({label}: {kind})", facts)
 
 
 def format_curves(session: Session) -> dict[str, dict[str, float]] | None:
