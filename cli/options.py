@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from viasd_core.compile_choice import parse_compile
+from viasd_core.decoding import exactness
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.errors import ViasdError
 from viasd_core.loading.models import EMBEDDED_TARGET
@@ -136,6 +137,8 @@ def open_session(opts: ModelOptions, config: GenerationConfig, progress, long_li
             if measured is not None:
                 config.start_at_measured(measured)
     config.validate()
+    if progress and (note := exactness.note(session.engine.target, config.mode)):
+        progress(note)
     return session
 
 

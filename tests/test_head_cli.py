@@ -87,6 +87,8 @@ def test_sd_starts_from_the_measured_chain_unless_given_a_block(tiny_dirs, head_
     start, why = first_block(fastest, 12)
     assert record["shape"] is None and record["verify_seconds"]["16"] == pytest.approx(0.16)
     assert seen[-1] == ("sd", start, start, None) and f"first block: {start} drafts ({why})" in r.stderr
+    assert "exactness: bit-exact (row-invariant passes" in r.stderr and "\ninstruction set: " in r.stderr
+    assert "note: sd may differ" not in r.stderr
     seen.clear()
     for extra in (["--tree", "off"], ["--tree", "off", "-g", "4"]):
         r = CliRunner().invoke(get_app(), base + extra)

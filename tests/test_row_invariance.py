@@ -19,7 +19,7 @@ import torch
 
 from conftest import FAMILIES, tiny_model
 from viasd_core import paths
-from viasd_core.decoding.exactness import promise
+from viasd_core.decoding.exactness import note, promise
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.tree import TokenTree, ancestor_matrix
 from viasd_core.decoding.weight_format import WeightFormat
@@ -158,7 +158,7 @@ def test_bitsandbytes_formats_are_not_promised_row_invariant():
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_what_is_promised_follows_how_the_model_runs(fmt):
     fast = target("llama", fmt)
-    assert promise(fast).exact
+    assert promise(fast).exact and note(fast, "sd") is None
     fast.row_attention = False  # as a slim view runs
     assert not promise(fast).exact and not fast.pass_rows.invariant
     fast.row_attention = True
@@ -166,6 +166,7 @@ def test_what_is_promised_follows_how_the_model_runs(fmt):
     if fast.compilable:
         fast.compile()
         assert not promise(fast).exact and "compiled" in promise(fast).why
+        assert note(fast, "sd").startswith("note: sd may differ from ar") and note(fast, "ar") is None
 
 
 def _report_under_this_cap() -> None:

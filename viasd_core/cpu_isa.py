@@ -37,3 +37,11 @@ def apply() -> str | None:
     os.environ.setdefault("ATEN_CPU_CAPABILITY", ATEN[now])
     os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ONEDNN[now])
     return now
+
+
+def in_force() -> tuple[str, str]:
+    """(the instruction-set class viasd's kernels are built for, one line saying it and any cap) for
+    `--verbose` and doctor."""
+    from viasd_kernels import cpu_build
+
+    return cpu_build.isa_class(), cpu_build.describe_isa()

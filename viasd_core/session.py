@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from viasd_core import cpu_isa
 from viasd_core.compile_choice import CompileChoice, resolve_compile
+from viasd_core.decoding import exactness
 from viasd_core.decoding.draft_policy import first_block
 from viasd_core.decoding.engine import Engine
 from viasd_core.errors import UsageError, ViasdError
@@ -56,7 +58,11 @@ class Session:
         out = [("weights", fmt, self.target.format_reason.removeprefix(f"{fmt}: "))]
         if self.threads is not None:
             out.append(("threads", str(self.threads.threads), self.threads.reason))
-        out.append(("short passes", self.engine.target.short_rows.describe(), self.short_rows_reason))
+        out.append(("short passes", self.engine.target.pass_rows.describe(), self.short_rows_reason))
+        promise = exactness.promise(self.engine.target)
+        out.append(("exactness", "bit-exact" if promise.exact else "up to rounding", promise.why))
+        if self.engine.target.device.type == "cpu":
+            out.append(("instruction set", *cpu_isa.in_force()))
         if self.compile is not None:
             out.append(("compile", f"on ({compiled})" if compiled else "off", self.compile.reason))
         if self.tree is not None:

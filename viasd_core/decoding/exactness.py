@@ -29,15 +29,22 @@ class Promise(NamedTuple):
 def promise(model) -> Promise:
     """What `sd`/`exact` promise against `ar` for the FastModel `model` as it runs now."""
     if model.quantized:
-        return Promise(False, "bitsandbytes' kernels round a row differently with the number of rows in its pass: "
-                              "sd equals ar up to that rounding")
+        return Promise(False, "bitsandbytes' kernels round a row differently with the number of rows in its pass")
     if model.device.type != "cpu":
-        return Promise(False, f"on {model.device.type} the passes are not row-invariant by construction "
-                              "(not measured): sd equals ar up to kernel rounding")
+        return Promise(False, f"on {model.device.type} the passes are not row-invariant by construction (not measured)")
     if model.compiled:
-        return Promise(False, "compiled passes run one graph per padded width, each rounding its own way: "
-                              "sd equals ar up to rounding (--compile off is exact)")
+        return Promise(False, "compiled passes run one graph per padded width, each rounding its own way "
+                              "(--compile off is exact)")
     if not model.row_attention:
-        return Promise(False, "this model's passes are not row-invariant (row attention off): up to rounding")
+        return Promise(False, "this model's passes are not row-invariant (row attention off)")
     return Promise(True, "row-invariant passes (each row attends and multiplies as it would alone): "
                          "sd and exact emit ar's tokens bit for bit")
+
+
+def note(model, mode: str) -> str | None:
+    """The line a session in `mode` says on stderr where its tokens may differ from `ar`'s: a
+    speculative mode promised only up to rounding (None elsewhere: bit-exact, or not an exact mode)."""
+    p = promise(model)
+    if mode not in ("sd", "exact") or p.exact:
+        return None
+    return f"note: {mode} may differ from ar here where two tokens nearly tie: {p.why}"
