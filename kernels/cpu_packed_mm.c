@@ -346,3 +346,340 @@ int viasd_int8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale, int
     return failed ? -3 : 0;
 #endif
 }
+
+/* ------------------------------------------------------------------------------------------------
+ * The portable products: CPUs without AVX-512 BF16 (AVX2 + FMA, AVX-512F Xeons before Sapphire
+ * Rapids, NEON, anything GCC's and clang's vector extensions compile for). Each weight is read once
+ * a pass and widened exactly to float32 (int4: q - 8; int8: the code), and every row multiplies it
+ * in float32, one multiply-add a weight (fused wherever the build targets FMA: each update is the
+ * one expression `a + b * c`, inlined alike everywhere). Vectors are 16 float32 lanes (one AVX-512
+ * register, two AVX2 ones, four NEON ones), so the arithmetic is the same whichever of them.
+ *
+ * int4 (PyTorch's CPU layout in blocks of B = 64 outputs, AVX-512's, or B = 32, AVX2's: for each
+ * input, B / 2 bytes whose low nibbles are outputs 0 .. B / 2 - 1 and high nibbles B / 2 .. B - 1;
+ * the scales block by block, [N / B, K / group, B, 2] bfloat16): the lanes are outputs, so each
+ * output is its own sequence over its inputs, in order
+ *
+ *     D = fma(x[k], q[k] - 8, D)                               (k over the group)
+ *     y = fma(X, zero, fma(D, scale, y))                       (groups in order; X = the group's sum of x,
+ *                                                               float32 in input order, as the BF16 path)
+ *
+ * and rounded once to bfloat16. int8 (weight [N, K], a bfloat16 scale an output): the lanes are
+ * inputs, 16 at a time, acc = fma(x[k .. k + 15], q[k .. k + 15], acc), the 16 lanes summed in a
+ * fixed tree (lane l + lane l + 8, then + 4, + 2, + 1), times the scale, rounded once.
+ *
+ * Rows go in tiles that share each widened weight vector in registers (P_ROWS rows; a 1-row int8
+ * pass takes more outputs at once, so that enough loads are in flight to stream the weights at the
+ * memory's speed); where a pass holds more rows than a tile, the first tile keeps what it widened in
+ * a small buffer (a group's, or a tile of outputs') that the others read, so every weight is widened
+ * once a pass. The tiling changes which registers hold a lane, never the lane's operations: a row's
+ * outputs are the same in a pass of 1 or 16 rows and on any thread count (threads split the outputs).
+ * The numbers differ from the BF16 path's (float32 products of float32 weights here) by rounding. */
+
+typedef int8_t vs16 __attribute__((vector_size(16)));
+typedef uint8_t vb16 __attribute__((vector_size(16)));
+
+#if defined(__AVX512F__)
+#define P_ROWS 4        /* rows of a tile: 4 x 4 accumulators of an int4 block of 64 */
+#define P_SLICES 2      /* 16-byte slices of an input's B / 2 bytes a tile widens: the whole block */
+#define P8_OUTS 4       /* int8 outputs of a tile of several rows */
+#define P8_ROW1_OUTS 8  /* int8 outputs of a 1-row tile */
+#else
+#define P_ROWS 2        /* 16 registers (AVX2): 2 rows x 2 vectors x 2 registers of accumulators */
+#define P_SLICES 1
+#define P8_OUTS 2
+#define P8_ROW1_OUTS 4
+#endif
+#define P8_AHEAD 1      /* int8 tiles ahead that a tile asks for its weights */
+
+/* Whether the build fuses the portable products' multiply-adds (FMA targeted), for the Python side's
+ * description of the path. */
+int viasd_packed_mm_fma(void) {
+#if defined(__FMA__) || defined(__ARM_FEATURE_FMA) || defined(__aarch64__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* An input's 16 bytes of a block: lo = the low nibbles - 8 (outputs j), hi = the high ones - 8
+ * (outputs j + B / 2), exactly, in float32 */
+static inline __attribute__((always_inline)) void widen_nibbles(const uint8_t *p, vf16 *lo, vf16 *hi) {
+    vb16 b;
+    memcpy(&b, p, sizeof b);
+    *lo = __builtin_convertvector((vs16)(b & 15) - 8, vf16);
+    *hi = __builtin_convertvector((vs16)(b >> 4) - 8, vf16);
+}
+
+/* One group of a block of B outputs, slices slice0 .. slice0 + S - 1, for R rows (R, S, B constants
+ * where inlined): xf the rows' float32 inputs of the group (K apart), `bytes` the group's weights,
+ * xs the rows' group sums (`groups` apart), gsz the group's B (scale, zero) pairs, tot the rows'
+ * running outputs (B apart). mode 0: widen; 1: widen and keep in buf; 2: read buf. */
+static inline __attribute__((always_inline)) void p4_tile(const int R, const int S, const int B, const float *xf,
+                                                          int64_t K, const uint8_t *bytes, int64_t G, int slice0,
+                                                          int mode, vf16 *buf, const float *xs, int64_t groups,
+                                                          const uint16_t *gsz, float *tot) {
+    vf16 acc[P_ROWS][2 * P_SLICES];
+    for (int r = 0; r < P_ROWS; r++)  /* all of them: the ones past R and 2 S are dropped when inlined */
+        for (int j = 0; j < 2 * P_SLICES; j++)
+            acc[r][j] = (vf16){0};
+    for (int64_t k = 0; k < G; k++) {
+        vf16 w[2 * P_SLICES];
+        if (mode == 2) {
+            for (int j = 0; j < 2 * S; j++)
+                w[j] = buf[k * 2 * S + j];
+        } else {
+            const uint8_t *at = bytes + k * (B / 2) + slice0 * 16;
+            __builtin_prefetch(at + PREFETCH, 0, 3);
+            for (int s = 0; s < S; s++)
+                widen_nibbles(at + 16 * s, &w[2 * s], &w[2 * s + 1]);
+            if (mode == 1)
+                for (int j = 0; j < 2 * S; j++)
+                    buf[k * 2 * S + j] = w[j];
+        }
+        for (int r = 0; r < R; r++) {
+            const float xv = xf[r * K + k];
+            for (int j = 0; j < 2 * S; j++)
+                acc[r][j] = acc[r][j] + xv * w[j];  /* the one update of every output's D */
+        }
+    }
+    for (int s = 0; s < S; s++)
+        for (int h = 0; h < 2; h++) {
+            const int o = h * (B / 2) + (slice0 + s) * 16;  /* the 16 outputs of acc[.][2 s + h] */
+            vu16 pairs, sb, zb;
+            memcpy(&pairs, gsz + 2 * o, sizeof pairs);  /* 16 (scale, zero): scale the low half */
+            sb = pairs << 16;
+            zb = pairs & 0xFFFF0000u;
+            vf16 scale, zero;
+            memcpy(&scale, &sb, sizeof scale);
+            memcpy(&zero, &zb, sizeof zero);
+            for (int r = 0; r < R; r++) {
+                vf16 y;
+                memcpy(&y, tot + r * B + o, sizeof y);
+                y = y + acc[r][2 * s + h] * scale;
+                y = y + xs[r * groups] * zero;
+                memcpy(tot + r * B + o, &y, sizeof y);
+            }
+        }
+}
+
+/* out [M, N] bfloat16 = x [M, K] times the int4 weight in blocks of B outputs (see above), plus
+ * residual where it is not NULL (rounded first, then added in float32 and rounded again) */
+static inline __attribute__((always_inline)) int p4_mm(const int B, const uint16_t *x, const uint8_t *q,
+                                                       const uint16_t *sz, int64_t M, int64_t N, int64_t K,
+                                                       int64_t G, uint16_t *out, const uint16_t *residual,
+                                                       int threads) {
+    if (M <= 0 || M > MAX_ROWS || N <= 0 || N % B || K <= 0 || G <= 0 || G > MAX_GROUP || G % 2 || K % G)
+        return -1;
+    const int64_t groups = K / G;
+    const int S = P_SLICES < B / 32 ? P_SLICES : B / 32;
+    float *xf = malloc(sizeof(float) * M * K), *xsums = malloc(sizeof(float) * M * groups);
+    if (!xf || !xsums) {
+        free(xf);
+        free(xsums);
+        return -3;
+    }
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float s = 0.0f;
+            for (int64_t k = g * G; k < (g + 1) * G; k++) {
+                xf[r * K + k] = bf16_to_f32(x[r * K + k]);
+                s += xf[r * K + k];
+            }
+            xsums[r * groups + g] = s;
+        }
+    const int64_t blocks = N / B;
+    int failed = 0;
+#ifdef _OPENMP
+    #pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(|| : failed)
+#else
+    (void)threads;
+#endif
+    {
+        vf16 *buf = M > P_ROWS ? aligned_alloc(64, sizeof(vf16) * 2 * S * G) : NULL;
+        float tot[MAX_ROWS * 64] __attribute__((aligned(64)));
+        failed = M > P_ROWS && !buf;
+#ifdef _OPENMP
+        #pragma omp for schedule(static)
+#endif
+        for (int64_t nb = 0; nb < blocks; nb++) {
+            if (failed)
+                continue;  /* this thread's outputs stay unwritten: the call returns -3 */
+            memset(tot, 0, sizeof(float) * M * B);
+            for (int64_t g = 0; g < groups; g++) {
+                const uint8_t *bytes = q + (nb * K + g * G) * (B / 2);
+                const uint16_t *gsz = sz + (nb * groups + g) * B * 2;
+                for (int s0 = 0; s0 < B / 32; s0 += S)
+                    for (int64_t r0 = 0; r0 < M; r0 += P_ROWS) {
+                        const int mode = r0 > 0 ? 2 : M > P_ROWS ? 1 : 0;
+                        const float *xr = xf + r0 * K + g * G, *xs = xsums + r0 * groups + g;
+                        float *t = tot + r0 * B;
+                        switch (M - r0 < P_ROWS ? M - r0 : P_ROWS) {  /* a constant row count for each body */
+                        case 1: p4_tile(1, S, B, xr, K, bytes, G, s0, mode, buf, xs, groups, gsz, t); break;
+#if P_ROWS > 2
+                        case 2: p4_tile(2, S, B, xr, K, bytes, G, s0, mode, buf, xs, groups, gsz, t); break;
+                        case 3: p4_tile(3, S, B, xr, K, bytes, G, s0, mode, buf, xs, groups, gsz, t); break;
+#endif
+                        default: p4_tile(P_ROWS, S, B, xr, K, bytes, G, s0, mode, buf, xs, groups, gsz, t); break;
+                        }
+                    }
+            }
+            for (int64_t r = 0; r < M; r++) {
+                uint16_t *o = out + r * N + nb * B;
+                const uint16_t *res = residual ? residual + r * N + nb * B : NULL;
+                for (int j = 0; j < B; j++) {
+                    const uint16_t y = f32_to_bf16(tot[r * B + j]);
+                    o[j] = res ? f32_to_bf16(bf16_to_f32(y) + bf16_to_f32(res[j])) : y;
+                }
+            }
+        }
+        free(buf);
+    }
+    free(xf);
+    free(xsums);
+    return failed ? -3 : 0;
+}
+
+/* viasd_int4_mm's arguments and results, the weight in PyTorch's blocks of 64 outputs (AVX-512's
+ * layout) or 32 (AVX2's); the portable arithmetic above. Returns 0, -1 for arguments it does not
+ * take, -3 out of memory. */
+int viasd_int4_mm_portable64(const uint16_t *x, const uint8_t *q, const uint16_t *sz, int64_t M, int64_t N,
+                             int64_t K, int64_t group, uint16_t *out, const uint16_t *residual, int threads) {
+    return p4_mm(64, x, q, sz, M, N, K, group, out, residual, threads);
+}
+
+int viasd_int4_mm_portable32(const uint16_t *x, const uint8_t *q, const uint16_t *sz, int64_t M, int64_t N,
+                             int64_t K, int64_t group, uint16_t *out, const uint16_t *residual, int threads) {
+    return p4_mm(32, x, q, sz, M, N, K, group, out, residual, threads);
+}
+
+/* The lane sums of 16 vectors, s[i] = v[i]'s 16 lanes added in a fixed tree: lane l + lane l + 8
+ * (l < 8), then l + l + 4 (l < 4), then (0 + 2) + (1 + 3); each add serves several sums (the picks
+ * are vector constructors, compiled to shuffles). cpu_f32_mm.c's tree. */
+#define HALVES(a, b, o) (vf16){a[o], a[o + 1], a[o + 2], a[o + 3], a[o + 4], a[o + 5], a[o + 6], a[o + 7], \
+                               b[o], b[o + 1], b[o + 2], b[o + 3], b[o + 4], b[o + 5], b[o + 6], b[o + 7]}
+#define QUARTERS(a, b, o) (vf16){a[o], a[o + 1], a[o + 2], a[o + 3], a[o + 8], a[o + 9], a[o + 10], a[o + 11], \
+                                 b[o], b[o + 1], b[o + 2], b[o + 3], b[o + 8], b[o + 9], b[o + 10], b[o + 11]}
+#define PAIRS(a, b, o) (vf16){a[o], a[o + 1], b[o], b[o + 1], a[o + 4], a[o + 5], b[o + 4], b[o + 5], \
+                              a[o + 8], a[o + 9], b[o + 8], b[o + 9], a[o + 12], a[o + 13], b[o + 12], b[o + 13]}
+#define SINGLES(a, b, o) (vf16){a[o], a[o + 2], b[o], b[o + 2], a[o + 4], a[o + 6], b[o + 4], b[o + 6], \
+                                a[o + 8], a[o + 10], b[o + 8], b[o + 10], a[o + 12], a[o + 14], b[o + 12], b[o + 14]}
+
+static inline __attribute__((always_inline)) void fold16(const vf16 *v, float *s) {
+    vf16 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        t[i] = HALVES(v[2 * i], v[2 * i + 1], 0) + HALVES(v[2 * i], v[2 * i + 1], 8);
+    for (int i = 0; i < 4; i++)
+        u[i] = QUARTERS(t[2 * i], t[2 * i + 1], 0) + QUARTERS(t[2 * i], t[2 * i + 1], 4);
+    for (int i = 0; i < 2; i++)
+        w[i] = PAIRS(u[2 * i], u[2 * i + 1], 0) + PAIRS(u[2 * i], u[2 * i + 1], 2);
+    const vf16 r = SINGLES(w[0], w[1], 0) + SINGLES(w[0], w[1], 1);  /* lane 4q + e: v[4e + q]'s sum */
+    for (int q = 0; q < 4; q++)
+        for (int e = 0; e < 4; e++)
+            s[4 * e + q] = r[4 * q + e];
+}
+
+/* The sums of outputs n0 .. n0 + J - 1 (`w0` the first's weights; those past n_here read the first's
+ * and are dropped) for R rows (R, J constants where inlined): sums[r * J + j]. mode as p4_tile, buf
+ * [K / 16][J]. */
+static inline __attribute__((always_inline)) void p8_tile(const int R, const int J, const float *xf, int64_t K,
+                                                          const int8_t *w0, int64_t n_here, int mode, vf16 *buf,
+                                                          float *sums) {
+    vf16 acc[P_ROWS][P8_ROW1_OUTS > P8_OUTS ? P8_ROW1_OUTS : P8_OUTS];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++)
+            acc[r][j] = (vf16){0};
+    for (int64_t k = 0; k < K; k += 16) {
+        vf16 w[P8_ROW1_OUTS > P8_OUTS ? P8_ROW1_OUTS : P8_OUTS];
+        for (int j = 0; j < J; j++) {
+            if (mode == 2) {
+                w[j] = buf[(k / 16) * J + j];
+            } else {
+                const int8_t *at = w0 + (j < n_here ? j : 0) * K + k;
+                __builtin_prefetch(at + P8_AHEAD * J * K, 0, 3);
+                vs16 b;
+                memcpy(&b, at, sizeof b);
+                w[j] = __builtin_convertvector(b, vf16);
+                if (mode == 1)
+                    buf[(k / 16) * J + j] = w[j];
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            vf16 xv;
+            memcpy(&xv, xf + r * K + k, sizeof xv);
+            for (int j = 0; j < J; j++)
+                acc[r][j] = acc[r][j] + xv * w[j];  /* the one update of every output */
+        }
+    }
+    vf16 v[16] = {{0}};  /* R * J <= 16 */
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < J; j++)
+            v[r * J + j] = acc[r][j];
+    float s[16];
+    fold16(v, s);
+    for (int i = 0; i < R * J; i++)
+        sums[i] = s[i];
+}
+
+/* viasd_int8_mm's arguments and results (K a multiple of 16, any width); the portable arithmetic
+ * above. Returns 0, -1 for arguments it does not take, -3 out of memory. */
+int viasd_int8_mm_portable(const uint16_t *x, const int8_t *q, const uint16_t *scale, int64_t M, int64_t N,
+                           int64_t K, uint16_t *out, const uint16_t *residual, int threads) {
+    if (M <= 0 || M > MAX_ROWS || N <= 0 || K <= 0 || K % 16)
+        return -1;
+    float *xf = malloc(sizeof(float) * M * K);
+    if (!xf)
+        return -3;
+    for (int64_t i = 0; i < M * K; i++)
+        xf[i] = bf16_to_f32(x[i]);
+    const int J = M == 1 ? P8_ROW1_OUTS : P8_OUTS;
+    const int64_t tiles = (N + J - 1) / J;
+    int failed = 0;
+#ifdef _OPENMP
+    #pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(|| : failed)
+#else
+    (void)threads;
+#endif
+    {
+        vf16 *buf = M > P_ROWS ? aligned_alloc(64, sizeof(vf16) * J * (K / 16)) : NULL;
+        failed = M > P_ROWS && !buf;
+#ifdef _OPENMP
+        #pragma omp for schedule(static)
+#endif
+        for (int64_t t = 0; t < tiles; t++) {
+            if (failed)
+                continue;  /* this thread's outputs stay unwritten: the call returns -3 */
+            const int64_t n0 = t * J, n_here = N - n0 < J ? N - n0 : J;
+            const int8_t *w0 = q + n0 * K;
+            for (int64_t r0 = 0; r0 < M; r0 += P_ROWS) {
+                const int mode = r0 > 0 ? 2 : M > P_ROWS ? 1 : 0;
+                const float *xr = xf + r0 * K;
+                float sums[16];
+                const int R = M - r0 < P_ROWS ? (int)(M - r0) : P_ROWS;
+                if (M == 1) {
+                    p8_tile(1, P8_ROW1_OUTS, xr, K, w0, n_here, 0, NULL, sums);
+                } else {
+                    switch (R) {  /* a constant row count for each body */
+                    case 1: p8_tile(1, P8_OUTS, xr, K, w0, n_here, mode, buf, sums); break;
+#if P_ROWS > 2
+                    case 2: p8_tile(2, P8_OUTS, xr, K, w0, n_here, mode, buf, sums); break;
+                    case 3: p8_tile(3, P8_OUTS, xr, K, w0, n_here, mode, buf, sums); break;
+#endif
+                    default: p8_tile(P_ROWS, P8_OUTS, xr, K, w0, n_here, mode, buf, sums); break;
+                    }
+                }
+                for (int64_t j = 0; j < n_here; j++) {
+                    const float sc = bf16_to_f32(scale[n0 + j]);
+                    for (int r = 0; r < R; r++) {
+                        const int64_t at = (r0 + r) * N + n0 + j;
+                        const uint16_t y = f32_to_bf16(sums[r * J + j] * sc);
+                        out[at] = residual ? f32_to_bf16(bf16_to_f32(y) + bf16_to_f32(residual[at])) : y;
+                    }
+                }
+            }
+        }
+        free(buf);
+    }
+    free(xf);
+    return failed ? -3 : 0;
+}

@@ -3,19 +3,28 @@
 PyTorch's CPU kernels for the int formats (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`)
 widen the weight and multiply in float32 for every 4 rows of a pass, so a 6-token verify pass costs
 about twice a 1-token pass (docs/benchmarks.md section 30). These kernels widen each weight once a
-pass, exactly, to bfloat16, and multiply every row through AVX-512 BF16's pair dot product
-(cpu_packed_mm.c says how). A row's arithmetic depends only on the row: the same in a pass of 1 or
-16 rows and on any thread count, so `sd` stays exact.
+pass and multiply every row with it, one of two ways (cpu_packed_mm.c says how):
 
-- **Kernels**: `bind_int4(qdata, group, scale_and_zero, block, build_dir=...)` (PyTorch's CPU int4
-  layout in blocks of 64 outputs) and `bind_int8(qdata, scale, build_dir=...)` bind a layer's weight
-  once and return its product (`Bound`: 1 to MAX_ROWS bfloat16 rows a call), or None where the
-  kernel does not take the weight or cannot run here (no compiler, no AVX-512 BF16), and the caller
-  keeps PyTorch's kernels. Whether a layer takes it depends on the layer and the machine, never on
-  a pass's width, so every pass of a layer takes the same kernel.
+- **AVX-512 BF16** (`BF16_WAY`): the weight widened exactly to bfloat16, every row through the pair
+  dot product `vdpbf16ps`; PyTorch's blocks of 64 outputs.
+- **Portable** (`PORTABLE_WAY`), on every other CPU the C compiles for (AVX2 + FMA, AVX-512F
+  without BF16, NEON, ...): the weight widened exactly to float32, every row through float32 fused
+  multiply-adds; PyTorch's int4 blocks of 64 (its AVX-512 layout) or 32 (its AVX2 layout).
+
+A row's arithmetic depends only on the row: the same in a pass of 1 or 16 rows and on any thread
+count, so `sd` stays exact. The two ways round differently, so the numbers are one machine's (and
+one instruction-set class's: VIASD_MAX_CPU_ISA picks the portable way on a CPU with BF16).
+
+- **Kernels**: `bind_int4(qdata, group, scale_and_zero, block, build_dir=...)` and `bind_int8(qdata,
+  scale, build_dir=...)` bind a layer's weight once and return its product (`Bound`: 1 to MAX_ROWS
+  bfloat16 rows a call), or None where the kernel does not take the weight or cannot be built here
+  (no compiler), and the caller keeps PyTorch's kernels. Whether a layer takes it depends on the
+  layer and the machine, never on a pass's width, so every pass of a layer takes the same kernel.
+  `available(build_dir)`: whether either way runs; `way(build_dir)`: which; `why_not(build_dir)`:
+  why the AVX-512 BF16 way does not (and why neither does, where the build failed).
 - **References**: `int4_mm_reference` and `int8_mm_reference`, the same sums in float64 with
   PyTorch's ops (tests/test_kernels_cpu_packed_mm.py compares them, and checks rows bit for bit
-  across pass widths and thread counts).
+  across pass widths and thread counts, each way, under each instruction-set cap).
 """
 
 from __future__ import annotations
@@ -27,35 +36,61 @@ import torch
 from . import cpu_build
 
 SOURCE = Path(__file__).with_name("cpu_packed_mm.c")
-MAX_ROWS, BLOCK, MAX_GROUP, MAX_K8 = 16, 64, 256, 8192  # the C file's limits
+MAX_ROWS, BLOCK, MAX_GROUP, MAX_K8 = 16, 64, 256, 8192  # the C file's limits (the AVX-512 BF16 way's)
+PORTABLE_BLOCKS = (64, 32)  # the int4 layouts the portable way takes: PyTorch's AVX-512 and AVX2 blocks
+BF16_WAY = "AVX-512 BF16 pair dot products"
+PORTABLE_WAY = "float32 FMA over widened weights (portable)"
 
 _why_not: dict[Path, str] = {}
+_ways: dict[Path, str] = {}
 
 
-def _functions_for(build_dir: Path) -> tuple | None:
+class _Way:
+    """One build's products: `int4` by block, `int8`, and the K limit and multiple int8 takes."""
+
+    __slots__ = ("name", "int4", "int8", "k8_max", "k8_multiple")
+
+    def __init__(self, name: str, int4: dict, int8, k8_max: int | None, k8_multiple: int):
+        self.name, self.int4, self.int8, self.k8_max, self.k8_multiple = name, int4, int8, k8_max, k8_multiple
+
+
+def _bf16_why_not() -> str:
+    own = cpu_build.cpu_isa_class()
+    if cpu_build.isa_class() != own and own == "avx512_bf16":
+        return f"{cpu_build.ISA_ENV}={cpu_build.max_isa()} caps the instruction set below AVX-512 BF16"
+    return "this CPU has no AVX-512 BF16 instructions"
+
+
+def _functions_for(build_dir: Path) -> _Way | None:
     has = cpu_build.function(SOURCE, build_dir, "viasd_packed_mm_available")
     if has is None:
         _why_not[build_dir] = cpu_build.why_not(SOURCE) or "the kernel could not be built"
         return None
-    if not has():
-        own = cpu_build.cpu_isa_class()
-        if cpu_build.isa_class() != own and own == "avx512_bf16":
-            _why_not[build_dir] = (f"{cpu_build.ISA_ENV}={cpu_build.max_isa()} caps the instruction set below "
-                                   f"AVX-512 BF16")
-        else:
-            _why_not[build_dir] = "this CPU has no AVX-512 BF16 instructions"
-        return None
-    return (cpu_build.function(SOURCE, build_dir, "viasd_int4_mm"),
-            cpu_build.function(SOURCE, build_dir, "viasd_int8_mm"))
+    if has():
+        _ways[build_dir] = BF16_WAY
+        return _Way(BF16_WAY, {BLOCK: cpu_build.function(SOURCE, build_dir, "viasd_int4_mm")},
+                    cpu_build.function(SOURCE, build_dir, "viasd_int8_mm"), MAX_K8, 32)
+    _why_not[build_dir] = _bf16_why_not()
+    fused = cpu_build.function(SOURCE, build_dir, "viasd_packed_mm_fma")()
+    _ways[build_dir] = PORTABLE_WAY if fused else PORTABLE_WAY.replace("FMA", "multiply-adds (no FMA)")
+    return _Way(_ways[build_dir], {b: cpu_build.function(SOURCE, build_dir, f"viasd_int4_mm_portable{b}")
+                                   for b in PORTABLE_BLOCKS},
+                cpu_build.function(SOURCE, build_dir, "viasd_int8_mm_portable"), None, 16)
 
 
 def available(build_dir: Path) -> bool:
-    """Whether the kernels run on this machine (built, and the CPU has AVX-512 BF16)."""
+    """Whether the kernels run on this machine (built: the AVX-512 BF16 way or the portable one)."""
     return _functions_for(build_dir) is not None
 
 
+def way(build_dir: Path) -> str | None:
+    """Which way the products run here (BF16_WAY or PORTABLE_WAY), None where neither does."""
+    return _functions_for(build_dir) and _ways[build_dir]
+
+
 def why_not(build_dir: Path) -> str | None:
-    """Why the kernels do not run here (None: they do, or were not tried yet)."""
+    """Why the AVX-512 BF16 way does not run here (the portable one does instead), or why no way
+    does (the build failed); None where the BF16 way runs, or nothing was tried yet."""
     return _why_not.get(build_dir)
 
 
@@ -68,11 +103,12 @@ class Bound:
     here, or refused where the kernel does not take it), `reads` what the kernel reads (the weights,
     or copies of them laid out for it)."""
 
-    __slots__ = ("fn", "weights", "reads", "ptrs", "sources", "n", "k", "tail")
+    __slots__ = ("fn", "weights", "reads", "ptrs", "sources", "n", "k", "tail", "block", "k8")
 
     def __init__(self, fn, weights: tuple[torch.Tensor, torch.Tensor], tail: tuple[int, ...],
-                 reads: tuple[torch.Tensor, torch.Tensor] | None = None):
-        self.fn, self.weights, self.tail = fn, weights, tail
+                 reads: tuple[torch.Tensor, torch.Tensor] | None = None, block: int | None = None,
+                 k8: tuple[int | None, int] = (MAX_K8, 32)):
+        self.fn, self.weights, self.tail, self.block, self.k8 = fn, weights, tail, block, k8
         self.reads = weights if reads is None else reads
         self.ptrs = tuple(w.data_ptr() for w in self.reads)
         self.sources = tuple(w.data_ptr() for w in weights)  # where the weights were when bound
@@ -110,43 +146,48 @@ class Bound:
             return
         int4 = qdata.dtype == torch.uint8
         if int4:
-            takes = _takes_int4(qdata, self.tail[0], scale, BLOCK)
+            takes = _takes_int4(qdata, self.tail[0], scale, self.block, (self.block,))
         else:
-            takes = _takes_int8(qdata, scale)
+            takes = _takes_int8(qdata, scale, self.k8)
         if not takes or qdata.shape[0] != self.n:
             raise ValueError(f"the packed product's weight was replaced by {tuple(qdata.shape)} {qdata.dtype} "
                              f"(scales {tuple(scale.shape)}) on {qdata.device}, which it does not take: bind it again")
-        self.reads = (qdata, scales_by_block(scale, BLOCK)) if int4 else (qdata, scale)
+        self.reads = (qdata, scales_by_block(scale, self.block)) if int4 else (qdata, scale)
         self.ptrs = tuple(w.data_ptr() for w in self.reads)
         self.sources = (qdata.data_ptr(), scale.data_ptr())
 
 
-def _takes_int4(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, block: int | None) -> bool:
+def _takes_int4(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, block: int | None,
+                blocks: tuple[int, ...] = (BLOCK,)) -> bool:
     n, k = qdata.shape[0], qdata.shape[1] * 2 if qdata.dim() == 2 else -1
     return (qdata.device.type == "cpu" and qdata.dtype == torch.uint8 and qdata.dim() == 2 and qdata.is_contiguous()
-            and block == BLOCK and n % BLOCK == 0 and 0 < group <= MAX_GROUP and group % 2 == 0 and k % group == 0
+            and block in blocks and n % block == 0 and 0 < group <= MAX_GROUP and group % 2 == 0 and k % group == 0
             and scale_and_zero.device.type == "cpu" and scale_and_zero.dtype == torch.bfloat16
             and scale_and_zero.is_contiguous() and tuple(scale_and_zero.shape) == (k // group, n, 2))
 
 
-def _takes_int8(qdata: torch.Tensor, scale: torch.Tensor) -> bool:
+def _takes_int8(qdata: torch.Tensor, scale: torch.Tensor, k8: tuple[int | None, int] = (MAX_K8, 32)) -> bool:
+    most, multiple = k8
     return (qdata.device.type == "cpu" and qdata.dtype == torch.int8 and qdata.dim() == 2 and qdata.is_contiguous()
-            and qdata.shape[1] % 32 == 0 and qdata.shape[1] <= MAX_K8 and scale.device.type == "cpu"
-            and scale.dtype == torch.bfloat16 and scale.is_contiguous() and tuple(scale.shape) == (qdata.shape[0],))
+            and qdata.shape[1] % multiple == 0 and qdata.shape[1] > 0 and (most is None or qdata.shape[1] <= most)
+            and scale.device.type == "cpu" and scale.dtype == torch.bfloat16 and scale.is_contiguous()
+            and tuple(scale.shape) == (qdata.shape[0],))
 
 
 def bind_int4(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, block: int | None, *,
               build_dir: Path) -> Bound | None:
     """The short-pass product of a CPU int4 weight (qdata [N, K / 2] uint8 in PyTorch's layout with
     blocks of `block` outputs, scale_and_zero [K / group, N, 2] bfloat16, contiguous), or None where
-    the kernel does not take it or cannot run here. The kernel reads a copy of the scales laid out
-    block by block (`scales_by_block`: K * N * 4 / group bytes more, a quarter of the weight's at group
-    32), which a 1-token pass streams instead of missing on one every group (cpu_packed_mm.c)."""
-    takes = _takes_int4(qdata, group, scale_and_zero, block)
-    fns = _functions_for(build_dir) if takes else None
-    if fns is None:
+    the kernel does not take it or cannot run here: the AVX-512 BF16 way takes blocks of 64, the
+    portable way blocks of 64 and 32 (PyTorch's AVX-512 and AVX2 layouts; None, a layout that is
+    neither, is refused). The kernel reads a copy of the scales laid out block by block
+    (`scales_by_block`: K * N * 4 / group bytes more, a quarter of the weight's at group 32), which a
+    1-token pass streams instead of missing on one every group (cpu_packed_mm.c)."""
+    fns = _functions_for(build_dir) if block in PORTABLE_BLOCKS else None
+    if fns is None or not _takes_int4(qdata, group, scale_and_zero, block, tuple(fns.int4)):
         return None
-    return Bound(fns[0], (qdata, scale_and_zero), (group,), (qdata, scales_by_block(scale_and_zero, BLOCK)))
+    return Bound(fns.int4[block], (qdata, scale_and_zero), (group,), (qdata, scales_by_block(scale_and_zero, block)),
+                 block=block)
 
 
 def scales_by_block(scale_and_zero: torch.Tensor, block: int) -> torch.Tensor:
@@ -158,10 +199,12 @@ def scales_by_block(scale_and_zero: torch.Tensor, block: int) -> torch.Tensor:
 
 def bind_int8(qdata: torch.Tensor, scale: torch.Tensor, *, build_dir: Path) -> Bound | None:
     """The short-pass product of an int8 weight qdata [N, K] with a bfloat16 scale per output, or None
-    where the kernel does not take it or cannot run here."""
-    takes = _takes_int8(qdata, scale)
-    fns = _functions_for(build_dir) if takes else None
-    return None if fns is None else Bound(fns[1], (qdata, scale), ())
+    where the kernel does not take it or cannot run here (the AVX-512 BF16 way takes K a multiple of
+    32 up to MAX_K8, the portable way any multiple of 16)."""
+    fns = _functions_for(build_dir) if qdata.dim() == 2 else None
+    if fns is None or not _takes_int8(qdata, scale, (fns.k8_max, fns.k8_multiple)):
+        return None
+    return Bound(fns.int8, (qdata, scale), (), k8=(fns.k8_max, fns.k8_multiple))
 
 
 def int4_mm_reference(x: torch.Tensor, codes: torch.Tensor, group: int, scale_and_zero: torch.Tensor) -> torch.Tensor:
