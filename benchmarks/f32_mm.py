@@ -7,16 +7,18 @@ SmolLM2-135M's shapes (K=576: N = 576 q/o, 192 k/v, 1536 gate/up, 49152 lm_head;
 down) with random weights, passes of 1, 2, 4, 6, 8 and 16 rows, four ways: "kernel" (cpu_f32_mm),
 "blocked" (`torch.bmm` over 4 blocks of the weight's rows, short_products.py), "packed" (oneDNN's
 product over a copy reordered once, `_linear_pointwise`) and "linear" (F.linear). In one process,
-the ways alternated within each round; each cell is the median over rounds of a round's mean call
-time. With `--cold` each call reads a different copy of the weight (copies filling 4x `--cold` MB),
-so that the weights come from memory as in a model's pass rather than from the cache. Prints one
-JSON object: microseconds by shape, way and width.
+the ways alternated within each round; each cell is the median of every call's time over the rounds
+("us"), and its 10th percentile ("p10_us": on a shared machine, the calls least disturbed). With
+`--cold` each call reads a different copy of the weight (copies filling 4x `--cold` MB), so that the
+weights come from memory as in a model's pass rather than from the cache. Prints one JSON object:
+microseconds by shape, way and width.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -33,6 +35,7 @@ SHAPES = {"qo 576x576": (576, 576), "kv 192x576": (192, 576), "mlp 1536x576": (1
 def ways(w: torch.Tensor, build_dir: Path) -> dict:
     n = w.shape[0]
     bound = cpu_f32_mm.bind(w, build_dir=build_dir)
+    assert bound is not None, cpu_f32_mm.why_not()
     packed = torch.ops.mkldnn._reorder_linear_weight(w, 16)
     blocks = w.view(4, n // 4, w.shape[1])
     return {
@@ -55,7 +58,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     widths = [int(w) for w in args.widths.split(",")]
     build_dir = Path(tempfile.mkdtemp(prefix="f32_mm_bench_"))
-    report = {"threads": args.threads, "cold_mb": args.cold, "us": {}}
+    report = {"threads": args.threads, "cold_mb": args.cold, "load": os.getloadavg()[0], "us": {}, "p10_us": {}}
     for name in args.shapes.split(","):
         n, k = SHAPES[name]
         copies = max(1, int(4 * args.cold * 2**20 / (n * k * 4))) if args.cold else 1
@@ -75,14 +78,16 @@ def main() -> None:
                     x = xs[m]
                     for i in range(3):  # warm
                         fns[i % copies](x)
-                    calls, t0 = 0, time.perf_counter()
-                    while time.perf_counter() - t0 < args.seconds:
+                    t_end = time.perf_counter() + args.seconds
+                    while time.perf_counter() < t_end:
                         for f in fns:
+                            t0 = time.perf_counter()
                             f(x)
-                        calls += copies
-                    samples[way][m].append((time.perf_counter() - t0) / calls)
+                            samples[way][m].append(time.perf_counter() - t0)
         report["us"][name] = {way: {m: round(statistics.median(s) * 1e6, 1) for m, s in v.items()}
                               for way, v in samples.items()}
+        report["p10_us"][name] = {way: {m: round(statistics.quantiles(s, n=10)[0] * 1e6, 1) for m, s in v.items()}
+                                  for way, v in samples.items()}
         print(name, json.dumps(report["us"][name]), flush=True)
     print(json.dumps(report, indent=1))
 

@@ -33,6 +33,8 @@ int viasd_f32_mm_vector_bits(void);
 
 #define LANES 16
 #define MAX_ROWS 16
+#define L1_AHEAD 4096  /* floats: leads up to 16 KB are asked into L1, longer ones into L2 (a 1-row
+                          tile of K=1536 is 48 KB: into L1 it evicted the tile being read) */
 #define AHEAD 1      /* tiles ahead that a tile asks for its weights (passes of 2-16 rows over a weight
                         beyond the caches ~25% faster, 1 row unchanged; 2 and 4 tiles measured no better) */
 #if defined(__AVX512F__)
@@ -106,7 +108,9 @@ static inline __attribute__((always_inline)) void rows_outs(const int R, const i
             xv[r] = *(const vf16u *)(x + r * K + k);
         for (int j = 0; j < J; j++) {
             const vf16 wv = *(const vf16u *)(w[j] + k);
-            if (ahead)
+            if (ahead > L1_AHEAD)
+                __builtin_prefetch(w[j] + k + ahead, 0, 1);  /* to L2 (prefetcht2 on x86) */
+            else if (ahead)
                 __builtin_prefetch(w[j] + k + ahead, 0, 3);
             for (int r = 0; r < R; r++)
                 acc[r][j] = acc[r][j] + xv[r] * wv;  /* the one update of every output */
