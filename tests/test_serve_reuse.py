@@ -92,3 +92,37 @@ def test_an_answer_does_not_depend_on_earlier_requests(tiny_dirs, viasd_home, qu
         assert check(list(warm.engine.tokens) + words(6, 40), "viasd") == PREFILL_CHUNK
         assert check(list(warm.engine.tokens)[:290], "sd") == PREFILL_CHUNK  # back into the answers' positions
         assert check(list(warm.engine.tokens)[:100], "sd") == 0  # too short to keep anything
+
+
+def test_what_each_model_keeps(tiny_dirs, viasd_home):
+    """The bookkeeping itself: each model's exact prefix after a request, what the next one keeps,
+    a model that did not run keeping its part, and nothing kept of a model run outside the server."""
+    from viasd_core.frontends.serve_cache import PrefixReuse
+
+    s = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=str(tiny_dirs["draft"]), quant="none"), mode="sd")
+    engine, reuse = s.engine, PrefixReuse(s.engine)
+    draft = engine.drafter.model
+    sd, ar = (GenerationConfig(mode=mode, max_new_tokens=8, gamma=4, adaptive=False) for mode in ("sd", "ar"))
+
+    def run(ids, config):
+        kept = reuse.before(ids)
+        engine.generate(ids, config)
+        reuse.after(ids)
+        return kept
+
+    first = words(1, 300)
+    assert run(first, sd) == 0
+    assert reuse.exact_prefix(engine.target) == reuse.exact_prefix(draft) == PREFILL_CHUNK
+    assert run(list(engine.tokens) + words(2, 20), ar) == PREFILL_CHUNK  # ar: the draft does not run
+    assert engine.target.seen > draft.seen == PREFILL_CHUNK and reuse.exact_prefix(draft) == PREFILL_CHUNK
+    grown = list(engine.tokens) + words(3, 10)
+    kept = reuse.before(grown)  # the rollback alone: the engine then keeps no more than that
+    assert kept == PREFILL_CHUNK and engine.tokens == grown[:kept] and engine.target.seen == draft.seen == kept
+    engine.generate(grown, sd)
+    reuse.after(grown)
+    assert reuse.exact_prefix(engine.target) == PREFILL_CHUNK
+    engine.generate(list(engine.tokens) + words(4, 5), sd)  # the engine run outside the server's requests
+    assert reuse.exact_prefix(engine.target) == reuse.exact_prefix(draft) == 0
+    assert run(list(engine.tokens) + words(5, 30), sd) == 0
+    engine.reset()
+    assert reuse.before(first) == 0 and engine.tokens == []
