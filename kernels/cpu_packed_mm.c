@@ -378,19 +378,41 @@ int viasd_int8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale, int
 
 typedef int8_t vs16 __attribute__((vector_size(16)));
 typedef uint8_t vb16 __attribute__((vector_size(16)));
+typedef int16_t vw16 __attribute__((vector_size(32)));
+
+/* 16 signed bytes as float32, exactly (through 16 and 32 bits: GCC 12 compiles the direct
+ * conversion one lane at a time) */
+static inline __attribute__((always_inline)) void bytes_to_f32(vs16 b, vf16 *out) {
+    *out = __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(b, vw16), vi16), vf16);
+}
 
 #if defined(__AVX512F__)
+#define VL 16           /* float32 lanes of the int4 product's vectors (its lanes are outputs: any width
+                           gives the same numbers) */
 #define P_ROWS 4        /* rows of a tile: 4 x 4 accumulators of an int4 block of 64 */
 #define P_SLICES 2      /* 16-byte slices of an input's B / 2 bytes a tile widens: the whole block */
 #define P8_OUTS 4       /* int8 outputs of a tile of several rows */
 #define P8_ROW1_OUTS 8  /* int8 outputs of a 1-row tile */
+#include <immintrin.h>
+#elif defined(__AVX2__)
+#define VL 8
+#define P_ROWS 2        /* 16 registers: 2 rows x 4 accumulators, 4 weight vectors */
+#define P_SLICES 1
+#define P8_OUTS 2
+#define P8_ROW1_OUTS 4
+#include <immintrin.h>
 #else
-#define P_ROWS 2        /* 16 registers (AVX2): 2 rows x 2 vectors x 2 registers of accumulators */
+#define VL 4            /* SSE2, NEON, ... */
+#define P_ROWS 2
 #define P_SLICES 1
 #define P8_OUTS 2
 #define P8_ROW1_OUTS 4
 #endif
 #define P8_AHEAD 1      /* int8 tiles ahead that a tile asks for its weights */
+#define NV (16 / VL)    /* vectors of 16 outputs */
+
+typedef float vfn __attribute__((vector_size(VL * 4)));
+typedef uint32_t vun __attribute__((vector_size(VL * 4)));
 
 /* Whether the build fuses the portable products' multiply-adds (FMA targeted), for the Python side's
  * description of the path. */
@@ -402,155 +424,213 @@ int viasd_packed_mm_fma(void) {
 #endif
 }
 
-/* An input's 16 bytes of a block: lo = the low nibbles - 8 (outputs j), hi = the high ones - 8
- * (outputs j + B / 2), exactly, in float32 */
-static inline __attribute__((always_inline)) void widen_nibbles(const uint8_t *p, vf16 *lo, vf16 *hi) {
+/* An input's 16 bytes of a block, widened exactly: w[0 .. NV) the low nibbles - 8 (outputs j),
+ * w[NV .. 2 NV) the high nibbles - 8 (outputs j + B / 2), float32 */
+static inline __attribute__((always_inline)) void widen_nibbles(const uint8_t *p, vfn *w) {
+#if defined(__AVX512F__)
+    const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));  /* the lookup reads 4 bits */
+    w[0] = (vfn)_mm512_permutexvar_ps(d, table);
+    w[1] = (vfn)_mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table);
+#elif defined(__AVX2__)
+    for (int h = 0; h < 2; h++) {
+        const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)));
+        const __m256i eight = _mm256_set1_epi32(8);
+        w[h] = (vfn)_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(d, _mm256_set1_epi32(15)), eight));
+        w[2 + h] = (vfn)_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(d, 4), eight));
+    }
+#else
     vb16 b;
     memcpy(&b, p, sizeof b);
-    *lo = __builtin_convertvector((vs16)(b & 15) - 8, vf16);
-    *hi = __builtin_convertvector((vs16)(b >> 4) - 8, vf16);
+    vf16 lo, hi;
+    bytes_to_f32((vs16)(b & 15) - 8, &lo);
+    bytes_to_f32((vs16)(b >> 4) - 8, &hi);
+    memcpy(w, &lo, sizeof lo);
+    memcpy(w + NV, &hi, sizeof hi);
+#endif
 }
 
-/* One group of a block of B outputs, slices slice0 .. slice0 + S - 1, for R rows (R, S, B constants
- * where inlined): xf the rows' float32 inputs of the group (K apart), `bytes` the group's weights,
- * xs the rows' group sums (`groups` apart), gsz the group's B (scale, zero) pairs, tot the rows'
- * running outputs (B apart). mode 0: widen; 1: widen and keep in buf; 2: read buf. */
-static inline __attribute__((always_inline)) void p4_tile(const int R, const int S, const int B, const float *xf,
-                                                          int64_t K, const uint8_t *bytes, int64_t G, int slice0,
-                                                          int mode, vf16 *buf, const float *xs, int64_t groups,
-                                                          const uint16_t *gsz, float *tot) {
-    vf16 acc[P_ROWS][2 * P_SLICES];
-    for (int r = 0; r < P_ROWS; r++)  /* all of them: the ones past R and 2 S are dropped when inlined */
-        for (int j = 0; j < 2 * P_SLICES; j++)
-            acc[r][j] = (vf16){0};
+/* One group of a block of B outputs, slices slice0 .. slice0 + S - 1, for R rows (R, S, B and MODE
+ * constants where inlined): xf the rows' float32 inputs of the group (K apart), `bytes` the group's
+ * weights, xs the rows' group sums (`groups` apart), gsz the group's B (scale, zero) pairs, tot the
+ * rows' running outputs (B apart). MODE 0: widen; 1: widen and keep in buf; 2: read buf. */
+static inline __attribute__((always_inline)) void p4_tile(const int R, const int S, const int B, const int MODE,
+                                                          const float *xf, int64_t K, const uint8_t *bytes,
+                                                          int64_t G, int slice0, vfn *buf, const float *xs,
+                                                          int64_t groups, const uint16_t *gsz, float *tot) {
+    vfn acc[P_ROWS][2 * NV * P_SLICES];
+    for (int r = 0; r < P_ROWS; r++)  /* all of them: the ones past R and S are dropped when inlined */
+        for (int j = 0; j < 2 * NV * P_SLICES; j++)
+            acc[r][j] = (vfn){0};
     for (int64_t k = 0; k < G; k++) {
-        vf16 w[2 * P_SLICES];
-        if (mode == 2) {
-            for (int j = 0; j < 2 * S; j++)
-                w[j] = buf[k * 2 * S + j];
+        vfn w[2 * NV * P_SLICES];
+        if (MODE == 2) {
+            for (int j = 0; j < 2 * NV * S; j++)
+                w[j] = buf[k * 2 * NV * S + j];
         } else {
             const uint8_t *at = bytes + k * (B / 2) + slice0 * 16;
             __builtin_prefetch(at + PREFETCH, 0, 3);
             for (int s = 0; s < S; s++)
-                widen_nibbles(at + 16 * s, &w[2 * s], &w[2 * s + 1]);
-            if (mode == 1)
-                for (int j = 0; j < 2 * S; j++)
-                    buf[k * 2 * S + j] = w[j];
+                widen_nibbles(at + 16 * s, w + 2 * NV * s);
+            if (MODE == 1)
+                for (int j = 0; j < 2 * NV * S; j++)
+                    buf[k * 2 * NV * S + j] = w[j];
         }
         for (int r = 0; r < R; r++) {
             const float xv = xf[r * K + k];
-            for (int j = 0; j < 2 * S; j++)
+            for (int j = 0; j < 2 * NV * S; j++)
                 acc[r][j] = acc[r][j] + xv * w[j];  /* the one update of every output's D */
         }
     }
-    for (int s = 0; s < S; s++)
-        for (int h = 0; h < 2; h++) {
-            const int o = h * (B / 2) + (slice0 + s) * 16;  /* the 16 outputs of acc[.][2 s + h] */
-            vu16 pairs, sb, zb;
-            memcpy(&pairs, gsz + 2 * o, sizeof pairs);  /* 16 (scale, zero): scale the low half */
-            sb = pairs << 16;
-            zb = pairs & 0xFFFF0000u;
-            vf16 scale, zero;
-            memcpy(&scale, &sb, sizeof scale);
-            memcpy(&zero, &zb, sizeof zero);
-            for (int r = 0; r < R; r++) {
-                vf16 y;
-                memcpy(&y, tot + r * B + o, sizeof y);
-                y = y + acc[r][2 * s + h] * scale;
-                y = y + xs[r * groups] * zero;
-                memcpy(tot + r * B + o, &y, sizeof y);
-            }
+    for (int j = 0; j < 2 * NV * S; j++) {
+        const int s = j / (2 * NV), h = j % (2 * NV) / NV, v = j % NV;
+        const int o = h * (B / 2) + (slice0 + s) * 16 + v * VL;  /* the VL outputs of acc[.][j] */
+        vun pairs, sb, zb;
+        memcpy(&pairs, gsz + 2 * o, sizeof pairs);  /* VL (scale, zero): scale the low half */
+        sb = pairs << 16;
+        zb = pairs & 0xFFFF0000u;
+        vfn scale, zero;
+        memcpy(&scale, &sb, sizeof scale);
+        memcpy(&zero, &zb, sizeof zero);
+        for (int r = 0; r < R; r++) {
+            vfn y;
+            memcpy(&y, tot + r * B + o, sizeof y);
+            y = y + acc[r][j] * scale;
+            y = y + xs[r * groups] * zero;
+            memcpy(tot + r * B + o, &y, sizeof y);
         }
+    }
 }
 
-/* out [M, N] bfloat16 = x [M, K] times the int4 weight in blocks of B outputs (see above), plus
- * residual where it is not NULL (rounded first, then added in float32 and rounded again) */
-static inline __attribute__((always_inline)) int p4_mm(const int B, const uint16_t *x, const uint8_t *q,
-                                                       const uint16_t *sz, int64_t M, int64_t N, int64_t K,
-                                                       int64_t G, uint16_t *out, const uint16_t *residual,
-                                                       int threads) {
+/* The rows' float32 inputs xf [M, K] and group sums xsums [M, K / G] (float32, in input order); 0, -1
+ * for arguments the int4 products do not take (blocks of B), -3 out of memory */
+static int p4_setup(int64_t B, const uint16_t *x, int64_t M, int64_t N, int64_t K, int64_t G, float **xf,
+                    float **xsums) {
+    *xf = *xsums = NULL;
     if (M <= 0 || M > MAX_ROWS || N <= 0 || N % B || K <= 0 || G <= 0 || G > MAX_GROUP || G % 2 || K % G)
         return -1;
     const int64_t groups = K / G;
-    const int S = P_SLICES < B / 32 ? P_SLICES : B / 32;
-    float *xf = malloc(sizeof(float) * M * K), *xsums = malloc(sizeof(float) * M * groups);
-    if (!xf || !xsums) {
-        free(xf);
-        free(xsums);
+    *xf = malloc(sizeof(float) * M * K);
+    *xsums = malloc(sizeof(float) * M * groups);
+    if (!*xf || !*xsums) {
+        free(*xf);
+        free(*xsums);
         return -3;
     }
     for (int64_t r = 0; r < M; r++)
         for (int64_t g = 0; g < groups; g++) {
             float s = 0.0f;
             for (int64_t k = g * G; k < (g + 1) * G; k++) {
-                xf[r * K + k] = bf16_to_f32(x[r * K + k]);
-                s += xf[r * K + k];
+                (*xf)[r * K + k] = bf16_to_f32(x[r * K + k]);
+                s += (*xf)[r * K + k];
             }
-            xsums[r * groups + g] = s;
+            (*xsums)[r * groups + g] = s;
         }
-    const int64_t blocks = N / B;
-    int failed = 0;
-#ifdef _OPENMP
-    #pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(|| : failed)
-#else
-    (void)threads;
-#endif
-    {
-        vf16 *buf = M > P_ROWS ? aligned_alloc(64, sizeof(vf16) * 2 * S * G) : NULL;
-        float tot[MAX_ROWS * 64] __attribute__((aligned(64)));
-        failed = M > P_ROWS && !buf;
-#ifdef _OPENMP
-        #pragma omp for schedule(static)
-#endif
-        for (int64_t nb = 0; nb < blocks; nb++) {
-            if (failed)
-                continue;  /* this thread's outputs stay unwritten: the call returns -3 */
-            memset(tot, 0, sizeof(float) * M * B);
-            for (int64_t g = 0; g < groups; g++) {
-                const uint8_t *bytes = q + (nb * K + g * G) * (B / 2);
-                const uint16_t *gsz = sz + (nb * groups + g) * B * 2;
-                for (int s0 = 0; s0 < B / 32; s0 += S)
-                    for (int64_t r0 = 0; r0 < M; r0 += P_ROWS) {
-                        const int mode = r0 > 0 ? 2 : M > P_ROWS ? 1 : 0;
-                        const float *xr = xf + r0 * K + g * G, *xs = xsums + r0 * groups + g;
-                        float *t = tot + r0 * B;
-                        switch (M - r0 < P_ROWS ? M - r0 : P_ROWS) {  /* a constant row count for each body */
-                        case 1: p4_tile(1, S, B, xr, K, bytes, G, s0, mode, buf, xs, groups, gsz, t); break;
-#if P_ROWS > 2
-                        case 2: p4_tile(2, S, B, xr, K, bytes, G, s0, mode, buf, xs, groups, gsz, t); break;
-                        case 3: p4_tile(3, S, B, xr, K, bytes, G, s0, mode, buf, xs, groups, gsz, t); break;
-#endif
-                        default: p4_tile(P_ROWS, S, B, xr, K, bytes, G, s0, mode, buf, xs, groups, gsz, t); break;
-                        }
-                    }
-            }
-            for (int64_t r = 0; r < M; r++) {
-                uint16_t *o = out + r * N + nb * B;
-                const uint16_t *res = residual ? residual + r * N + nb * B : NULL;
-                for (int j = 0; j < B; j++) {
-                    const uint16_t y = f32_to_bf16(tot[r * B + j]);
-                    o[j] = res ? f32_to_bf16(bf16_to_f32(y) + bf16_to_f32(res[j])) : y;
-                }
-            }
-        }
-        free(buf);
-    }
-    free(xf);
-    free(xsums);
-    return failed ? -3 : 0;
+    return 0;
 }
+
+/* a row tile of p4_thread, with a constant row count and mode for each body */
+#if P_ROWS > 2
+#define P4_TILES(MODE)                                                                                          \
+    switch (M - r0 < P_ROWS ? M - r0 : P_ROWS) {                                                                \
+    case 1: p4_tile(1, S, B, MODE, xr, K, bytes, G, s0, buf, xs, groups, gsz, t); break;                        \
+    case 2: p4_tile(2, S, B, MODE, xr, K, bytes, G, s0, buf, xs, groups, gsz, t); break;                        \
+    case 3: p4_tile(3, S, B, MODE, xr, K, bytes, G, s0, buf, xs, groups, gsz, t); break;                        \
+    default: p4_tile(P_ROWS, S, B, MODE, xr, K, bytes, G, s0, buf, xs, groups, gsz, t); break;                  \
+    }
+#else
+#define P4_TILES(MODE)                                                                                          \
+    switch (M - r0 < P_ROWS ? M - r0 : P_ROWS) {                                                                \
+    case 1: p4_tile(1, S, B, MODE, xr, K, bytes, G, s0, buf, xs, groups, gsz, t); break;                        \
+    default: p4_tile(P_ROWS, S, B, MODE, xr, K, bytes, G, s0, buf, xs, groups, gsz, t); break;                  \
+    }
+#endif
+
+/* One thread's blocks of B outputs (B a constant where inlined; the blocks shared out by the
+ * enclosing parallel region's static schedule): out [M, N] bfloat16 = x [M, K] times the int4 weight,
+ * plus residual where it is not NULL (rounded first, then added in float32 and rounded again).
+ * Returns whether this thread ran out of memory (its outputs then stay unwritten). The parallel
+ * region is the exported function's own, so that B is a constant in the code it outlines. */
+static inline __attribute__((always_inline)) int p4_thread(const int B, const float *xf, const float *xsums,
+                                                           const uint8_t *q, const uint16_t *sz, int64_t M,
+                                                           int64_t N, int64_t K, int64_t G, uint16_t *out,
+                                                           const uint16_t *residual) {
+    const int64_t groups = K / G, blocks = N / B;
+    const int S = P_SLICES < B / 32 ? P_SLICES : B / 32;
+    vfn *buf = M > P_ROWS ? aligned_alloc(64, sizeof(vfn) * 2 * NV * S * G) : NULL;
+    float tot[MAX_ROWS * 64] __attribute__((aligned(64)));
+    const int failed = M > P_ROWS && !buf;
+#ifdef _OPENMP
+    #pragma omp for schedule(static)
+#endif
+    for (int64_t nb = 0; nb < blocks; nb++) {
+        if (failed)
+            continue;
+        memset(tot, 0, sizeof(float) * M * B);
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *bytes = q + (nb * K + g * G) * (B / 2);
+            const uint16_t *gsz = sz + (nb * groups + g) * B * 2;
+            for (int s0 = 0; s0 < B / 32; s0 += S)
+                for (int64_t r0 = 0; r0 < M; r0 += P_ROWS) {
+                    const float *xr = xf + r0 * K + g * G, *xs = xsums + r0 * groups + g;
+                    float *t = tot + r0 * B;
+                    if (r0 > 0) {
+                        P4_TILES(2)
+                    } else if (M > P_ROWS) {
+                        P4_TILES(1)
+                    } else {
+                        P4_TILES(0)
+                    }
+                }
+        }
+        for (int64_t r = 0; r < M; r++) {
+            uint16_t *o = out + r * N + nb * B;
+            const uint16_t *res = residual ? residual + r * N + nb * B : NULL;
+            for (int j = 0; j < B; j++) {
+                const uint16_t y = f32_to_bf16(tot[r * B + j]);
+                o[j] = res ? f32_to_bf16(bf16_to_f32(y) + bf16_to_f32(res[j])) : y;
+            }
+        }
+    }
+    free(buf);
+    return failed;
+}
+
+#ifdef _OPENMP
+#define P_PARALLEL _Pragma("omp parallel num_threads(threads > 0 ? threads : 1) reduction(|| : failed)")
+#else
+#define P_PARALLEL
+#endif
 
 /* viasd_int4_mm's arguments and results, the weight in PyTorch's blocks of 64 outputs (AVX-512's
  * layout) or 32 (AVX2's); the portable arithmetic above. Returns 0, -1 for arguments it does not
  * take, -3 out of memory. */
 int viasd_int4_mm_portable64(const uint16_t *x, const uint8_t *q, const uint16_t *sz, int64_t M, int64_t N,
                              int64_t K, int64_t group, uint16_t *out, const uint16_t *residual, int threads) {
-    return p4_mm(64, x, q, sz, M, N, K, group, out, residual, threads);
+    float *xf, *xsums;
+    int failed = p4_setup(64, x, M, N, K, group, &xf, &xsums);
+    if (failed)
+        return failed;
+    (void)threads;
+    P_PARALLEL
+    failed = p4_thread(64, xf, xsums, q, sz, M, N, K, group, out, residual);
+    free(xf);
+    free(xsums);
+    return failed ? -3 : 0;
 }
 
 int viasd_int4_mm_portable32(const uint16_t *x, const uint8_t *q, const uint16_t *sz, int64_t M, int64_t N,
                              int64_t K, int64_t group, uint16_t *out, const uint16_t *residual, int threads) {
-    return p4_mm(32, x, q, sz, M, N, K, group, out, residual, threads);
+    float *xf, *xsums;
+    int failed = p4_setup(32, x, M, N, K, group, &xf, &xsums);
+    if (failed)
+        return failed;
+    (void)threads;
+    P_PARALLEL
+    failed = p4_thread(32, xf, xsums, q, sz, M, N, K, group, out, residual);
+    free(xf);
+    free(xsums);
+    return failed ? -3 : 0;
 }
 
 /* The lane sums of 16 vectors, s[i] = v[i]'s 16 lanes added in a fixed tree: lane l + lane l + 8
@@ -599,7 +679,7 @@ static inline __attribute__((always_inline)) void p8_tile(const int R, const int
                 __builtin_prefetch(at + P8_AHEAD * J * K, 0, 3);
                 vs16 b;
                 memcpy(&b, at, sizeof b);
-                w[j] = __builtin_convertvector(b, vf16);
+                bytes_to_f32(b, &w[j]);
                 if (mode == 1)
                     buf[(k / 16) * J + j] = w[j];
             }
