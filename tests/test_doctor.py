@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
 from viasd_core import compile_choice
-from viasd_core.decoding import attention, weight_formats
-from viasd_kernels import cpu_int4_widen
+from viasd_core.decoding import attention, short_products, weight_formats
+from viasd_kernels import cpu_build, cpu_int4_widen
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.frontends.doctor import FAIL, PASS, SKIP, check_exact_mode, environment, run_doctor
 from viasd_core.loading.options import ModelOptions
@@ -57,6 +57,8 @@ def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home, monk
     # attention row by row exactly where the passes are row-invariant, which is what makes them bit-exact
     assert (env["row_attention"] is not None) == env["exactness"].startswith("bit-exact")
     assert env["exactness_reason"]
+    assert env["float32_products"] == short_products.invariant_way()  # float32 short passes: row-invariant products
+    assert env["instruction_set"] == cpu_build.describe_isa()
     assert env["int4_widening"] is None  # no int4 weights to widen
     assert env["packed_products"] is None  # nor int8/int4 products
     # the norms and RoPE of its passes: one C call each where the kernels build (they must in CI)

@@ -152,6 +152,14 @@ def invariant_product(layer: torch.nn.Linear):
     return hit[1]
 
 
+def invariant_way() -> str:
+    """How a row-invariant model's float32 short passes multiply on this machine, and why (doctor)."""
+    if cpu_f32_mm.bind(torch.zeros(16, 16), build_dir=paths.kernel_dir()) is not None:
+        bits = cpu_f32_mm.vector_bits(paths.kernel_dir())
+        return f"viasd_kernels' row-invariant float32 product ({bits}-bit vectors, built for this CPU)"
+    return f"F.linear one row at a time (row-invariant): {cpu_f32_mm.why_not() or 'the kernel does not run here'}"
+
+
 def by_row(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     """`layer(x)` one row at a time: each row through the same 1-row call in a pass of any width (the
     row-invariant products' plain reference, and their fallback)."""

@@ -35,9 +35,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from viasd_core import cpu_isa
 from viasd_core.bench.files import versions
 from viasd_core.devices import device_name
-from viasd_core.decoding import attention, weight_formats
+from viasd_core.decoding import attention, short_products, weight_formats
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.decoding.exactness import Promise, promise
 from viasd_core.decoding.model import FastModel
@@ -106,6 +107,9 @@ def environment(session: Session, refresh: bool = False) -> dict:
         "threads": torch.get_num_threads(),
         "threads_reason": session.threads.reason if session.threads else None,
         "short_passes": session.short_rows_reason or None,
+        "instruction_set": cpu_isa.in_force()[1] if device.type == "cpu" else None,
+        "float32_products": (short_products.invariant_way() if engine.target.row_attention and engine.target.dtype == torch.float32
+                             else None),
         "row_attention": attention.by_row_way() if engine.target.row_attention else None,
         "layer_kernels": engine.target.layer_kernels_way(),
         "packed_products": (weight_formats.short_products_way()
