@@ -380,11 +380,6 @@ typedef int8_t vs16 __attribute__((vector_size(16)));
 typedef uint8_t vb16 __attribute__((vector_size(16)));
 typedef int16_t vw16 __attribute__((vector_size(32)));
 
-/* 16 signed bytes as float32, exactly (through 16 and 32 bits: GCC 12 compiles the direct
- * conversion one lane at a time) */
-static inline __attribute__((always_inline)) void bytes_to_f32(vs16 b, vf16 *out) {
-    *out = __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(b, vw16), vi16), vf16);
-}
 
 #if defined(__AVX512F__)
 #define VL 16           /* float32 lanes of the int4 product's vectors (its lanes are outputs: any width
@@ -413,6 +408,14 @@ static inline __attribute__((always_inline)) void bytes_to_f32(vs16 b, vf16 *out
 
 typedef float vfn __attribute__((vector_size(VL * 4)));
 typedef uint32_t vun __attribute__((vector_size(VL * 4)));
+
+#if VL == 4  /* the widening in vector extensions (x86-64 has intrinsics above) */
+/* 16 signed bytes as float32, exactly (through 16 and 32 bits: GCC 12 compiles the direct
+ * conversion one lane at a time) */
+static inline __attribute__((always_inline)) void bytes_to_f32(vs16 b, vf16 *out) {
+    *out = __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(b, vw16), vi16), vf16);
+}
+#endif
 
 /* Whether the build fuses the portable products' multiply-adds (FMA targeted), for the Python side's
  * description of the path. */
@@ -633,6 +636,23 @@ int viasd_int4_mm_portable32(const uint16_t *x, const uint8_t *q, const uint16_t
     return failed ? -3 : 0;
 }
 
+/* 16 int8 weights as NV float32 vectors, exactly */
+static inline __attribute__((always_inline)) void widen_bytes(const int8_t *p, vfn *w) {
+#if defined(__AVX512F__)
+    w[0] = (vfn)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    w[0] = (vfn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    w[1] = (vfn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+#else
+    vs16 b;
+    vf16 f;
+    memcpy(&b, p, sizeof b);
+    bytes_to_f32(b, &f);
+    memcpy(w, &f, sizeof f);
+#endif
+}
+
+#if VL == 16
 /* The lane sums of 16 vectors, s[i] = v[i]'s 16 lanes added in a fixed tree: lane l + lane l + 8
  * (l < 8), then l + l + 4 (l < 4), then (0 + 2) + (1 + 3); each add serves several sums (the picks
  * are vector constructors, compiled to shuffles). cpu_f32_mm.c's tree. */
@@ -658,48 +678,85 @@ static inline __attribute__((always_inline)) void fold16(const vf16 *v, float *s
         for (int e = 0; e < 4; e++)
             s[4 * e + q] = r[4 * q + e];
 }
+#endif
+
+/* s[i] = the 16 lanes (NV vectors) of sums v[0 .. n) added in that tree, whatever the vectors' width:
+ * t[l] = lane l + lane l + 8, u[l] = t[l] + t[l + 4], then (u[0] + u[2]) + (u[1] + u[3]) */
+static inline __attribute__((always_inline)) void fold_sums(int n, vfn (*v)[NV], float *s) {
+#if VL == 16
+    vf16 w[16] = {{0}};
+    for (int i = 0; i < n; i++)
+        w[i] = v[i][0];
+    fold16(w, s);
+#else
+    for (int i = 0; i < n; i++) {
+        float u[4];
+#if VL == 8
+        float t[8];
+        const vfn tv = v[i][0] + v[i][1];
+        memcpy(t, &tv, sizeof t);
+        for (int l = 0; l < 4; l++)
+            u[l] = t[l] + t[l + 4];
+#else
+        const vfn uv = (v[i][0] + v[i][2]) + (v[i][1] + v[i][3]);
+        memcpy(u, &uv, sizeof u);
+#endif
+        s[i] = (u[0] + u[2]) + (u[1] + u[3]);
+    }
+#endif
+}
 
 /* The sums of outputs n0 .. n0 + J - 1 (`w0` the first's weights; those past n_here read the first's
- * and are dropped) for R rows (R, J constants where inlined): sums[r * J + j]. mode as p4_tile, buf
- * [K / 16][J]. */
-static inline __attribute__((always_inline)) void p8_tile(const int R, const int J, const float *xf, int64_t K,
-                                                          const int8_t *w0, int64_t n_here, int mode, vf16 *buf,
+ * and are dropped) for R rows (R, J, MODE constants where inlined): sums[r * J + j]. MODE as p4_tile,
+ * buf [K / 16][J][NV]. */
+static inline __attribute__((always_inline)) void p8_tile(const int R, const int J, const int MODE, const float *xf,
+                                                          int64_t K, const int8_t *w0, int64_t n_here, vfn *buf,
                                                           float *sums) {
-    vf16 acc[P_ROWS][P8_ROW1_OUTS > P8_OUTS ? P8_ROW1_OUTS : P8_OUTS];
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < J; j++)
-            acc[r][j] = (vf16){0};
+    vfn acc[P_ROWS * (P8_ROW1_OUTS > P8_OUTS ? P8_ROW1_OUTS : P8_OUTS)][NV];
+    for (int i = 0; i < R * J; i++)
+        for (int v = 0; v < NV; v++)
+            acc[i][v] = (vfn){0};
     for (int64_t k = 0; k < K; k += 16) {
-        vf16 w[P8_ROW1_OUTS > P8_OUTS ? P8_ROW1_OUTS : P8_OUTS];
+        vfn w[P8_ROW1_OUTS > P8_OUTS ? P8_ROW1_OUTS : P8_OUTS][NV];
         for (int j = 0; j < J; j++) {
-            if (mode == 2) {
-                w[j] = buf[(k / 16) * J + j];
+            if (MODE == 2) {
+                for (int v = 0; v < NV; v++)
+                    w[j][v] = buf[((k / 16) * J + j) * NV + v];
             } else {
                 const int8_t *at = w0 + (j < n_here ? j : 0) * K + k;
                 __builtin_prefetch(at + P8_AHEAD * J * K, 0, 3);
-                vs16 b;
-                memcpy(&b, at, sizeof b);
-                bytes_to_f32(b, &w[j]);
-                if (mode == 1)
-                    buf[(k / 16) * J + j] = w[j];
+                widen_bytes(at, w[j]);
+                if (MODE == 1)
+                    for (int v = 0; v < NV; v++)
+                        buf[((k / 16) * J + j) * NV + v] = w[j][v];
             }
         }
-        for (int r = 0; r < R; r++) {
-            vf16 xv;
-            memcpy(&xv, xf + r * K + k, sizeof xv);
-            for (int j = 0; j < J; j++)
-                acc[r][j] = acc[r][j] + xv * w[j];  /* the one update of every output */
-        }
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < NV; v++) {
+                vfn xv;
+                memcpy(&xv, xf + r * K + k + v * VL, sizeof xv);
+                for (int j = 0; j < J; j++)
+                    acc[r * J + j][v] = acc[r * J + j][v] + xv * w[j][v];  /* the one update of every output */
+            }
     }
-    vf16 v[16] = {{0}};  /* R * J <= 16 */
-    for (int r = 0; r < R; r++)
-        for (int j = 0; j < J; j++)
-            v[r * J + j] = acc[r][j];
-    float s[16];
-    fold16(v, s);
-    for (int i = 0; i < R * J; i++)
-        sums[i] = s[i];
+    fold_sums(R * J, acc, sums);
 }
+
+#if P_ROWS > 2
+#define P8_TILES(MODE)                                                                                          \
+    switch (R) {                                                                                                \
+    case 1: p8_tile(1, P8_OUTS, MODE, xr, K, w0, n_here, buf, sums); break;                                    \
+    case 2: p8_tile(2, P8_OUTS, MODE, xr, K, w0, n_here, buf, sums); break;                                    \
+    case 3: p8_tile(3, P8_OUTS, MODE, xr, K, w0, n_here, buf, sums); break;                                    \
+    default: p8_tile(P_ROWS, P8_OUTS, MODE, xr, K, w0, n_here, buf, sums); break;                              \
+    }
+#else
+#define P8_TILES(MODE)                                                                                          \
+    switch (R) {                                                                                                \
+    case 1: p8_tile(1, P8_OUTS, MODE, xr, K, w0, n_here, buf, sums); break;                                    \
+    default: p8_tile(P_ROWS, P8_OUTS, MODE, xr, K, w0, n_here, buf, sums); break;                              \
+    }
+#endif
 
 /* viasd_int8_mm's arguments and results (K a multiple of 16, any width); the portable arithmetic
  * above. Returns 0, -1 for arguments it does not take, -3 out of memory. */
@@ -715,13 +772,10 @@ int viasd_int8_mm_portable(const uint16_t *x, const int8_t *q, const uint16_t *s
     const int J = M == 1 ? P8_ROW1_OUTS : P8_OUTS;
     const int64_t tiles = (N + J - 1) / J;
     int failed = 0;
-#ifdef _OPENMP
-    #pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(|| : failed)
-#else
     (void)threads;
-#endif
+    P_PARALLEL
     {
-        vf16 *buf = M > P_ROWS ? aligned_alloc(64, sizeof(vf16) * J * (K / 16)) : NULL;
+        vfn *buf = M > P_ROWS ? aligned_alloc(64, sizeof(vfn) * NV * J * (K / 16)) : NULL;
         failed = M > P_ROWS && !buf;
 #ifdef _OPENMP
         #pragma omp for schedule(static)
@@ -732,21 +786,17 @@ int viasd_int8_mm_portable(const uint16_t *x, const int8_t *q, const uint16_t *s
             const int64_t n0 = t * J, n_here = N - n0 < J ? N - n0 : J;
             const int8_t *w0 = q + n0 * K;
             for (int64_t r0 = 0; r0 < M; r0 += P_ROWS) {
-                const int mode = r0 > 0 ? 2 : M > P_ROWS ? 1 : 0;
                 const float *xr = xf + r0 * K;
                 float sums[16];
                 const int R = M - r0 < P_ROWS ? (int)(M - r0) : P_ROWS;
                 if (M == 1) {
-                    p8_tile(1, P8_ROW1_OUTS, xr, K, w0, n_here, 0, NULL, sums);
+                    p8_tile(1, P8_ROW1_OUTS, 0, xr, K, w0, n_here, NULL, sums);
+                } else if (r0 > 0) {
+                    P8_TILES(2)
+                } else if (M > P_ROWS) {
+                    P8_TILES(1)
                 } else {
-                    switch (R) {  /* a constant row count for each body */
-                    case 1: p8_tile(1, P8_OUTS, xr, K, w0, n_here, mode, buf, sums); break;
-#if P_ROWS > 2
-                    case 2: p8_tile(2, P8_OUTS, xr, K, w0, n_here, mode, buf, sums); break;
-                    case 3: p8_tile(3, P8_OUTS, xr, K, w0, n_here, mode, buf, sums); break;
-#endif
-                    default: p8_tile(P_ROWS, P8_OUTS, xr, K, w0, n_here, mode, buf, sums); break;
-                    }
+                    P8_TILES(0)
                 }
                 for (int64_t j = 0; j < n_here; j++) {
                     const float sc = bf16_to_f32(scale[n0 + j]);
