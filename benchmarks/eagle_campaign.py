@@ -3,6 +3,7 @@
     python benchmarks/eagle_campaign.py run      # run or resume every stage (hours on a CPU)
     python benchmarks/eagle_campaign.py run --until answers
     python benchmarks/eagle_campaign.py status   # how far it got, from the files alone
+    python benchmarks/eagle_campaign.py answer-speed --specs int4:32 none:32   # answer tokens/s by format and batch
     python benchmarks/eagle_campaign.py run --slice --data out/slice/data --work out/slice/work   # a small end-to-end run
 
 Committed data goes to --data (default data/campaign-smollm2-135m: prompts, answer token ids, the
@@ -11,6 +12,12 @@ out/campaign, not committed). Run it niced, one thread, in the background (`--th
 OMP_NUM_THREADS=2 while the machine has nothing else to do; a run may resume at another count):
 
     nohup nice -n 19 env OMP_NUM_THREADS=1 python3 benchmarks/eagle_campaign.py run >> out/campaign.log 2>&1 &
+
+The campaign for the target as deployed (int4 weights, bfloat16 activations), on the first
+campaign's prompts:
+
+    python benchmarks/eagle_campaign.py run --quant int4 --prompts-from data/campaign-smollm2-135m/prompts.jsonl \
+        --data data/campaign-smollm2-135m-int4 --work out/campaign-int4 --until answers
 """
 
 from __future__ import annotations
@@ -48,7 +55,8 @@ def config(args) -> CampaignConfig:
         prompts=PromptConfig(extra=[ROOT / "viasd_core/data/distill_prompts.jsonl"], evaluation=EVALUATION,
                              more=[THIN]),
         evaluation=EvalConfig(prompts=ROOT / "docs/results/cpu-prompts.jsonl"),
-        ship_to=None if args.slice else ROOT / "viasd_core/data/drafts/smollm2-135m-eagle3")
+        ship_to=None if args.slice else ROOT / "viasd_core/data/drafts/smollm2-135m-eagle3",
+        quant=args.quant, prompts_from=Path(args.prompts_from) if args.prompts_from else None)
     if args.train_steps or args.on_policy_steps or args.extend_to:
         t = cfg.train
         data = replace(t.data, steps=args.train_steps) if args.train_steps else t.data
@@ -69,14 +77,62 @@ def config(args) -> CampaignConfig:
     return cfg
 
 
+def answer_speed(args) -> None:
+    """Answer tokens/s of the answer stage's generation (teacher_answers.build_dataset, greedy) on the
+    same prompts for each `FORMAT:BATCH` in --specs (`FORMAT:BATCH:plain`: packed weights widened at
+    every pass, as before build_dataset held them); one JSON line each on stdout."""
+    import contextlib
+    import json
+
+    import torch
+
+    from viasd_core.loading.models import load_model
+    from viasd_core.loading.prompts import load_prompts
+    from viasd_core.training import teacher_answers
+
+    torch.set_num_threads(args.threads)
+    prompts = [p.text for p in load_prompts(args.prompts)][:: args.every][: args.n]
+    models: dict = {}
+    for spec in args.specs:
+        quant, batch, *rest = spec.split(":")
+        if quant not in models:
+            models[quant] = load_model(args.target, dtype="float32" if quant == "none" else None, quant=quant)
+        held = teacher_answers._widened_once
+        if rest == ["plain"]:
+            teacher_answers._widened_once = lambda model: contextlib.nullcontext()
+        try:
+            t0 = time.perf_counter()
+            recs = teacher_answers.build_dataset(models[quant], prompts, args.new_tokens, batch_size=int(batch),
+                                                 max_prompt_tokens=1024)
+            dt = time.perf_counter() - t0
+        finally:
+            teacher_answers._widened_once = held
+        n = sum(r.labels.numel() for r in recs)
+        print(json.dumps({"spec": spec, "prompts": len(prompts), "seconds": round(dt, 1), "tokens": n,
+                          "tokens_per_s": round(n / dt, 1)}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("action", choices=["run", "status"])
+    ap.add_argument("action", choices=["run", "status", "answer-speed"])
+    ap.add_argument("--specs", nargs="+", default=["int4:32", "none:32"],
+                    help="answer-speed: FORMAT:BATCH[:plain] to time, in order")
+    ap.add_argument("--prompts", default=str(ROOT / "data/campaign-smollm2-135m/prompts.jsonl"),
+                    help="answer-speed: the prompts (every --every-th, the first -n of those)")
+    ap.add_argument("--every", type=int, default=79)
+    ap.add_argument("-n", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=192)
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--data", default=str(ROOT / "data/campaign-smollm2-135m"))
     ap.add_argument("--work", default=str(ROOT / "out/campaign"))
     ap.add_argument("--until", choices=STAGES, default=None, help="stop after this stage")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quant", choices=["none", "int8", "int4"], default="none",
+                    help="the target's weight format for the answers and features: the one the head will draft "
+                         "for (none: float32, the first campaign's); recorded in the data and work folders")
+    ap.add_argument("--prompts-from", default=None,
+                    help="use another campaign's prompts.jsonl (recorded by path and checksum in "
+                         "<data>/campaign.json) instead of a prompt stage")
     ap.add_argument("--train-steps", type=int, default=None,
                     help="steps of the data training (default: TrainConfig's); a checkpoint resumes only at its own")
     ap.add_argument("--extend-to", type=int, default=None,
@@ -88,6 +144,9 @@ def main() -> None:
                     help="evaluate the data head without the on-policy fine-tune (a later run can add it)")
     ap.add_argument("--slice", action="store_true", help="a small run of every stage (use other --data/--work)")
     args = ap.parse_args()
+    if args.action == "answer-speed":
+        answer_speed(args)
+        return
     cfg = config(args)
     if args.action == "status":
         print("\n".join(status(cfg)))

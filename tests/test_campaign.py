@@ -5,6 +5,8 @@ where they happened."""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import re
 import shutil
@@ -21,6 +23,7 @@ from transformers import AutoModelForCausalLM
 from viasd_core.decoding.eagle_files import save_feature_head
 from viasd_core.errors import UsageError
 from viasd_core.loading.models import load_model
+from viasd_core.loading.prompts import load_prompts
 from viasd_core.training import campaign_store as store
 from viasd_core.training import eagle_train, teacher_answers
 from viasd_core.training.campaign import CampaignConfig, run_campaign, status
@@ -265,6 +268,9 @@ def test_every_stage_resumes_after_a_kill_and_ends_as_an_uninterrupted_run(tiny_
         assert one["agreement"] == other["agreement"] and one["tau_fixed"] == other["tau_fixed"], name
         assert one["tau_fixed"]["target_passes"] > 0
     assert set(report["candidates"]) == {"data", "on_policy"} and "shipped" in report
+    for name in ("data", "on_policy"):  # trained on the float32 target's data, and say so
+        assert json.loads((straight.work / "heads" / name / "config.json").read_text())["viasd_training"]["target_format"] == "none"
+    assert not (straight.data / "campaign.json").exists() and not (straight.work / "campaign.json").exists()
     for figures in [*report["candidates"].values(), report["shipped"]]:  # every head, in the one interleaved loop
         assert figures["tau_default"]["target_passes"] > 0 and figures["tau_default"]["new_tokens"] == 2 * 8
     assert report["decision"] in ("ship data", "ship on_policy", "keep the shipped head")
@@ -390,3 +396,113 @@ def test_the_default_tau_measures_every_head_prompt_by_prompt_in_rotating_order(
     assert [p for p, _ in order] == [f"p{i}" for i in range(4) for _ in range(3)]
     assert {n: (f["new_tokens"], f["target_passes"], f["tau"]) for n, f in out.items()} == {
         n: (12, 8, 1.5) for n in heads}
+
+
+# ---------------------------------------------------------------------- the target as deployed (a weight format)
+def _shard_answers(data: Path) -> dict[str, list[list[int]]]:
+    return {p.stem: [s.tolist() for s in store.SequenceShard.load(p).sequences]
+            for p in sorted((data / "answers").glob("*.npz"))}
+
+
+def _answers_of(target, prompts: list[str], config: AnswerConfig) -> dict[str, list[list[int]]]:
+    """What campaign_answers asks of `target` for every shard: the reference the stage must equal."""
+    out = {}
+    for split, temperature in (("greedy", 0.0), ("sampled", config.temperature)):
+        for k, lo in enumerate(range(0, len(prompts), config.shard_size)):
+            recs = teacher_answers.build_dataset(target, prompts[lo : lo + config.shard_size], config.max_new_tokens,
+                                                 batch_size=config.batch_size, temperature=temperature,
+                                                 seed=config.seed * 100_003 + k, max_prompt_tokens=config.max_prompt_tokens)
+            out[store.shard_name(split, k)] = [r.input_ids.tolist() for r in recs]
+    return out
+
+
+def test_a_campaign_for_a_weight_format_answers_with_that_target_and_refuses_another(tiny_target, tmp_path, viasd_home):
+    """The default campaign is today's (float32 answers, no record written); --quant int4 on its
+    prompts writes the int4 target's answers, records the format and the prompts it used, trains
+    a head that names its format, and refuses a resume with another format or changed prompts."""
+    (tmp_path / "dev.jsonl").write_text(json.dumps({"category": "qa", "prompt": "What is the w3 of w4 ?"}) + "\n")
+    (tmp_path / "extra.jsonl").write_text("".join(json.dumps({"category": "text", "prompt": f"w{i} w{i + 1} w{2 * i} ?"}) + "\n"
+                                                 for i in range(10, 20)))
+    base = tiny_config(tiny_target, tmp_path / "f32", tmp_path)
+    run_campaign(base, until="answers")
+    prompts_file = base.data / "prompts.jsonl"
+    texts = [p.text for p in load_prompts(prompts_file)]
+    f32 = _answers_of(load_model(str(tiny_target), dtype="float32"), texts, base.answers)
+    assert _shard_answers(base.data) == f32  # the default: the float32 target, as before the format existed
+    assert not (base.data / "campaign.json").exists() and not (base.work / "campaign.json").exists()
+
+    q = replace(base, data=tmp_path / "i4" / "data", work=tmp_path / "i4" / "work", quant="int4", prompts_from=prompts_file)
+    logs: list[str] = []
+    run_campaign(q, until="answers", log=logs.append)
+    int4 = load_model(str(tiny_target), quant="int4")
+    assert int4.model.dtype == torch.bfloat16
+    assert _shard_answers(q.data) == _answers_of(int4, texts, q.answers)
+    assert _shard_answers(q.data) != f32  # the format was used: the float32 answers differ
+    assert not (q.data / "prompts.jsonl").exists() and not (q.data / "prompts").exists()  # referenced, not copied
+    lines = prompts_file.read_bytes().splitlines(keepends=True)
+    assert json.loads((q.data / "campaign.json").read_text()) == {"target_format": "int4", "prompts_from": {
+        "path": "../../f32/data/prompts.jsonl", "count": len(texts), "sha256": hashlib.sha256(b"".join(lines)).hexdigest()}}
+    assert json.loads((q.work / "campaign.json").read_text()) == {"target_format": "int4"}
+    assert any(m.startswith(f"prompts: {len(texts)} prompts of ") for m in logs)
+    assert status(q)[0].endswith("target format int4") and status(q)[1].startswith(f"answers: greedy {len(f32) // 2}/{len(f32) // 2} shards")
+
+    before = _files(q.data)
+    for other, held in ((replace(q, quant="none"), "int4"), (replace(q, quant="int8"), "int4"),
+                        (replace(base, quant="int4"), "float32")):  # the float32 folders hold no record
+        with pytest.raises(UsageError, match=f"holds a campaign of the {held} target, not the"):
+            run_campaign(other, until="answers")
+    with pytest.raises(UsageError, match="uses the prompts of"):
+        run_campaign(replace(q, prompts_from=tmp_path / "extra.jsonl"), until="answers")
+    with pytest.raises(UsageError, match="evaluation measures heads on the float32 target only"):
+        run_campaign(q)
+    assert _files(q.data) == before and not (base.data / "campaign.json").exists()  # nothing written by a refused run
+
+    # prompts appended upstream (a later round) leave the lines used alone: accepted, nothing redone
+    prompts_file.write_text(prompts_file.read_text() + json.dumps({"category": "qa", "prompt": "w1 w2 ?"}) + "\n")
+    logs.clear()
+    run_campaign(q, until="answers", log=logs.append)
+    assert _files(q.data) == before and not any(" tokens in " in m for m in logs)
+    # a used prompt changed: refused
+    prompts_file.write_text(prompts_file.read_text().replace("?", "!", 1))
+    with pytest.raises(UsageError, match=f"the first {len(texts)} prompts of .* changed since this campaign used them"):
+        run_campaign(q, until="answers")
+    prompts_file.write_bytes(b"".join(lines))
+
+    # the features come from the int4 target; the head records the format it was trained for
+    run_campaign(q, until="train")
+    shard = store.SequenceShard.load(q.data / "answers" / "greedy-00000.npz")
+    recs = eagle_train.teacher_pass(int4.model, [(s.tolist(), p, "") for s, p in zip(shard.sequences, shard.prompt_lens)],
+                                    eagle_train.default_feature_layers(4), batch_size=q.teacher_batch_size)
+    stored = store.FeatureShard(q.work / "features" / "greedy-00000").rows(0, shard.positions)
+    assert torch.equal(stored[0], torch.cat([r.features for r in recs]))
+    assert torch.equal(stored[1], torch.cat([r.top_ids for r in recs]))
+    record = json.loads((q.work / "heads" / "data" / "config.json").read_text())["viasd_training"]
+    assert record["target_format"] == "int4"
+
+
+def test_packed_answers_hold_the_widened_weights_once_and_the_numbers_stay(tiny_target, monkeypatch):
+    """build_dataset on an int4 target holds every layer's widened weight for the whole call (a
+    batch of 17 rows or more takes the dense product); the answers equal those widened per pass."""
+    from viasd_core.decoding.weight_formats import PackedLinear
+
+    target = load_model(str(tiny_target), quant="int4")
+    texts = [f"w{i} w{i + 3} w{2 * i} ?" for i in range(10, 30)]
+    plain_generate = teacher_answers.generate_batch
+    holding: list[bool] = []
+
+    def spy(model, *a, **k):
+        holding.append(all(m.holding for m in model.modules() if isinstance(m, PackedLinear)))
+        return plain_generate(model, *a, **k)
+
+    monkeypatch.setattr(teacher_answers, "generate_batch", spy)
+    for temperature in (0.0, 0.8):
+        held = teacher_answers.build_dataset(target, texts, 12, batch_size=20, temperature=temperature, seed=3)
+        assert holding == [True]
+        with monkeypatch.context() as m:
+            m.setattr(teacher_answers, "_widened_once", lambda model: contextlib.nullcontext())
+            plain = teacher_answers.build_dataset(target, texts, 12, batch_size=20, temperature=temperature, seed=3)
+        assert holding == [True, False]
+        assert [r.input_ids.tolist() for r in held] == [r.input_ids.tolist() for r in plain]
+        assert [r.labels.tolist() for r in held] == [r.labels.tolist() for r in plain]
+        holding.clear()
+    assert not any(m.holding for m in target.model.modules() if isinstance(m, PackedLinear))  # dropped after the call

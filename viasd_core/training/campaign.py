@@ -17,10 +17,21 @@ atomically) and is skipped once done:
 `data` is committed (prompts and token ids are costly to make: hours of generation on a CPU);
 `work` is not (features take gigabytes; checkpoints and heads are rebuilt from `data`). Prompts with
 index % held_out_every == 0 are held out: never trained on, their greedy answers pick the best weights.
+
+The target's weight format (`quant`: none, int8 or int4) is the one the head will draft for: the
+answers and features (and so the on-policy rejections, simulated on them) come from the target in
+that format. `none` is the float32 target, the first campaign's. Another format is recorded in
+`data/campaign.json` and `work/campaign.json`, which may also name another campaign's prompts
+(`prompts_from`: the file by path from the data folder, the number of prompts used and a checksum
+of their lines) instead of writing new ones; a run that asks for another format than its folders
+hold is refused. A folder without the record holds a float32 campaign (made before the record).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -28,6 +39,7 @@ from typing import Callable, Optional
 import torch
 
 from viasd_core import paths
+from viasd_core.decoding.weight_format import WeightFormat
 from viasd_core.decoding.eagle_files import load_feature_head
 from viasd_core.errors import UsageError
 from viasd_core.loading.models import load_model
@@ -60,6 +72,8 @@ class CampaignConfig:
     threads: int = 1
     on_policy_stage: bool = True  # False: evaluate the data head alone (the fine-tune is left for a later run)
     ship_to: Optional[Path] = None  # the shipped head: measured, and replaced only by a better one
+    quant: str = "none"  # the target's weight format for answers and features: none (float32), int8, int4
+    prompts_from: Optional[Path] = None  # another campaign's prompts.jsonl, used instead of a prompt stage
 
     def held_out(self, prompt_index: int) -> bool:
         return prompt_index % self.held_out_every == 0
@@ -70,29 +84,41 @@ def run_campaign(config: CampaignConfig, until: Optional[str] = None, log: Calla
     if until is not None and until not in STAGES:
         raise UsageError(f"unknown stage '{until}': use one of {', '.join(STAGES)}")
     stop = STAGES.index(until) if until else len(STAGES) - 1
+    fmt = WeightFormat.parse(config.quant)
+    if fmt.name != "none" and stop >= STAGES.index("eval"):
+        raise UsageError(f"the evaluation measures heads on the float32 target only: run the --quant {fmt} "
+                         "campaign with --until on_policy")
     torch.set_num_threads(config.threads)
     data, work = Path(config.data), Path(config.work)
-    target = load_model(config.target, dtype="float32")
-    model = target.model
-    layers = default_feature_layers(model.config.num_hidden_layers)
-    prompts_file = run_prompt_stage(target, data, config.prompts, log)
+    source = check_record(config)
+    target = load_model(config.target, dtype="float32" if fmt.name == "none" else None, quant=fmt)
+    layers = default_feature_layers(target.model.config.num_hidden_layers)
+    if source is None:
+        prompts_file = run_prompt_stage(target, data, config.prompts, log)
+        prompts = load_prompts(prompts_file)
+    else:
+        log(f"prompts: {source[1]} prompts of {source[0]} (campaign.json)")
+        prompts = load_prompts(source[0], limit=source[1])
     if stop < 1:
         return {}
-    run_answer_stage(target, data, prompts_file, config.answers, log)
+    run_answer_stage(target, data, prompts, config.answers, log)
     if stop < 2:
         return {}
-    prompts = load_prompts(prompts_file)
     shards = [p for split in SPLITS for p in answer_shards(data, split, len(prompts), config.answers)]
     features = work / "features"
-    run_feature_stage(model, layers, shards, features, config.teacher_batch_size, log)
+    run_feature_stage(target.model, layers, shards, features, config.teacher_batch_size, log)
     if stop < 3:
         return {}
+    if fmt.name != "none":  # the head starts from the float32 target's output rows and trains in float32
+        del target
+        target = load_model(config.target, dtype="float32")
+    model = target.model
     categories = [p.category for p in prompts]
     train = CampaignRecords(shards, features, keep=lambda i: not config.held_out(i), categories=categories)
     held = CampaignRecords(answer_shards(data, "greedy", len(prompts), config.answers), features,
                            keep=config.held_out, categories=categories)
     eos = target.tokenizer.eos_token_id
-    data_head = train_on_data(model, layers, train, held, config.train, work, eos, log)
+    data_head = train_on_data(model, layers, train, held, config.train, work, eos, log, target_format=fmt.name)
     if stop < 4:
         return {}
     if not config.on_policy_stage:
@@ -143,12 +169,17 @@ def evaluate(config: CampaignConfig, target, layers, heads: dict[str, Path], log
 def status(config: CampaignConfig) -> list[str]:
     """One line per stage: how far it got (read from the files alone, nothing is loaded)."""
     data, work = Path(config.data), Path(config.work)
-    raw = raw_shards(data, config.prompts)
-    lines = [f"prompts: {sum(p.exists() for p in raw)}/{len(raw)} request shards"
-             + (f", {len(load_prompts(data / PROMPTS))} prompts kept" if (data / PROMPTS).exists() else "")]
-    if not (data / PROMPTS).exists():
-        return lines
-    n = len(load_prompts(data / PROMPTS))
+    source = _prompt_source(data)
+    if source is not None:
+        lines = [f"prompts: {source[1]} prompts of {source[0]}, target format {_recorded(data)['target_format']}"]
+        n = source[1]
+    else:
+        raw = raw_shards(data, config.prompts)
+        lines = [f"prompts: {sum(p.exists() for p in raw)}/{len(raw)} request shards"
+                 + (f", {len(load_prompts(data / PROMPTS))} prompts kept" if (data / PROMPTS).exists() else "")]
+        if not (data / PROMPTS).exists():
+            return lines
+        n = len(load_prompts(data / PROMPTS))
     shards = {split: answer_shards(data, split, n, config.answers) for split in SPLITS}
     done = [p for split in SPLITS for p in shards[split] if p.exists()]
     gen = sum(store.SequenceShard.load(p).generated for p in done)
@@ -164,3 +195,82 @@ def status(config: CampaignConfig) -> list[str]:
                  + (", head saved" if (work / "heads" / "on_policy").exists() else ""))
     lines.append("eval: " + ("done" if (data / "eval-report.json").exists() else "not yet"))
     return lines
+
+
+# ---------------------------------------------------------------------- the campaign's record
+RECORD = "campaign.json"
+
+
+def _recorded(folder: Path) -> Optional[dict]:
+    path = Path(folder) / RECORD
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _prompt_source(data: Path) -> Optional[tuple[Path, int]]:
+    """(prompts file, prompts used) when the record names another campaign's prompts."""
+    rec = _recorded(data) or {}
+    src = rec.get("prompts_from")
+    return None if src is None else ((Path(data) / src["path"]).resolve(), int(src["count"]))
+
+
+def prompt_lines_sha256(path: Path, count: int) -> str:
+    """sha256 of the first `count` lines of `path` (a campaign's prompts.jsonl only grows at its end:
+    later rounds append, a change to a kept prompt is refused, so the lines used stay these)."""
+    lines = Path(path).read_bytes().splitlines(keepends=True)
+    if len(lines) < count:
+        raise UsageError(f"{path} has {len(lines)} lines, fewer than the {count} prompts this campaign used")
+    return hashlib.sha256(b"".join(lines[:count])).hexdigest()
+
+
+def _has_campaign_files(folder: Path) -> bool:
+    return any((Path(folder) / part).exists() for part in ("prompts", PROMPTS, "answers", "features", "train", "heads"))
+
+
+def check_record(config: CampaignConfig) -> Optional[tuple[Path, int]]:
+    """Check (or write) the record of the target's format in the data and work folders; returns the
+    prompts named by the record (file, number used), or None when the campaign writes its own.
+
+    A folder without a record that holds campaign files was made by the float32 target; a run
+    asking for another format than a folder holds is refused (its answers or features would mix two
+    targets). The default format writes no record, so a float32 campaign's folders stay as they were."""
+    fmt = WeightFormat.parse(config.quant).name
+    data, work = Path(config.data), Path(config.work)
+    for folder in (data, work):
+        rec = _recorded(folder)
+        held = rec["target_format"] if rec else ("none" if _has_campaign_files(folder) else None)
+        if held is not None and held != fmt:
+            raise UsageError(f"{folder} holds a campaign of the {_format_words(held)} target, not the "
+                             f"{_format_words(fmt)} one: resume it with --quant {held}, or use another folder")
+    rec = _recorded(data)
+    want_from = None
+    if config.prompts_from is not None:
+        src = Path(config.prompts_from).resolve()
+        recorded = _prompt_source(data)
+        if recorded is not None:
+            if recorded[0] != src:
+                raise UsageError(f"{data} uses the prompts of {recorded[0]}, not {src}")
+        elif (data / PROMPTS).exists() or (data / "answers").exists():
+            raise UsageError(f"{data} already holds its own prompts or answers: it cannot take {src}'s")
+        else:
+            count = len(load_prompts(src))
+            data.mkdir(parents=True, exist_ok=True)
+            want_from = {"path": os.path.relpath(src, data.resolve()), "count": count,
+                         "sha256": prompt_lines_sha256(src, count)}
+    if want_from is not None or (rec is None and fmt != "none"):
+        data.mkdir(parents=True, exist_ok=True)
+        rec = {**(rec or {"target_format": fmt}), **({"prompts_from": want_from} if want_from else {})}
+        paths.atomic_write_json(data / RECORD, rec)
+    if fmt != "none" and _recorded(work) is None:
+        work.mkdir(parents=True, exist_ok=True)
+        paths.atomic_write_json(work / RECORD, {"target_format": fmt})
+    source = _prompt_source(data)
+    if source is not None:
+        digest = prompt_lines_sha256(*source)
+        if digest != rec["prompts_from"]["sha256"]:
+            raise UsageError(f"the first {source[1]} prompts of {source[0]} changed since this campaign used them "
+                             f"(sha256 {digest[:12]}, recorded {rec['prompts_from']['sha256'][:12]})")
+    return source
+
+
+def _format_words(fmt: str) -> str:
+    return "float32" if fmt == "none" else fmt

@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from viasd_core.loading.models import Loaded
-from viasd_core.loading.prompts import load_prompts
+from viasd_core.loading.prompts import Prompt, load_prompts
 from viasd_core.training import campaign_store as store
 from viasd_core.training.teacher_answers import build_dataset
 
@@ -37,10 +37,12 @@ def answer_shards(data: Path, split: str, n_prompts: int, config: AnswerConfig) 
     return [data / "answers" / f"{store.shard_name(split, k)}.npz" for k in range(count)]
 
 
-def run_answer_stage(target: Loaded, data: Path, prompts_file: Path, config: AnswerConfig,
+def run_answer_stage(target: Loaded, data: Path, prompts: Path | Sequence[Prompt], config: AnswerConfig,
                      log: Callable[[str], None]) -> None:
-    """Generate every missing answer shard of both splits (greedy first)."""
-    prompts = load_prompts(prompts_file)
+    """Generate every missing answer shard of both splits (greedy first) for `prompts` (a prompts
+    file, or the prompts themselves), with the target as loaded (its weight format included)."""
+    if isinstance(prompts, (str, Path)):
+        prompts = load_prompts(prompts)
     vocab = int(target.model.config.vocab_size)
     for split in SPLITS:
         temperature = 0.0 if split == "greedy" else config.temperature

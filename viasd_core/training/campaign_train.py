@@ -70,8 +70,9 @@ def _save(head: FeatureHead, folder: Path, info: dict) -> Path:
 
 
 def train_on_data(model, layers: Sequence[int], train: CampaignRecords, held: CampaignRecords, config: TrainConfig,
-                  work: Path, eos: Optional[int], log: Callable[[str], None]) -> Path:
-    """Train (or resume) the head on `train`; returns its folder (`work/heads/data`). With
+                  work: Path, eos: Optional[int], log: Callable[[str], None], target_format: str = "none") -> Path:
+    """Train (or resume) the head on `train`; returns its folder (`work/heads/data`). Its
+    `viasd_training` record names the target's weight format the data came from (`target_format`). With
     `config.data.extend`, a finished training planned for fewer steps goes on (a warm restart); the
     head it had made is kept as `work/heads/data-<its steps>`, and whatever the on-policy stage made
     from that head is moved to `work/on_policy-from-data-<its steps>/`."""
@@ -105,7 +106,8 @@ def train_on_data(model, layers: Sequence[int], train: CampaignRecords, held: Ca
     result = eagle_train.train_head(head, train, config.data, checkpoint=checkpoint,
                                     eval_fn=_held_score(held_few) if held_few else None, log=log,
                                     lengths=train.lengths())
-    info = {"recipe": "viasd training campaign: data", "sequences": len(train), "positions": all_pos,
+    info = {"recipe": "viasd training campaign: data", "target_format": target_format,
+            "sequences": len(train), "positions": all_pos,
             "generated_positions": gen_pos, "held_out_sequences": len(held), "feature_layers": list(layers),
             "train": {k: v for k, v in result.items() if k != "losses"}, "config": asdict(config.data)}
     return _save(head, folder, info)
