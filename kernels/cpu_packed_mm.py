@@ -40,6 +40,7 @@ MAX_ROWS, BLOCK, MAX_GROUP, MAX_K8 = 16, 64, 256, 8192  # the C file's limits (t
 PORTABLE_BLOCKS = (64, 32)  # the int4 layouts the portable way takes: PyTorch's AVX-512 and AVX2 blocks
 BF16_WAY = "AVX-512 BF16 pair dot products"
 PORTABLE_WAY = "float32 FMA over widened weights (portable)"
+PORTABLE_NO_FMA_WAY = "float32 multiply-adds over widened weights (portable, no FMA)"  # a build without FMA
 
 _why_not: dict[Path, str] = {}
 _ways: dict[Path, str] = {}
@@ -72,7 +73,7 @@ def _functions_for(build_dir: Path) -> _Way | None:
                     cpu_build.function(SOURCE, build_dir, "viasd_int8_mm"), MAX_K8, 32)
     _why_not[build_dir] = _bf16_why_not()
     fused = cpu_build.function(SOURCE, build_dir, "viasd_packed_mm_fma")()
-    _ways[build_dir] = PORTABLE_WAY if fused else PORTABLE_WAY.replace("FMA", "multiply-adds (no FMA)")
+    _ways[build_dir] = PORTABLE_WAY if fused else PORTABLE_NO_FMA_WAY
     return _Way(_ways[build_dir], {b: cpu_build.function(SOURCE, build_dir, f"viasd_int4_mm_portable{b}")
                                    for b in PORTABLE_BLOCKS},
                 cpu_build.function(SOURCE, build_dir, "viasd_int8_mm_portable"), None, 16)
