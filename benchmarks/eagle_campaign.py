@@ -4,6 +4,7 @@
     python benchmarks/eagle_campaign.py run --until answers
     python benchmarks/eagle_campaign.py status   # how far it got, from the files alone
     python benchmarks/eagle_campaign.py answer-speed --specs int4:32 none:32   # answer tokens/s by format and batch
+    python benchmarks/eagle_campaign.py answer-agreement --quant int4 --shard S.npz -n 32   # stored answers vs the deployed target
     python benchmarks/eagle_campaign.py run --slice --data out/slice/data --work out/slice/work   # a small end-to-end run
 
 Committed data goes to --data (default data/campaign-smollm2-135m: prompts, answer token ids, the
@@ -112,9 +113,44 @@ def answer_speed(args) -> None:
                           "tokens_per_s": round(n / dt, 1)}), flush=True)
 
 
+def answer_agreement(args) -> None:
+    """How often stored greedy answers are the deployed target's greedy choice: each of a shard's
+    first -n sequences is fed through viasd's own pass (FastModel) with the target at --quant, the
+    answer in passes of --rows tokens after the prompt's prefill (1: as decoding feeds it), and the
+    positions whose argmax is the stored token are counted. One JSON line on stdout."""
+    import json
+
+    import torch
+
+    from viasd_core.decoding.model import FastModel
+    from viasd_core.loading.models import load_model
+    from viasd_core.training import campaign_store as store
+
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.target, device="cpu", quant=args.quant, dtype="float32" if args.quant == "none" else None)
+    fm = FastModel(loaded.model, max_len=4096)
+    hits = total = whole = count = 0
+    for shard in args.shard:
+        seqs = store.SequenceShard.load(Path(shard))
+        for seq, plen in list(zip(seqs.sequences, seqs.prompt_lens))[: args.n]:
+            fed = torch.from_numpy(seq.astype("int64"))
+            answer = fed[plen:]
+            fm.reset()
+            fm.forward(fed[: plen - 1], 0)
+            starts = range(plen - 1, len(fed) - 1, args.rows)
+            pred = torch.cat([fm.forward(fed[i : min(i + args.rows, len(fed) - 1)], i, min(args.rows, len(fed) - 1 - i)).argmax(-1)
+                              for i in starts])
+            same = int((pred == answer).sum())
+            hits, total, whole, count = hits + same, total + len(answer), whole + (same == len(answer)), count + 1
+    print(json.dumps({"shards": args.shard, "quant": args.quant, "rows_a_pass": args.rows, "sequences": count,
+                      "positions": total, "agreement": round(hits / total, 4), "sequences_all_equal": whole}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("action", choices=["run", "status", "answer-speed"])
+    ap.add_argument("action", choices=["run", "status", "answer-speed", "answer-agreement"])
+    ap.add_argument("--shard", nargs="+", default=[], help="answer-agreement: answer shards (.npz) to teacher-force")
+    ap.add_argument("--rows", type=int, default=1, help="answer-agreement: answer tokens a pass after the prefill")
     ap.add_argument("--specs", nargs="+", default=["int4:32", "none:32"],
                     help="answer-speed: FORMAT:BATCH[:plain] to time, in order")
     ap.add_argument("--prompts", default=str(ROOT / "data/campaign-smollm2-135m/prompts.jsonl"),
@@ -146,6 +182,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.action == "answer-speed":
         answer_speed(args)
+        return
+    if args.action == "answer-agreement":
+        answer_agreement(args)
         return
     cfg = config(args)
     if args.action == "status":
