@@ -18,6 +18,7 @@ import platform
 
 import pytest
 import torch
+from row_checks import rows_alone_equal
 from viasd_kernels import cpu_build, cpu_f32_mm as fm
 
 
@@ -86,27 +87,6 @@ def within_rounding(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: t
     steps = w.shape[1] // fm.LANES + 4 + 2
     bound = magnitude * steps * 2.0**-24 + ref.abs() * 2.0**-24 + 1e-37
     assert ((got.double() - ref).abs() <= bound).all()
-
-
-WIDTHS = range(1, fm.MAX_ROWS + 1)
-
-
-def rows_alone_equal(bound, x: torch.Tensor) -> torch.Tensor:
-    """Every row of x through `bound` is bit for bit the row computed alone on one thread, in passes
-    of every width from 1 to MAX_ROWS (from both ends of x) and on 1 and 2 threads. Returns the
-    rows computed alone."""
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.cat([bound(x[i : i + 1].contiguous()) for i in range(x.shape[0])])
-        for t in (1, 2):
-            torch.set_num_threads(t)
-            for m in WIDTHS:
-                assert torch.equal(bound(x[:m].contiguous()), alone[:m]), (m, t)
-                assert torch.equal(bound(x[-m:].contiguous()), alone[-m:]), (m, t)
-    finally:
-        torch.set_num_threads(threads)
-    return alone
 
 
 # the lm_head, k/v, down shapes of SmolLM2-135M; K not a multiple of 64; N off the output tiles
