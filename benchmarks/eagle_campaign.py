@@ -117,7 +117,9 @@ def answer_agreement(args) -> None:
     """How often stored greedy answers are the deployed target's greedy choice: each of a shard's
     first -n sequences is fed through viasd's own pass (FastModel) with the target at --quant, the
     answer in passes of --rows tokens after the prompt's prefill (1: as decoding feeds it), and the
-    positions whose argmax is the stored token are counted. One JSON line on stdout."""
+    positions whose argmax is the stored token are counted; with --teacher-quant, also the positions
+    where the feature stage's label (teacher_pass's top-1 at that format) is that argmax. One JSON
+    line on stdout."""
     import json
 
     import torch
@@ -126,13 +128,25 @@ def answer_agreement(args) -> None:
     from viasd_core.loading.models import load_model
     from viasd_core.training import campaign_store as store
 
+    from viasd_core.training import eagle_train
+
+    def load(quant: str):
+        return load_model(args.target, device="cpu", quant=quant, dtype="float32" if quant == "none" else None)
+
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.target, device="cpu", quant=args.quant, dtype="float32" if args.quant == "none" else None)
+    loaded = load(args.quant)
     fm = FastModel(loaded.model, max_len=4096)
+    layers = eagle_train.default_feature_layers(loaded.model.config.num_hidden_layers)
+    teachers = {q: load(q).model for q in args.teacher_quant}
     hits = total = whole = count = 0
+    labels = {q: 0 for q in teachers}
     for shard in args.shard:
         seqs = store.SequenceShard.load(Path(shard))
-        for seq, plen in list(zip(seqs.sequences, seqs.prompt_lens))[: args.n]:
+        pairs = list(zip(seqs.sequences, seqs.prompt_lens))[: args.n]
+        # the feature stage's labels (teacher_pass's top-1, batches of 8) at each --teacher-quant
+        taught = {q: eagle_train.teacher_pass(m, [(s.tolist(), p, "") for s, p in pairs], layers, batch_size=8)
+                  for q, m in teachers.items()}
+        for k, (seq, plen) in enumerate(pairs):
             fed = torch.from_numpy(seq.astype("int64"))
             answer = fed[plen:]
             fm.reset()
@@ -142,8 +156,12 @@ def answer_agreement(args) -> None:
                               for i in starts])
             same = int((pred == answer).sum())
             hits, total, whole, count = hits + same, total + len(answer), whole + (same == len(answer)), count + 1
+            for q, recs in taught.items():
+                labels[q] += int((recs[k].top_ids[plen - 1 : len(fed) - 1, 0] == pred).sum())
     print(json.dumps({"shards": args.shard, "quant": args.quant, "rows_a_pass": args.rows, "sequences": count,
-                      "positions": total, "agreement": round(hits / total, 4), "sequences_all_equal": whole}), flush=True)
+                      "positions": total, "agreement": round(hits / total, 4), "sequences_all_equal": whole,
+                      **({"feature_labels_agreement": {q: round(n / total, 4) for q, n in labels.items()}} if labels else {})}),
+          flush=True)
 
 
 def main() -> None:
@@ -151,6 +169,9 @@ def main() -> None:
     ap.add_argument("action", choices=["run", "status", "answer-speed", "answer-agreement"])
     ap.add_argument("--shard", nargs="+", default=[], help="answer-agreement: answer shards (.npz) to teacher-force")
     ap.add_argument("--rows", type=int, default=1, help="answer-agreement: answer tokens a pass after the prefill")
+    ap.add_argument("--teacher-quant", nargs="*", default=[],
+                    help="answer-agreement: also the feature stage's labels (teacher_pass's top-1) made at these formats "
+                         "against the deployed target's greedy token")
     ap.add_argument("--specs", nargs="+", default=["int4:32", "none:32"],
                     help="answer-speed: FORMAT:BATCH[:plain] to time, in order")
     ap.add_argument("--prompts", default=str(ROOT / "data/campaign-smollm2-135m/prompts.jsonl"),
