@@ -20,6 +20,7 @@ import os
 
 import pytest
 import torch
+from row_checks import rows_alone_equal
 from test_kernels_cpu_int4_widen import case, pack
 from viasd_kernels import cpu_build, cpu_packed_mm as pm
 
@@ -77,9 +78,6 @@ def rounding_bound(ref: torch.Tensor, abs_products: torch.Tensor) -> torch.Tenso
     return ref.abs() * 2.0**-8 + abs_products * 2.0**-18 + 1e-30
 
 
-ROWS = tuple(range(1, 17))
-
-
 def activations(rows: int, k: int, seed: int) -> torch.Tensor:
     """bfloat16 rows whose values span 2^-12 to 2^12, so that float32 sums of their products round
     (and a change of summation order shows)."""
@@ -100,22 +98,6 @@ def residual_added(bound, x: torch.Tensor) -> None:
         if bad.shape != residual.shape or bad.dtype != residual.dtype or not bad.is_contiguous():
             with pytest.raises(ValueError, match="residual"):
                 bound(rows, bad)
-
-
-def rows_alone_equal(bound, x: torch.Tensor) -> None:
-    """Every row of x through `bound` is bit for bit the row computed alone on one thread, in passes
-    of each width in ROWS (from both ends of x) and on 1 and 2 threads."""
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        alone = torch.cat([bound(x[i : i + 1].contiguous()) for i in range(x.shape[0])])
-        for t in (1, 2):
-            torch.set_num_threads(t)
-            for m in ROWS:
-                assert torch.equal(bound(x[:m].contiguous()), alone[:m]), (m, t)
-                assert torch.equal(bound(x[-m:].contiguous()), alone[-m:]), (m, t)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("block", [64, 32])
