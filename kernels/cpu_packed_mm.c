@@ -37,8 +37,8 @@
  * here; PyTorch rounds nothing to bfloat16 but multiplies in float32).
  *
  * Built once per machine by viasd_kernels/cpu_packed_mm.py; where the compiler does not target
- * AVX-512 BF16 and VBMI (int4_pair's byte picks; Cooper Lake has BF16 without VBMI) the functions
- * return -2 and the engine keeps PyTorch's kernels.
+ * AVX-512 BF16 and VBMI (int4_pair's byte picks; Cooper Lake has BF16 without VBMI) these functions
+ * return -2 and the engine takes the portable products at the end of this file instead.
  */
 #include <stdint.h>
 #include <stdlib.h>
