@@ -128,7 +128,7 @@ def int4_bound(n, k, seed, build_dir):
 def front(build_dir):
     """A layer front over random int4 weights: hidden 64, 4 heads and 2 KV heads of 16, 40 slots."""
     if not pm.available(build_dir):
-        assert pm.why_not(build_dir) == "this CPU has no AVX-512 BF16 instructions" or not os.environ.get("CI")
+        assert not os.environ.get("CI"), f"the packed products must build in CI: {pm.why_not(build_dir)}"
         pytest.skip(f"the layer kernel needs the packed products: {pm.why_not(build_dir)}")
     g = torch.Generator().manual_seed(0)
     norms = [rn.bind(torch.nn.Parameter(torch.randn(64, generator=g).to(bf)), 1e-6, build_dir=build_dir)

@@ -171,7 +171,7 @@ def short_products_way() -> str:
     if not PACKED_KERNEL:
         return "PyTorch's kernels (the packed products are turned off)"
     if cpu_packed_mm.available(paths.kernel_dir()):
-        return "viasd_kernels' packed products (each weight widened once a pass, AVX-512 BF16 dot products)"
+        return f"viasd_kernels' packed products (each weight widened once a pass: {cpu_packed_mm.way(paths.kernel_dir())})"
     return f"PyTorch's kernels: {cpu_packed_mm.why_not(paths.kernel_dir())}"
 
 
