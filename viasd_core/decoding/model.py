@@ -139,16 +139,10 @@ class FastModel(attention.CachedPositions, TreePasses):
             self.dtype = torch.float32
         self.quantized = getattr(hf_model, "hf_quantizer", None) is not None  # bitsandbytes
         self.weight_format = has_weight_format(hf_model)  # int8/int4 weight-only (weight_formats.PackedLinear)
-        # Whether eager short passes are row-invariant: each position attends over exactly its keys
-        # (row attention) and multiplies through products that compute each row alike at any row
-        # count (short_products' `invariant` way for float layers; the int8/int4 layers' own kernels),
-        # so a token's logits do not depend on the pass it is in and plain decoding and block
-        # verification compute the same numbers (sd == ar). On a CPU a pass's attention rounds
-        # differently with the number of queries and keys in the call (up to 0.4 in a logit of
-        # SmolLM2 int4), and float32 F.linear with its number of rows (every row of SmolLM2's 2-16
-        # row passes differed from the row alone, by up to 1e-4). Not bitsandbytes (its CPU kernels
-        # round by row count: not promised) nor CUDA (not measured). A model whose tokens need not
-        # match another pass's (a slim view: slim_view.slim_verifier) may turn it off.
+        # Whether eager short passes are row-invariant, so that plain decoding and block verification
+        # compute the same numbers (sd == ar): attention by row, products that compute each row alike
+        # at any row count. Not bitsandbytes (its CPU kernels round by row count) nor CUDA (not
+        # measured); a slim view turns it off. docs/exactness.md says why and what was measured.
         self._short_rows = DEFAULT
         self.row_attention = not self.quantized and self.device.type != "cuda"
         # int8/int4 on CPU: q/k/v and gate/up as one product each (fused_projections.py)
