@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES, tiny_model
-from viasd_core import paths
+from viasd_core import cpu_isa, paths
 from viasd_core.decoding.exactness import note, promise
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.tree import TokenTree, ancestor_matrix
@@ -175,7 +175,9 @@ def _report_under_this_cap() -> None:
     torch.set_num_threads(2)
     out = {"isa": cpu_build.isa_class(), "aten": torch.backends.cpu.get_cpu_capability(),
            "packed_mm": cpu_packed_mm.way(paths.kernel_dir()),
-           "f32_mm": cpu_f32_mm.bind(torch.zeros(16, 16), build_dir=paths.kernel_dir()) is not None}
+           "f32_mm": cpu_f32_mm.bind(torch.zeros(16, 16), build_dir=paths.kernel_dir()) is not None,
+           "mkl": os.environ.get("MKL_ENABLE_INSTRUCTIONS")}
+    torch.randn(8, 8) @ torch.randn(8, 8)  # MKL's first call: with MKL_VERBOSE=1 it names the code path it took
     for fmt in FORMATS:
         out[fmt] = width_dependent_rows(target("qwen2", fmt), tokens(PROMPT + SPAN + 8, seed=9))
     print(json.dumps(out, default=str))
@@ -185,9 +187,9 @@ def _report_under_this_cap() -> None:
 def test_each_instruction_set_class_is_row_invariant(cap, tmp_path):
     """VIASD_MAX_CPU_ISA makes this CPU build viasd's kernels, and dispatch PyTorch's, as a CPU of the
     lower class would: each class below this CPU's is checked here, whatever CPU runs the tests."""
-    env = {**os.environ, "VIASD_MAX_CPU_ISA": cap, "VIASD_HOME": str(tmp_path / "home")}
-    env.pop("ATEN_CPU_CAPABILITY", None)
-    env.pop("ONEDNN_MAX_CPU_ISA", None)
+    env = {**os.environ, "VIASD_MAX_CPU_ISA": cap, "VIASD_HOME": str(tmp_path / "home"), "MKL_VERBOSE": "1"}
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        env.pop(name, None)
     code = "import test_row_invariance as t; t._report_under_this_cap()"
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env, capture_output=True,
                           text=True, timeout=600)
@@ -199,4 +201,10 @@ def test_each_instruction_set_class_is_row_invariant(cap, tmp_path):
     if want in ("avx2", "avx512"):  # the packed products' portable way (their BF16 way needs AVX-512 BF16)
         assert report["aten"] == want.upper() and report["packed_mm"] == cpu_packed_mm.PORTABLE_WAY
     assert report["f32_mm"]  # the float32 product builds for every class (portable C)
+    if want in cpu_isa.MKL:  # MKL (float32 products) capped too; it names its code path where it obeys (Intel CPUs)
+        assert report["mkl"] == cpu_isa.MKL[want]
+        mkl_line = next((l for l in done.stdout.splitlines() if l.startswith("MKL_VERBOSE oneMKL")), "")
+        if torch.backends.mkl.is_available() and "GenuineIntel" in Path("/proc/cpuinfo").read_text():
+            named = {"avx2": "(Intel(R) AVX2) enabled", "avx512": "(Intel(R) DL Boost), ", "avx512_bf16": "and bfloat16, "}
+            assert named[want] in mkl_line, mkl_line
     assert {fmt: report[fmt] for fmt in FORMATS} == {fmt: {} for fmt in FORMATS}
