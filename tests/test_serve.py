@@ -87,6 +87,12 @@ def test_stop_strings_are_never_streamed(session, tiny_dirs, viasd_home):  # noq
         assert whole.choices[0].finish_reason == chunks[-1].choices[0].finish_reason == "stop"
         comp = c.completions.create(model="target", prompt="w5 w4 w3", max_tokens=16, stop=" ")
         assert comp.choices[0].text.strip() and " " not in comp.choices[0].text.strip()
+    # the server's --stop holds for every request without a `stop` of its own; `stop: []` asks for none
+    with running(session, GenerationConfig(mode="sd", max_new_tokens=16, stop=tuple(stops))) as (base, _):
+        c = client(base)
+        assert c.chat.completions.create(**chat_args(PROMPTS[0])).choices[0].message.content == ref["text"]
+        assert streamed_chat(c, PROMPTS[0])[0] == ref["text"]
+        assert c.chat.completions.create(**chat_args(PROMPTS[0], stop=[])).choices[0].message.content == free["text"]
 
 
 def test_a_multi_turn_client_reuses_the_kv_cache(session, tiny_dirs, viasd_home):  # noqa: F811

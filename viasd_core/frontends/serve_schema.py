@@ -122,10 +122,11 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _stops(body: dict) -> tuple[str, ...]:
+def _stops(body: dict, default: tuple[str, ...]) -> tuple[str, ...]:
+    """The request's own `stop` (an empty array: none), else the server's --stop."""
     value = body.get("stop")
     if value is None:
-        return ()
+        return default
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise bad_request("'stop' must be a string or an array of strings", "stop")
@@ -185,7 +186,7 @@ def _common(body: dict, served: ServedModel, kind: str, messages, prompt) -> Gen
         temperature=_number(body, "temperature", base.temperature, 0.0, 2.0),
         top_p=_number(body, "top_p", base.top_p, 0.0, 1.0, lo_open=True),
         top_k=_int(body, "top_k", base.top_k, lo=0), seed=_int(body, "seed", base.seed, lo=-(2**63), hi=2**64 - 1),
-        stop=_stops(body), thresholds=served.thresholds,
+        stop=_stops(body, base.stop), thresholds=served.thresholds,
     )
     try:
         config.validate()  # the engine's own rules (viasd is greedy-only, ...)
