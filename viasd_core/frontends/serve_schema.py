@@ -58,6 +58,7 @@ class GenRequest:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     model: str
+    template_kwargs: dict | None = None  # chat: chat_template_kwargs, extra variables for the template
 
 
 def parse_json(raw: bytes) -> dict:
@@ -224,7 +225,30 @@ def parse_chat(body: dict, served: ServedModel) -> GenRequest:
         out.append({"role": ROLES[role], "content": _text_content(m.get("content"), i)})
     if not any(m["content"].strip() for m in out):
         raise bad_request("every message is empty: give some text", "messages")
-    return _common(body, served, "chat", out, None)
+    request = _common(body, served, "chat", out, None)
+    request.template_kwargs = _template_kwargs(body)
+    return request
+
+
+# apply_chat_template's own parameters: chat_template_kwargs may not set them (only template variables)
+TEMPLATE_PARAMETERS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs"})
+
+
+def _template_kwargs(body: dict) -> dict | None:
+    """chat_template_kwargs: variables for the chat template, such as Qwen3's `enable_thinking: false`."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise bad_request(f"'chat_template_kwargs' must be an object, not {_kind(value)}", "chat_template_kwargs")
+    taken = sorted(TEMPLATE_PARAMETERS & value.keys())
+    if taken:
+        raise bad_request(f"'chat_template_kwargs' may set template variables only, not {', '.join(taken)}",
+                          "chat_template_kwargs")
+    return dict(value)
 
 
 def parse_completion(body: dict, served: ServedModel) -> GenRequest:

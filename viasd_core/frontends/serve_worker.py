@@ -218,7 +218,7 @@ class EngineWorker:
     def _prompt_ids(self, request: GenRequest) -> list[int]:
         tokenizer = self.session.tokenizer
         if request.kind == "chat":
-            ids, param = encode(tokenizer, request.messages), "messages"
+            ids, param = self._chat_ids(request), "messages"
         elif isinstance(request.prompt, str):
             ids, param = encode(tokenizer, request.prompt, raw=True), "prompt"
         else:
@@ -229,6 +229,20 @@ class EngineWorker:
                               "shorten it, or restart the server with a larger --max-context", param,
                               code="context_length_exceeded")
         return ids
+
+    def _chat_ids(self, request: GenRequest) -> list[int]:
+        """The messages through the model's chat template; a model without one, or a template that
+        refuses the messages (Gemma's "System role not supported"), is a 400: the engine and its
+        cache are untouched (nothing ran yet)."""
+        tokenizer = self.session.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise bad_request("this model has no chat template, so chat messages cannot be laid out for it: "
+                              "send the text to /v1/completions (no template)", "messages", code="no_chat_template")
+        try:
+            return encode(tokenizer, request.messages, template_kwargs=request.template_kwargs)
+        except Exception as e:  # raised by the template (jinja's raise_exception, an undefined variable, ...)
+            raise bad_request(f"the model's chat template refused these messages: {type(e).__name__}: {e}",
+                              "messages", code="chat_template_error")
 
     def _use_drafter(self, name: str) -> None:
         """Attach the request's drafter; one taken up again starts from an empty cache (it missed

@@ -74,8 +74,10 @@ def _parse_jsonl(lines: list[str], where: str) -> list[Prompt]:
     return out
 
 
-def encode(tokenizer, messages_or_text, raw: bool = False, system: str | None = None) -> list[int]:
-    """Token ids for a prompt: the chat template for instruct models, plain text with `raw`."""
+def encode(tokenizer, messages_or_text, raw: bool = False, system: str | None = None,
+           template_kwargs: dict | None = None) -> list[int]:
+    """Token ids for a prompt: the chat template for instruct models, plain text with `raw`.
+    `template_kwargs`: extra variables for the template (Qwen3's `enable_thinking`, ...)."""
     if isinstance(messages_or_text, str):
         if not messages_or_text.strip():
             raise UsageError("the prompt is empty: give some text")
@@ -87,5 +89,5 @@ def encode(tokenizer, messages_or_text, raw: bool = False, system: str | None = 
     if raw or not getattr(tokenizer, "chat_template", None):
         text = "\n".join(m["content"] for m in messages)
         return tokenizer(text).input_ids
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
     return tokenizer(text, add_special_tokens=False).input_ids
