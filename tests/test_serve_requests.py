@@ -7,7 +7,8 @@ import openai
 import pytest
 
 from conftest import CHAT_TEMPLATE
-from test_serve_support import client, raw, running, session  # noqa: F401
+from test_serve_support import N, client, raw, running, session  # noqa: F401
+from viasd_core.decoding.engine import GenerationConfig
 
 CHAT = "/v1/chat/completions"
 LONG = [{"role": "user", "content": " ".join(f"w{i % 200 + 1}" for i in range(280))}]  # a whole prefill chunk to keep
@@ -69,3 +70,26 @@ def test_chat_template_kwargs_reach_the_template(session, viasd_home):  # noqa: 
         for bad in ([1], {"tokenize": True}, {"add_generation_prompt": False, "x": 1}):
             status, _, answer = raw(base, "POST", CHAT, {**chat_args(), "chat_template_kwargs": bad})
             assert status == 400 and answer["error"]["param"] == "chat_template_kwargs", (bad, answer)
+
+
+def test_seeds_per_request(session, viasd_home):  # noqa: F811
+    """A server --seed gives request k the seed --seed + k (answers differ); a request's own seed wins
+    and repeats its answer; a restarted server repeats its sequence. (sd with fixed blocks: adaptive
+    blocks follow measured time, and where a block ends decides which draw a token takes.)"""
+    config = GenerationConfig(mode="sd", max_new_tokens=N, temperature=1.0, seed=7, adaptive=False)
+    with running(session, config) as (base, _):
+        c = client(base)
+        answers = [c.chat.completions.create(**chat_args()) for _ in range(3)]
+        assert [a.model_extra["viasd"]["seed"] for a in answers] == [7, 8, 9]
+        texts = [a.choices[0].message.content for a in answers]
+        assert len(set(texts)) == 3, texts
+        again = c.chat.completions.create(**chat_args(seed=8))
+        assert again.choices[0].message.content == texts[1] and again.model_extra["viasd"]["seed"] == 8
+        plain = [c.chat.completions.create(**chat_args(seed=3), extra_body={"mode": "ar"}) for _ in range(2)]
+        assert plain[0].choices[0].message.content == plain[1].choices[0].message.content
+        greedy = c.chat.completions.create(**chat_args(temperature=0))
+        assert greedy.model_extra["viasd"]["seed"] == 7 + 6  # the 7th request: counted all the same
+    with running(session, config) as (base, _):
+        assert client(base).chat.completions.create(**chat_args()).choices[0].message.content == texts[0]
+    with running(session, GenerationConfig(mode="sd", max_new_tokens=N, temperature=1.0)) as (base, _):
+        assert client(base).chat.completions.create(**chat_args()).model_extra["viasd"]["seed"] is None

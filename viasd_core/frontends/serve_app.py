@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from starlette.routing import Route
 from viasd_core.frontends.serve_errors import ApiError, internal, unauthorized
 from viasd_core.frontends.serve_metrics import ServeMetrics
 from viasd_core.frontends.serve_responses import DONE, EXTENSION, Reply, sse
-from viasd_core.frontends.serve_schema import ServedModel, parse_chat, parse_completion, parse_json
+from viasd_core.frontends.serve_schema import ServedModel, parse_chat, parse_completion, parse_json, request_seed
 from viasd_core.frontends.serve_worker import EngineWorker, Job
 from viasd_core.session import Session
 
@@ -71,6 +72,7 @@ def create_app(session: Session, served: ServedModel, settings: ServeSettings) -
     metrics = ServeMetrics()
     worker = EngineWorker(session, metrics, served.draft, settings.max_queue)
     started = int(time.time())
+    numbers = itertools.count()  # the requests accepted so far: a server --seed's per-request offset
     key = settings.api_key.encode() if settings.api_key else None
 
     def authorize(request: Request) -> None:
@@ -128,6 +130,7 @@ def create_app(session: Session, served: ServedModel, settings: ServeSettings) -
             authorize(request)
             body = parse_json(await _read_body(request, settings.max_body))
             req = (parse_chat if kind == "chat" else parse_completion)(body, served)
+            req.config.seed = request_seed(req.config.seed, served.config.seed, next(numbers))
             job = worker.submit(req, settings.timeout)
         except ApiError as e:
             return answer(endpoint, _error(e))
@@ -136,7 +139,7 @@ def create_app(session: Session, served: ServedModel, settings: ServeSettings) -
         except Exception as e:  # a bug: a 500 and one line in the log
             log.error("request failed: %s: %s", type(e).__name__, e)
             return answer(endpoint, _error(internal(e)))
-        reply = Reply(kind, req.model)
+        reply = Reply(kind, req.model, req.config.seed)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:

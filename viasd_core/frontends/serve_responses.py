@@ -4,9 +4,11 @@ token counts in `usage` and the request's speculative statistics in the extensio
   "viasd": {"mode": "sd", "draft": "...", "tokens_per_target_pass": 3.1, "acceptance_rate": 0.62,
             "acceptance_by_position": [0.9, 0.7, ...], "tier_counts": {...}, "tier_shares": {...},
             "target_passes": 12, "slim_passes": 0, "draft_tokens": 40, "prefill_cached": 35,
-            "prefill_processed": 4, "time_s": 0.41, "tokens_per_s": 92.6, "fidelity": null}
+            "prefill_processed": 4, "time_s": 0.41, "tokens_per_s": 92.6, "fidelity": null, "seed": 7}
 
-`fidelity` is measured (one teacher-forced target pass) in viasd mode, null elsewhere. The finish
+`fidelity` is measured (one teacher-forced target pass) in viasd mode when the server runs with
+--fidelity, null elsewhere. `seed` is the sampling seed the request ran with (send it back as
+`seed` to repeat a sampled answer), null when none was set. The finish
 reason is OpenAI's: 'stop' (end of text or a stop string) or 'length'.
 """
 
@@ -34,7 +36,7 @@ def usage(gen: Generation) -> dict:
             "prompt_tokens_details": {"cached_tokens": s.prefill_cached}}
 
 
-def statistics(gen: Generation, draft: str) -> dict:
+def statistics(gen: Generation, draft: str, seed: int | None) -> dict:
     s = gen.stats
     return {
         "mode": s.mode, "draft": draft if s.mode != "ar" else "none",
@@ -44,16 +46,17 @@ def statistics(gen: Generation, draft: str) -> dict:
         "target_passes": s.target_passes, "slim_passes": s.slim_passes, "steps": s.steps, "draft_tokens": s.draft_tokens,
         "prefill_cached": s.prefill_cached, "prefill_processed": s.prefill_processed,
         "time_s": s.time_total, "time_to_first_token_s": s.time_first_token, "tokens_per_s": s.tokens_per_s,
-        "fidelity": s.fidelity,
+        "fidelity": s.fidelity, "seed": seed,
     }
 
 
 class Reply:
     """The bodies of one answer: the whole response, or its stream's chunks."""
 
-    def __init__(self, kind: str, model: str):
+    def __init__(self, kind: str, model: str, seed: int | None = None):
         self.kind = kind
         self.model = model
+        self.seed = seed  # the request's sampling seed, reported in the statistics
         self.object, self.chunk_object, prefix = OBJECTS[kind]
         self.id = prefix + uuid.uuid4().hex
         self.created = int(time.time())
@@ -70,7 +73,7 @@ class Reply:
 
     def whole(self, gen: Generation, draft: str) -> dict:
         return {**self._head(self.object), "choices": [self._choice(gen.text, finish_reason(gen), True)],
-                "usage": usage(gen), EXTENSION: statistics(gen, draft)}
+                "usage": usage(gen), EXTENSION: statistics(gen, draft, self.seed)}
 
     def first_chunk(self) -> str | None:
         """A chat stream opens with the assistant's role (a completion stream has no such chunk)."""
@@ -86,7 +89,7 @@ class Reply:
     def last_chunks(self, gen: Generation, draft: str, include_usage: bool) -> list[str]:
         """The chunk with the finish reason and the statistics, the usage chunk if asked, [DONE]."""
         out = [sse({**self._head(self.chunk_object), "choices": [self._choice(None, finish_reason(gen), False)],
-                    EXTENSION: statistics(gen, draft)})]
+                    EXTENSION: statistics(gen, draft, self.seed)})]
         if include_usage:
             out.append(sse({**self._head(self.chunk_object), "choices": [], "usage": usage(gen)}))
         return out + [DONE]

@@ -186,7 +186,7 @@ def _common(body: dict, served: ServedModel, kind: str, messages, prompt) -> Gen
         base, mode=mode, max_new_tokens=_int(body, limit, base.max_new_tokens, lo=1),
         temperature=_number(body, "temperature", base.temperature, 0.0, 2.0),
         top_p=_number(body, "top_p", base.top_p, 0.0, 1.0, lo_open=True),
-        top_k=_int(body, "top_k", base.top_k, lo=0), seed=_int(body, "seed", base.seed, lo=-(2**63), hi=2**64 - 1),
+        top_k=_int(body, "top_k", base.top_k, lo=0), seed=_int(body, "seed", None, lo=-(2**63), hi=2**64 - 1),
         stop=_stops(body, base.stop), thresholds=served.thresholds,
     )
     try:
@@ -195,6 +195,16 @@ def _common(body: dict, served: ServedModel, kind: str, messages, prompt) -> Gen
         raise bad_request(e.message)
     return GenRequest(kind, messages, prompt, config, draft, _bool(body, "stream", False),
                       _bool(stream_options or {}, "include_usage", False), model or served.name)
+
+
+def request_seed(own: int | None, server: int | None, number: int) -> int | None:
+    """A request's sampling seed: its own `seed` (the same request with the same seed gives the same
+    answer); else, with a server --seed, that seed plus the request's number (0, 1, ... in the order
+    the server accepted them), so sampled answers differ from request to request while a restarted
+    server repeats its sequence; else None (fresh randomness)."""
+    if own is not None:
+        return own
+    return None if server is None else (server + number) % 2**64
 
 
 # ---------------------------------------------------------------------- endpoints
