@@ -243,7 +243,7 @@ def test_calibrated_modes_per_request(tiny_dirs, viasd_home):
     save_profile(Profile(target_id=s.target.model_id, draft_id=s.draft_id, quant="none", device="cpu", dtype="float32",
                          layer_ids=[0, 1], n_layers=4, theta_accept=0.9, theta_slim=0.6, budget=0.05,
                          heldout_fidelity=0.97), profile_path(s.target.model_id, s.draft_id, "none", "cpu"))
-    with running(s) as (base, _):
+    with running(s, fidelity=True) as (base, _):
         c = client(base)
         assert c.models.list().data[0].model_extra["viasd"]["modes"] == ["ar", "sd", "exact", "viasd"]
         sd = c.chat.completions.create(**chat_args(PROMPTS[0]))
@@ -258,6 +258,17 @@ def test_calibrated_modes_per_request(tiny_dirs, viasd_home):
             with pytest.raises(openai.BadRequestError) as e:
                 c.chat.completions.create(**chat_args(PROMPTS[0]), extra_body=extra)
             assert e.value.param == param and e.value.message
+    with running(s) as (base, _):  # without --fidelity: no full target forward, no fidelity
+        calls = []
+        model = s.target.model
+        forward = model.forward
+        model.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+        try:
+            answer = client(base).chat.completions.create(**chat_args(PROMPTS[0]), extra_body={"mode": "viasd"})
+        finally:
+            model.forward = forward
+        assert answer.model_extra["viasd"]["mode"] == "viasd" and answer.model_extra["viasd"]["fidelity"] is None
+        assert answer.choices[0].message.content and calls == []
 
 
 def test_loopback_and_command_line_errors(session, tiny_dirs, viasd_home, monkeypatch):  # noqa: F811

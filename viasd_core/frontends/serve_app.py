@@ -46,6 +46,7 @@ class ServeSettings:
     max_queue: int = 16  # requests waiting beside the running one; more get 503
     timeout: float = 300.0  # seconds from arrival to the last token, per request
     max_body: int = 8 * 2**20  # bytes of a request body
+    fidelity: bool = False  # viasd requests: measure fidelity (a full uncached target forward each)
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -70,7 +71,7 @@ async def _disconnected(request: Request) -> None:
 
 def create_app(session: Session, served: ServedModel, settings: ServeSettings) -> Starlette:
     metrics = ServeMetrics()
-    worker = EngineWorker(session, metrics, served.draft, settings.max_queue)
+    worker = EngineWorker(session, metrics, served.draft, settings.max_queue, fidelity=settings.fidelity)
     started = int(time.time())
     numbers = itertools.count()  # the requests accepted so far: a server --seed's per-request offset
     key = settings.api_key.encode() if settings.api_key else None

@@ -59,12 +59,14 @@ class Job:
 
 
 class EngineWorker:
-    def __init__(self, session: Session, metrics: ServeMetrics, served_draft: str, max_queue: int):
+    def __init__(self, session: Session, metrics: ServeMetrics, served_draft: str, max_queue: int,
+                 fidelity: bool = False):
         self.session = session
         self.engine = session.engine
         self.reuse = PrefixReuse(self.engine)  # which cached positions a request may keep
         self.metrics = metrics
         self.max_queue = max_queue  # jobs waiting beside the running one
+        self.fidelity = fidelity  # viasd answers: one full target forward over prompt + answer each
         drafter = self.engine.drafter
         self.drafters = {"none": None, "ngram": drafter if served_draft == "ngram" else NgramDrafter(), served_draft: drafter}
         self._queue: queue.Queue = queue.Queue()
@@ -288,7 +290,7 @@ class EngineWorker:
             return "error", bad_request(e.message)
         done = time.monotonic()
         stopped = gen.finish_reason == "cancelled"
-        if config.mode == "viasd" and not stopped:
+        if config.mode == "viasd" and self.fidelity and not stopped:
             gen.stats.fidelity = fidelity(self.session.target.model, ids, gen.tokens)
         reason = job.reason if stopped else ("stop" if gen.finish_reason in ("eos", "stop") else gen.finish_reason)
         self.metrics.generation(gen.stats, reason, started - job.arrived, done - started,
