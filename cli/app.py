@@ -11,9 +11,27 @@ app = typer.Typer(
     name="viasd",
     help="Multi-tier speculative decoding (VIA-SD) for fast local LLM generation.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion (bash, zsh, fish, PowerShell)
     pretty_exceptions_enable=False,
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            typer.echo(f"viasd {version('viasd')}")
+        except PackageNotFoundError:  # run from a source tree that was never installed
+            typer.echo("viasd (version unknown: not installed; pip install -e .)")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version and exit."),
+) -> None:
+    """Multi-tier speculative decoding (VIA-SD) for fast local LLM generation."""
 
 
 def _register() -> None:

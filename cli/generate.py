@@ -16,7 +16,7 @@ from viasd_core.loading.options import ModelOptions
 from viasd_core.frontends.streaming import TextStream, stats_line
 
 from .app import app
-from .options import generation_options, handle_errors, model_options, open_session
+from .options import StderrLog, generation_options, handle_errors, model_options, open_session
 
 EXAMPLES = """
 EXAMPLES
@@ -28,6 +28,10 @@ EXAMPLES
   viasd generate --lines --mode ar < prompts.txt        (one prompt per line)
 
   viasd generate -m ./my-model -d ngram -n 256 "..."    (local folder, prompt lookup)
+
+  viasd generate -m ./model.Q4_K_M.gguf "..."           (a GGUF file: converted once, weights dequantized)
+
+  viasd generate -m Qwen/Qwen2.5-0.5B-Instruct "..."    (a hub id: downloaded on first use)
 """
 
 
@@ -63,12 +67,12 @@ def generate(
     system: Annotated[Optional[str], typer.Option("--system", help="System message for the chat template.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per prompt on stdout.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No statistics or progress on stderr (a clipped --max-new-tokens is still said).")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also say on stderr what viasd chose for this machine (weights, threads, short passes, compile, trees) and why.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also say on stderr what viasd chose for this machine (weights, draft, threads, short passes, compile, trees) and why.")] = False,
     fidelity_check: Annotated[Optional[bool], typer.Option("--fidelity/--no-fidelity", help="Measure fidelity with one teacher-forced target pass (default: on in viasd mode).")] = None,
 ):
     """Generate text for each prompt; text (or JSON lines) on stdout, statistics on stderr."""
     texts = read_prompts(prompts or [], lines)
-    log = (lambda msg: None) if quiet else (lambda msg: typer.echo(msg, err=True))
+    log = StderrLog(quiet)
     session = open_session(opts, config, progress=log)
     if verbose:
         for setting, value, reason in session.choices():

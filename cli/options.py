@@ -4,6 +4,7 @@ turns an error into one line."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -25,11 +26,11 @@ DEFAULT_MODEL = EMBEDDED_TARGET
 
 ModelOpt = Annotated[
     str,
-    typer.Option("--model", "-m", help="Target: a local folder, a hub repo id (from the local cache), or 'smollm2-135m' (embedded)."),
+    typer.Option("--model", "-m", help="Target: a local folder, a .gguf file (converted once; weights dequantized), a hub repo id (downloaded into the HF cache on first use, as `viasd pull`), or 'smollm2-135m' (embedded)."),
 ]
 DraftOpt = Annotated[
     Optional[str],
-    typer.Option("--draft", "-d", help="Draft: a model reference, 'ngram' (prompt lookup), REF+ngram (lookup where the text repeats, the model elsewhere), or 'auto' (the best known for the target)."),
+    typer.Option("--draft", "-d", help="Draft: a model reference (as --model; a hub id at its main revision), 'ngram' (prompt lookup), REF+ngram (lookup where the text repeats, the model elsewhere), or 'auto' (the best draft in the cache for the target: a published head, then a draft model, then ngram; --verbose says which and why)."),
 ]
 RevisionOpt = Annotated[Optional[str], typer.Option("--revision", help="Hub revision (branch, tag or commit) of the target.")]
 DtypeOpt = Annotated[
@@ -140,6 +141,32 @@ def open_session(opts: ModelOptions, config: GenerationConfig, progress, long_li
     if progress and (note := exactness.note(session.engine.target, config.mode)):
         progress(note)
     return session
+
+
+class StderrLog:
+    """The `progress` a command hands the core: each message one line on stderr (none with `quiet`);
+    `status(text)`, a transient spinner while a model loads (loading.models.loading_status), is drawn
+    only where stderr is a terminal: a pipe or a log file gets no spinner frames, and the lines
+    stay the ones the command prints. Download bars follow `quiet` (hub_pull)."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+
+    def __call__(self, message: str) -> None:
+        if not self.quiet:
+            typer.echo(message, err=True)
+
+    def status(self, text: str):
+        console = stderr_console()
+        if self.quiet or not console.is_terminal:
+            return contextlib.nullcontext()
+        return console.status(text)
+
+
+def stderr_console():
+    from rich.console import Console
+
+    return Console(stderr=True)
 
 
 def report_error(error: BaseException) -> int:

@@ -11,7 +11,7 @@ from viasd_core.errors import UsageError
 from viasd_core.loading.options import ModelOptions
 
 from .app import app
-from .options import generation_options, handle_errors, model_options, open_session
+from .options import StderrLog, generation_options, handle_errors, model_options, open_session
 
 EXAMPLES = """
 EXAMPLES
@@ -54,7 +54,7 @@ def serve(
         from viasd_core.frontends.serve_server import serve as run
     except ModuleNotFoundError as e:
         raise UsageError(f"viasd serve needs '{e.name}': install the serve extra (pip install 'viasd[serve]')")
-    log = lambda msg: typer.echo(msg, err=True)  # noqa: E731
+    log = StderrLog()
     session = open_session(opts, config, progress=log, long_lived=True)
     run(session, config, ServeSettings(api_key=api_key or None, max_queue=max_queue, timeout=timeout), host, port,
         name=served_model_name, progress=log, out=typer.echo)

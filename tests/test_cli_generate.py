@@ -78,7 +78,8 @@ def test_bad_models_and_prompts(tiny_dirs, viasd_home, tmp_path):
         assert r.stdout == ""
 
     check(run(PROMPT, "-m", tmp_path / "missing"), 1, "not found")
-    check(run(PROMPT, "-m", "no-such-org/no-such-model"), 1, "not in the local cache")
+    # a hub id not in the cache is downloaded on first use; offline (HF_HUB_OFFLINE=1 here), one line naming it
+    check(run(PROMPT, "-m", "no-such-org/no-such-model"), 1, "cannot pull no-such-org/no-such-model: offline mode is on")
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "config.json").write_text((tiny_dirs["target"] / "config.json").read_text())

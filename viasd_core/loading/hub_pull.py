@@ -3,7 +3,8 @@
 `pull` fetches what `plan_pull` (hub_plan.py) found missing, after checking free disk space for
 it, through huggingface_hub (which resumes an interrupted file): weights first, config.json
 last, the branch ref at the very end, so hub.resolve_local never takes an interrupted pull for
-a complete model. Progress is a Rich bar on stderr.
+a complete model. Progress is a Rich bar on stderr. `fetch` is what a model option does with a
+hub id: the cached snapshot, else `pull` on first use.
 """
 
 from __future__ import annotations
@@ -184,3 +185,13 @@ def pull(repo_id: str, revision: str | None = None, progress: bool = True, head:
                         f"{pull_hint(repo_id, revision)} again"
                     )
     return plan.snapshot
+
+
+def fetch(repo_id: str, revision: str | None = None, progress: bool = True, head: bool = False) -> Path:
+    """The local snapshot of `repo_id` at `revision`: the cached one when complete (no network call),
+    else `pull`ed now (what `-m org/name` and `-d org/name` do on first use). Offline and not
+    cached: pull's one-line error naming the id."""
+    try:
+        return resolve_local(repo_id, revision)
+    except ViasdError:
+        return pull(repo_id, revision=revision, progress=progress, head=head)

