@@ -17,7 +17,7 @@ from viasd_core.loading.models import Loaded, eos_ids, forget_format, load_model
 from viasd_core.devices import free_memory_bytes
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.short_products import choose_rows
-from viasd_core.loading.drafter_factory import load_drafter
+from viasd_core.loading.drafter_factory import draft_choice, load_drafter
 from viasd_core.loading.options import DEFAULT_CONTEXT_CAP, ModelOptions
 from viasd_core.loading.profile import Profile, find_profile
 from viasd_core.loading.vocab_rows import cap_vocab, token_rows, tokenizer_size
@@ -40,6 +40,7 @@ class Session:
     first_block: tuple[int, str] | None = None  # sd's first block and why, where the user gave no -g (`choose_first_block`)
     threads: ThreadChoice | None = None  # --threads as resolved at start-up (threads.py)
     short_rows_reason: str = ""  # why short float32 passes take the products they take (short_products.py)
+    draft_reason: str = ""  # why this draft (--draft auto's choice: draft_choice.py), "" with none loaded
 
     @property
     def tokenizer(self):
@@ -51,11 +52,13 @@ class Session:
 
     def choices(self) -> list[tuple[str, str, str]]:
         """What the session chose where the user left it to viasd, and why: (setting, value, reason)
-        for the weight format, the CPU threads, the short-pass product, compilation, sd's draft
+        for the weight format, the draft, the CPU threads, the short-pass product, compilation, sd's draft
         trees and first block (once chosen)."""
         compiled = ", ".join(self.engine.compiled_models)
         fmt = str(self.target.format)
         out = [("weights", fmt, self.target.format_reason.removeprefix(f"{fmt}: "))]
+        if self.draft_reason:
+            out.append(("draft", self.draft_id, self.draft_reason))
         if self.threads is not None:
             out.append(("threads", str(self.threads.threads), self.threads.reason))
         out.append(("short passes", self.engine.target.pass_rows.describe(), self.short_rows_reason))
@@ -89,9 +92,11 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
     target_fast = FastModel(target.model, max_len=max_context, name="target")
     cap_vocab(target_fast, token_rows(target.model))
     cap_vocab(target_fast, tokenizer_size(target.tokenizer))
-    drafter, draft_id, draft = (None, "none", None)
+    drafter, draft_id, draft, draft_reason = (None, "none", None, "")
     if mode != "ar" or opts.draft not in (None, "auto"):
-        drafter, draft_id, draft = load_drafter(opts, target, target_fast, progress)
+        choice = draft_choice(opts, target)  # decided once: auto's reason is kept for --verbose
+        draft_reason = choice.reason
+        drafter, draft_id, draft = load_drafter(dataclasses.replace(opts, draft=choice.ref), target, target_fast, progress)
     profile = None
     slim = None
     if need_profile is None:
@@ -100,7 +105,7 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
         profile, slim = pair_profile(target, draft_id, opts, target_fast, progress)
     engine = Engine(target_fast, target.tokenizer, drafter=drafter, slim=slim, eos_token_ids=eos_ids(target),
                     context_len=max_context)
-    session = Session(engine, target, draft_id, draft, profile, opts)
+    session = Session(engine, target, draft_id, draft, profile, opts, draft_reason=draft_reason)
     # before compiling (inductor's CPU kernels keep the thread count they were built with) and before
     # --tree auto measures anything
     session.threads = resolve_threads(opts.threads, engine.device, lambda repeats: sum(measure_verify_curve(

@@ -1,6 +1,6 @@
 """Builds the drafter a session asks for (`load_drafter`): prompt lookup, a draft model, an EAGLE-3
 head, or a model with prompt lookup beside it (REF+ngram), each behind decoding.drafters.Drafter.
-`--draft auto` picks the best measured draft for the target (draft_ref)."""
+`--draft auto` picks the best draft here for the target (draft_choice.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from viasd_core.decoding.feature_drafter import FeatureDrafter
 from viasd_core.decoding.weight_format import WeightFormat
 from viasd_core.decoding.model import FastModel
 from viasd_core.errors import UsageError
+from viasd_core.loading.draft_choice import DraftChoice, choose_draft
 from viasd_core.loading.models import EMBEDDED_TARGET, Loaded, check_same_vocab, load_model
 from viasd_core.loading.options import ModelOptions
 from viasd_core.loading.vocab_rows import cap_vocab, emittable, token_rows
@@ -27,24 +28,16 @@ _EMBEDDED_HEAD_ALIASES = {EMBEDDED_HEAD, "smollm2-135m-eagle3"}
 
 
 def draft_ref(opts: ModelOptions, target: Loaded) -> str:
+    """The draft reference to load: --draft as given, or `auto`'s choice (draft_choice.py)."""
+    return draft_choice(opts, target).ref
+
+
+def draft_choice(opts: ModelOptions, target: Loaded) -> DraftChoice:
+    """--draft as given (and that it was asked for), or `auto`'s best draft here and why."""
     ref = (opts.draft or "auto").strip()
     if ref != "auto":
-        return ref
-    if target.model_id == EMBEDDED_TARGET:
-        from viasd_core.loading.draft_model import embedded_draft_dir
-
-        # The best measured draft first (docs/benchmarks.md); prompt lookup covers copied text.
-        for ref, name in ((EMBEDDED_HEAD, "smollm2-135m-eagle3"), (EMBEDDED_DRAFT, "smollm2-135m")):
-            if (embedded_draft_dir(name) / "model.safetensors").exists():
-                return ref + HYBRID_SUFFIX
-        return "ngram"
-    from viasd_core.loading.catalog import draft_for
-    from viasd_core.loading.hub import is_cached
-
-    candidate = draft_for(target.model_id)
-    if candidate and is_cached(candidate):
-        return candidate
-    return "ngram"
+        return DraftChoice(ref, "asked for (--draft)")
+    return choose_draft(target)
 
 
 def load_drafter(opts: ModelOptions, target: Loaded, target_fast: FastModel, progress=None):
@@ -69,7 +62,7 @@ def load_drafter(opts: ModelOptions, target: Loaded, target_fast: FastModel, pro
         draft_model = load_draft(embedded_draft_dir(), target.model, tokenizer=target.tokenizer)
         fast = FastModel(draft_model, max_len=target_fast.max_len, name="draft")
         return ModelDrafter(fast, vocab, vocab_map=draft_model.viasd_vocab_map), EMBEDDED_DRAFT, None
-    head_folder = _feature_head_folder(ref, opts)
+    head_folder = _feature_head_folder(ref, progress)
     if head_folder is not None:
         return feature_drafter(head_folder, target, target_fast), ref, None
     draft = load_model(ref, dtype=opts.dtype, device=opts.device, trust_remote_code=opts.trust_remote_code,
@@ -82,10 +75,14 @@ def load_drafter(opts: ModelOptions, target: Loaded, target_fast: FastModel, pro
     return ModelDrafter(fast, vocab), draft.model_id, draft
 
 
-def _feature_head_folder(ref: str, opts: ModelOptions):
-    """The folder of an EAGLE-3 head named by `ref` (embedded, a local folder, or a cached hub repo), else None."""
+def _feature_head_folder(ref: str, progress=None):
+    """The folder of an EAGLE-3 head named by `ref` (embedded, a local folder, or a hub repo: the cached
+    snapshot at main, the head's own revision, not the target's --revision; downloaded on first use,
+    as `viasd pull` does), else None."""
     from viasd_core.loading import catalog
     from viasd_core.loading import hub
+    from viasd_core.loading.hub_pull import fetch
+    from viasd_core.loading.models import shows_progress
     from viasd_core.decoding.eagle_files import is_feature_head_folder
 
     if ref in _EMBEDDED_HEAD_ALIASES:
@@ -93,9 +90,9 @@ def _feature_head_folder(ref: str, opts: ModelOptions):
     local = Path(ref).expanduser()
     if local.is_dir():
         return local if is_feature_head_folder(local) else None
-    if hub.is_repo_id(ref) and (catalog.is_feature_head(ref) or (hub.is_cached(ref, opts.revision) and
-                                                                  is_feature_head_folder(hub.resolve_local(ref)))):
-        return hub.resolve_local(ref)
+    if hub.is_repo_id(ref):
+        folder = fetch(ref, progress=shows_progress(progress), head=catalog.is_feature_head(ref))
+        return folder if is_feature_head_folder(folder) else None
     return None
 
 

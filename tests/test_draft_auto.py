@@ -1,0 +1,95 @@
+"""`--draft auto` (loading/draft_choice.py): every catalog pair of the target and every cached head are
+looked at, the best here is picked (a head over a draft model over prompt lookup) and --verbose says
+which and why; a head is looked up at its own revision, never the target's --revision."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest_hub import commit_of, hub_env, put_in_cache  # noqa: F401  (fixtures)
+from typer.testing import CliRunner
+
+from viasd_cli.app import get_app
+from viasd_core.loading.draft_choice import choose_draft
+
+LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
+LLAMA_DRAFT = "meta-llama/Llama-3.2-1B-Instruct"
+LLAMA_HEAD = "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
+
+
+def folder_files(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in Path(folder).iterdir() if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def head_files(tiny_dirs, tmp_path_factory):
+    """An EAGLE-3 head for the tiny target, in the published layout, as repo files."""
+    from transformers import AutoModelForCausalLM
+
+    from viasd_core.decoding.eagle_files import save_feature_head
+    from viasd_core.training import eagle_train
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_dirs["target"])
+    head = eagle_train.init_head(target, (0, 1, 2), torch.arange(0, 256, 2), seed=1)
+    return folder_files(save_feature_head(head, tmp_path_factory.mktemp("heads") / "head"))
+
+
+@pytest.fixture
+def tiny_target(tiny_dirs):
+    """A stand-in for a loaded target: the catalog's Llama-3.1-8B id over the tiny target's config."""
+    from transformers import AutoConfig
+
+    return SimpleNamespace(model_id=LLAMA, model=SimpleNamespace(config=AutoConfig.from_pretrained(tiny_dirs["target"])))
+
+
+def test_auto_looks_at_every_catalog_pair_and_ranks_a_head_first(hub_env, tiny_dirs, head_files, tiny_target):
+    model_files = folder_files(tiny_dirs["draft"])
+    choice = choose_draft(tiny_target)
+    assert choice.ref == "ngram"
+    assert "not pulled: llama3.1-8b-eagle3, llama3.1-8b;" in choice.reason  # both pairs named
+    # only the second pair's head is pulled: it is found (the first pair's draft model is not cached)
+    put_in_cache(hub_env.cache, LLAMA_HEAD, head_files, commit_of("head"))
+    choice = choose_draft(tiny_target)
+    assert choice.ref == LLAMA_HEAD and "published EAGLE-3 head of catalog pair llama3.1-8b-eagle3" in choice.reason
+    # both pulled: the head still ranks above the draft model
+    put_in_cache(hub_env.cache, LLAMA_DRAFT, model_files, commit_of("draft"))
+    assert choose_draft(tiny_target).ref == LLAMA_HEAD
+
+
+def test_auto_takes_a_cached_head_that_fits_over_a_catalog_draft_model(hub_env, tiny_dirs, head_files, tiny_target):
+    put_in_cache(hub_env.cache, LLAMA_DRAFT, folder_files(tiny_dirs["draft"]), commit_of("draft"))
+    choice = choose_draft(tiny_target)
+    assert choice.ref == LLAMA_DRAFT and "draft model of catalog pair llama3.1-8b" in choice.reason
+    assert "not cached: llama3.1-8b-eagle3" in choice.reason
+    put_in_cache(hub_env.cache, "someone/tiny-eagle3", head_files, commit_of("other head"))
+    choice = choose_draft(tiny_target)
+    assert choice.ref == "someone/tiny-eagle3" and "whose shapes fit the target" in choice.reason
+    # a head whose shapes do not fit this target is passed over
+    misfit = dict(head_files)
+    config = json.loads(misfit["config.json"])
+    misfit["config.json"] = json.dumps(config | {"vocab_size": 999}).encode()
+    put_in_cache(hub_env.cache, "aaa/misfit-eagle3", misfit, commit_of("misfit"))
+    assert choose_draft(tiny_target).ref == "someone/tiny-eagle3"
+
+
+def test_generate_auto_says_which_draft_and_why_and_a_head_ignores_the_targets_revision(hub_env, tiny_dirs, head_files):
+    # the target is cached only at its tag v1, the head only at main
+    put_in_cache(hub_env.cache, "org/tiny", folder_files(tiny_dirs["target"]), commit_of("target v1"), refs=("v1",))
+    put_in_cache(hub_env.cache, "org/tiny-eagle3", head_files, commit_of("head main"))
+
+    def run(*args):
+        r = CliRunner().invoke(get_app(), ["generate", "w1 w2 w3 w4", "-m", "org/tiny", "--revision", "v1", "-n", "8",
+                                           "--json", "--threads", "1", "--tree", "off", *args])
+        assert r.exit_code == 0, r.stderr
+        return r, json.loads(r.stdout)
+
+    r, auto = run("--verbose")
+    assert auto["draft"] == "org/tiny-eagle3" and auto["stats"]["draft_tokens"] > 0
+    assert "draft: org/tiny-eagle3 (an EAGLE-3 head in the cache whose shapes fit the target" in r.stderr
+    _, named = run("-d", "org/tiny-eagle3")  # named: looked up at main, not at the target's v1
+    _, ar = run("--mode", "ar")
+    assert named["text"] == auto["text"] == ar["text"]
