@@ -93,3 +93,68 @@ def test_seeds_per_request(session, viasd_home):  # noqa: F811
         assert client(base).chat.completions.create(**chat_args()).choices[0].message.content == texts[0]
     with running(session, GenerationConfig(mode="sd", max_new_tokens=N, temperature=1.0)) as (base, _):
         assert client(base).chat.completions.create(**chat_args()).model_extra["viasd"]["seed"] is None
+
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+REFUSED = [  # (path, fields over a good body, param, code)
+    (CHAT, {"min_p": 0.1, "temperature": 1.0}, "min_p", None),  # no min-p filter in the sampler
+    (CHAT, {"min_p": 1.5}, "min_p", None),
+    (CHAT, {"repetition_penalty": 1.1}, "repetition_penalty", None),
+    (CHAT, {"presence_penalty": 0.5}, "presence_penalty", None),
+    (CHAT, {"ignore_eos": True}, "ignore_eos", None),
+    (CHAT, {"reasoning_effort": "low"}, "reasoning_effort", None),
+    (CHAT, {"tools": [TOOL]}, "tools", "constrained_output_unsupported"),
+    (CHAT, {"tools": [TOOL], "tool_choice": "none"}, "tools", "constrained_output_unsupported"),
+    (CHAT, {"tool_choice": "required"}, "tool_choice", "constrained_output_unsupported"),
+    (CHAT, {"response_format": {"type": "json_object"}}, "response_format", "constrained_output_unsupported"),
+    (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format",
+     "constrained_output_unsupported"),
+    (CHAT, {"guided_json": {"type": "object"}}, "guided_json", "constrained_output_unsupported"),
+    (CHAT, {"guided_regex": "a+"}, "guided_regex", "constrained_output_unsupported"),
+    (CHAT, {"guided_grammar": 'root ::= "a"'}, "guided_grammar", "constrained_output_unsupported"),
+    (CHAT, {"grammar": 'root ::= "a"'}, "grammar", "constrained_output_unsupported"),
+    (CHAT, {"json_schema": {"type": "object"}}, "json_schema", "constrained_output_unsupported"),
+    (CHAT, {"frobnicate": 1}, "frobnicate", None),
+    (CHAT, {"prompt": "w1"}, "prompt", None),
+    (CHAT, {"messages": [{"role": "assistant", "content": "w1", "tool_calls": [{"id": "1"}]}]}, "messages",
+     "constrained_output_unsupported"),
+    (CHAT, {"messages": [{"role": "user", "content": "w1", "colour": "red"}]}, "messages", None),
+    ("/v1/completions", {"messages": [{"role": "user", "content": "w1"}]}, "messages", None),
+    ("/v1/completions", {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs", None),
+    ("/v1/completions", {"max_completion_tokens": 4}, "max_completion_tokens", None),
+]
+NEUTRAL_BODY = {  # what clients send by default, or asks for what greedy decoding with no tools does anyway
+    "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "repetition_penalty": 1.0, "min_p": 0.2,
+    "tools": [], "tool_choice": "none", "parallel_tool_calls": False, "response_format": {"type": "text"},
+    "user": "someone", "metadata": {"a": "b"}, "cache_prompt": True, "skip_special_tokens": True, "store": False,
+}
+
+
+def test_every_field_is_honoured_refused_or_ignored(session, viasd_home):  # noqa: F811
+    good = {"chat": chat_args(max_tokens=4), "completion": {"prompt": "w1 w2 w3", "max_tokens": 4}}
+    with running(session) as (base, _):
+        for path, extra, param, code in REFUSED:
+            body = {**good["completion" if path.endswith("/completions") and "chat" not in path else "chat"], **extra}
+            status, _, answer = raw(base, "POST", path, body)
+            case = (path, extra)
+            assert status == 400 and answer["error"]["param"] == param and answer["error"]["code"] == code, (case, answer)
+            assert param in answer["error"]["message"] or param == "messages", (case, answer)
+        plain = raw(base, "POST", CHAT, good["chat"])
+        named = {**good["chat"], "messages": [{"role": "user", "content": "w1 w2 w3", "name": "ann"}]}
+        for body in ({**good["chat"], **NEUTRAL_BODY}, named):
+            status, _, answer = raw(base, "POST", CHAT, body)
+            assert status == 200 and answer["choices"] == plain[2]["choices"], answer
+
+
+def test_the_docs_give_every_fields_fate():
+    """docs/serve.md names every field the server reads, refuses unless neutral, refuses, or ignores."""
+    from pathlib import Path
+
+    from viasd_core.frontends import serve_fields as f
+
+    docs = (Path(__file__).parent.parent / "docs" / "serve.md").read_text(encoding="utf-8")
+    names = set().union(*f.READ.values(), f.NEUTRAL, f.CONSTRAINED, f.IGNORED, f.MESSAGE_READ, f.MESSAGE_NEUTRAL,
+                        f.MESSAGE_IGNORED)
+    assert sorted(n for n in names if f"`{n}`" not in docs) == []
+    for name, why in {**f.IGNORED, **f.MESSAGE_IGNORED}.items():
+        assert why in docs.replace("\n", " "), name  # each with its reason

@@ -5,9 +5,8 @@ prompt (chat messages for the chat template, or raw text / token ids) and the re
 GenerationConfig (the server's, with the request's sampling values, mode and draft over it).
 Every refusal is an ApiError 400 naming the field (`param`), or 404 for an unknown model.
 
-Fields OpenAI clients send by default with their neutral value (n=1, penalties 0, ...) pass;
-asking for something the engine does not do (n > 1, logprobs, tools, ...) is refused, never
-silently ignored. The extension fields are `mode`, `draft` and `top_k`.
+Which fields are read, refused unless neutral, refused, or ignored (and why): serve_fields. The
+extension fields are `mode`, `draft`, `top_k`, `min_p` and `chat_template_kwargs`.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from viasd_core.decoding.engine import MODES, GenerationConfig
 from viasd_core.decoding.router import Thresholds
 from viasd_core.errors import UsageError
 from viasd_core.frontends.serve_errors import ApiError, bad_request
+from viasd_core.frontends.serve_fields import check_fields, check_message
 
 MAX_STOPS = 4  # as OpenAI
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -136,29 +136,6 @@ def _stops(body: dict, default: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(stops)
 
 
-# Things the engine does not do: a request must leave them at OpenAI's neutral value.
-_NEUTRAL = {
-    "n": lambda v: v in (None, 1),
-    "best_of": lambda v: v in (None, 1),
-    "logprobs": lambda v: v in (None, False, 0),
-    "top_logprobs": lambda v: v in (None, 0),
-    "echo": lambda v: v in (None, False),
-    "suffix": lambda v: v in (None, ""),
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "logit_bias": lambda v: v in (None, {}),
-    "tools": lambda v: v in (None, []),
-    "functions": lambda v: v in (None, []),
-    "response_format": lambda v: v is None or v == {"type": "text"},
-}
-
-
-def _check_unsupported(body: dict) -> None:
-    for name, neutral in _NEUTRAL.items():
-        if not neutral(body.get(name)):
-            raise bad_request(f"'{name}' is not supported by this server (leave it out)", name)
-
-
 def _common(body: dict, served: ServedModel, kind: str, messages, prompt) -> GenRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -166,7 +143,7 @@ def _common(body: dict, served: ServedModel, kind: str, messages, prompt) -> Gen
     if model and model != served.name and model not in served.aliases:
         raise ApiError(404, f"model '{model}' is not served here: use '{served.name}' (GET /v1/models)",
                        param="model", code="model_not_found")
-    _check_unsupported(body)
+    check_fields(body, kind)
     base = served.config
     mode = _choice(body, "mode", base.mode, MODES, "ar, sd, exact or viasd")
     draft = _choice(body, "draft", served.draft, served.drafts, "the loaded draft, 'ngram' or 'none'")
@@ -189,6 +166,9 @@ def _common(body: dict, served: ServedModel, kind: str, messages, prompt) -> Gen
         top_k=_int(body, "top_k", base.top_k, lo=0), seed=_int(body, "seed", None, lo=-(2**63), hi=2**64 - 1),
         stop=_stops(body, base.stop), thresholds=served.thresholds,
     )
+    if _number(body, "min_p", 0.0, 0.0, 1.0) > 0 and config.temperature > 0:
+        raise bad_request("'min_p' is honoured under greedy decoding only (the greedy token always passes it): "
+                          "the sampler has no min-p filter yet, so leave it out or at 0 when sampling", "min_p")
     try:
         config.validate()  # the engine's own rules (viasd is greedy-only, ...)
     except UsageError as e:
@@ -229,6 +209,7 @@ def parse_chat(body: dict, served: ServedModel) -> GenRequest:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise bad_request(f"messages[{i}] must be an object, not {_kind(m)}", "messages")
+        check_message(m, i)
         role = m.get("role")
         if role not in ROLES:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)} (got {role!r})", "messages")
