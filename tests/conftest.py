@@ -47,6 +47,10 @@ def _fresh_dynamo_caches():
 
 VOCAB = 256
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
+# The families issue 50 added (Gemma 2, Gemma 3 text, Phi-3/4, Qwen3-MoE): tests/test_families.py runs
+# them through the exactness checks (transformers' logits and greedy tokens, sd == ar, row invariance).
+NEW_FAMILIES = ("gemma2", "gemma3_text", "phi3", "qwen3_moe")
+ALTERNATING = ["sliding_attention", "full_attention"]  # Gemma 2/3's layer types, repeated over the layers
 
 
 def tiny_config(family: str, n_layers: int = 4, vocab: int = VOCAB, seed: int = 0, **extra):
@@ -67,11 +71,25 @@ def tiny_config(family: str, n_layers: int = 4, vocab: int = VOCAB, seed: int = 
         pad_token_id=0,
         tie_word_embeddings=False,
     )
-    if family in ("gemma", "qwen3"):
+    if family in ("gemma", "qwen3", "gemma2", "gemma3_text", "qwen3_moe"):
         common["head_dim"] = 16  # their configs default to a head_dim that ignores hidden_size / heads
         common["hidden_activation"] = "gelu_pytorch_tanh"
     if family == "mistral":
         common["sliding_window"] = 4096
+    if family in ("gemma2", "gemma3_text"):
+        # windows of 8 keys alternating with global layers, within the tests' ~50 positions; scores
+        # scaled by query_pre_attn_scalar (not head_dim)
+        common.update(sliding_window=8, query_pre_attn_scalar=24, layer_types=(ALTERNATING * n_layers)[:n_layers])
+    if family == "gemma2":  # caps near the tiny models' scores and logits (~10), so that they count
+        common.update(attn_logit_softcapping=5.0, final_logit_softcapping=12.0)
+    if family == "gemma3_text":  # the sliding layers' own RoPE base (rope_local_base_freq)
+        common["rope_parameters"] = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    if family == "phi3":
+        common["partial_rotary_factor"] = 0.75  # Phi-4-mini's: 12 of each head's 16 dimensions rotate
+    if family == "qwen3_moe":  # 4 experts, 2 a token; layer 1 a dense MLP (mlp_only_layers)
+        common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      mlp_only_layers=[1] if n_layers > 1 else [])
     common.update(extra)
     return AutoConfig.for_model(family, **common)
 
@@ -82,6 +100,11 @@ def tiny_model(family: str = "llama", n_layers: int = 4, seed: int = 0, vocab: i
     torch.manual_seed(seed)
     cfg = tiny_config(family, n_layers=n_layers, vocab=vocab, **extra)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if family in ("gemma2", "gemma3_text"):  # their (1 + w) norms start at w = 0: make w count
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.normal_(0.0, 0.3)
     model.eval()
     return model
 

@@ -103,10 +103,12 @@ def ttt_mask(n: int, step: int, device=None) -> torch.Tensor:
 
 # ---------------------------------------------------------------------- the call
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None,
-           scale: float | None = None) -> torch.Tensor:
+           scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention of q [B, Hq, T, D] over k, v [B, Hkv, L, D], Hq a multiple of Hkv.
 
-    mask: [T, L] bool (True: attend) or None (every key). scale: None is 1/sqrt(D).
+    mask: [T, L] bool (True: attend) or None (every key). scale: None is 1/sqrt(D). softcap: the
+    logits capped to tanh(s / softcap) * softcap before the softmax (Gemma 2), through operators
+    as transformers' eager attention computes it (SDPA has no cap: `capped_attention`).
     Returns [B, T, Hq * D] (heads concatenated, ready for o_proj).
     """
     B, Hq, T, D = q.shape
@@ -116,24 +118,28 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     rep = Hq // Hkv
     if mask is not None:
         mask = mask.repeat(rep, 1)  # [rep * T, L]: rows follow the packed queries
-    o = F.scaled_dot_product_attention(q.reshape(B, Hkv, rep * T, D), k, v, attn_mask=mask, scale=scale)
+    if softcap is not None:
+        o = capped_attention(q.reshape(B, Hkv, rep * T, D), k, v, mask, D**-0.5 if scale is None else scale, softcap)
+    else:
+        o = F.scaled_dot_product_attention(q.reshape(B, Hkv, rep * T, D), k, v, attn_mask=mask, scale=scale)
     return o.reshape(B, Hq, T, D).transpose(1, 2).reshape(B, T, Hq * D)  # [B, Hkv, rep * T, D] -> [B, T, Hq * D]
 
 
 def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, window: int | None = None,
                   scale: float | None = None, key_mask: torch.Tensor | None = None,
-                  kernels: Path | None = None) -> torch.Tensor:
+                  kernels: Path | None = None, softcap: float | None = None) -> torch.Tensor:
     """Causal attention of q [1, Hq, T, D] at positions end - T .. end - 1 over a cache k, v
     [1, Hkv, >= end, D], each row over exactly its keys and computed as it would be alone:
     [1, T, Hq * D]. With `key_mask` [T, end] (a token tree's rows) row i reads the slots it marks,
-    in cache order. One kernel call on a CPU (viasd_kernels.cpu_row_attention), else the reference.
+    in cache order. One kernel call on a CPU (viasd_kernels.cpu_row_attention), else the reference;
+    always the reference with a `softcap` (the kernel has no cap): each row alone through operators.
     `kernels`: the kernels' folder (paths.kernel_dir(), which a pass looks up once for its layers)."""
-    if ROW_KERNEL and q.device.type == "cpu" and q.shape[0] == 1:
+    if ROW_KERNEL and softcap is None and q.device.type == "cpu" and q.shape[0] == 1:
         out = cpu_row_attention.row_attention(q, k, v, end, window, scale, key_mask,
                                               build_dir=kernels or paths.kernel_dir())
         if out is not None:
             return out
-    return attend_by_row_reference(q, k, v, end, window, scale, key_mask)
+    return attend_by_row_reference(q, k, v, end, window, scale, key_mask, softcap)
 
 
 def by_row_way() -> str:
@@ -147,7 +153,8 @@ def by_row_way() -> str:
 
 
 def attend_by_row_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, window: int | None = None,
-                            scale: float | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+                            scale: float | None = None, key_mask: torch.Tensor | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
     """`attend_by_row` as one `attend` call per position over exactly its keys (no mask): [B, T, Hq * D].
     A tree row's keys are gathered with one host read per row (an eager path)."""
     T = q.shape[2]
@@ -160,5 +167,15 @@ def attend_by_row_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e
             stop = end - T + i + 1
             lo = 0 if window is None else max(0, stop - window)
             k_i, v_i = k[:, :, lo:stop], v[:, :, lo:stop]
-        outs.append(attend(q[:, :, i : i + 1], k_i, v_i, None, scale))
+        outs.append(attend(q[:, :, i : i + 1], k_i, v_i, None, scale, softcap))
     return torch.cat(outs, dim=1)
+
+
+def capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                     softcap: float) -> torch.Tensor:
+    """softmax(tanh(q k^T * scale / softcap) * softcap) v over q [B, H, M, D], k, v [B, H, L, D] (mask
+    [M, L], True: attend), in transformers' eager order: the cap, then the mask, the softmax in float32."""
+    scores = torch.tanh(torch.matmul(q, k.transpose(-1, -2)) * scale / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)

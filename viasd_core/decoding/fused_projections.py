@@ -44,6 +44,9 @@ def fused(layer: torch.nn.Module) -> Fused | None:
         return None
     if layer not in _fused:
         attn, mlp = layer.self_attn, layer.mlp
+        if hasattr(attn, "qkv_proj"):  # Phi-3: the checkpoint's own fused layers (layer_calls splits them)
+            _fused[layer] = None
+            return None
         parts = [attn.q_proj, attn.k_proj, attn.v_proj]
         qkv = fuse_rows(parts)
         split = tuple(p.out_features for p in parts)

@@ -12,6 +12,12 @@ adds it as it stores each output, bit for bit PyTorch's add). The RMSNorms are `
 (a one-call kernel on CPU that sums the squares in its own order: within a rounding step of the
 module's output). tests/test_layer_calls.py compares a pass with the plain module calls.
 
+The families' layers differ here (families.py lists them): Gemma 2/3's four norms wrap the
+attention's and the MLP's products (`o`, `down`, `mlp` return residual + norm(product)); Phi-3's own
+fused q/k/v and gate/up layers are the `qkv` and `gate_up` calls; a MoE block (or any MLP that is not
+gate/up/down) is called one row at a time in a row-invariant model's short passes (`row_by_row`).
+`front` says whether the layer is the plain shape that viasd_kernels.cpu_layer computes in one call.
+
 Nothing in viasd registers hooks on a decoder layer's submodules; calling `forward` skips hooks
 that someone else might register (accelerate's offloading wraps `forward` itself, so it still runs).
 """
@@ -23,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from viasd_core.decoding.families import attn_softcap
 from viasd_core.decoding.norms import norm_call
 from viasd_core.decoding.short_products import linear, mlp
 from viasd_core.decoding.weight_formats import PackedLinear
@@ -39,9 +46,9 @@ class LayerCalls:
     k_norm: Call | None
     qkv: Call | None  # q, k and v as one product (fused_projections), split by qkv_split
     qkv_split: tuple[int, int, int]
-    q: Call
-    k: Call
-    v: Call
+    q: Call | None  # None where the layer has only a fused qkv_proj (Phi-3)
+    k: Call | None
+    v: Call | None
     o: AddCall  # residual + o(x)
     gate_up: Call | None  # gate and up as one product, split by gate_up_split
     gate_up_split: tuple[int, int]
@@ -49,6 +56,8 @@ class LayerCalls:
     down: AddCall | None  # residual + down(x)
     mlp: Call  # the whole MLP (where gate_up is None)
     scaling: float
+    softcap: float | None = None  # the attention logits' tanh cap (Gemma 2), None: none
+    front: bool = True  # the plain layer shape (one norm before each block, no q/k norms, no cap)
 
 
 def product(module: torch.nn.Module, model) -> Call:
@@ -68,22 +77,68 @@ def product_add(module: torch.nn.Module, model) -> AddCall:
     return lambda x, residual: residual + call(x)
 
 
+def row_by_row(module: torch.nn.Module, model) -> Call:
+    """`module(x)` over x [1, T, H]; in a row-invariant model's short passes one row at a time, each
+    row through the same 1-row call whatever the pass holds (a MoE block routes and multiplies a row
+    alone exactly as in a 1-token pass)."""
+    def call(x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        if T > 1 and model.pass_rows.way(T) == "invariant" and not torch.compiler.is_compiling():
+            return torch.cat([module(x[:, i : i + 1]) for i in range(T)], dim=1)
+        return module(x)
+
+    return call
+
+
 def layer_calls(layer: torch.nn.Module, fused, model) -> LayerCalls:
     """The calls of decoder `layer` (with its fused projections `fused`, or None) for `model`'s pass."""
     attn, m = layer.self_attn, layer.mlp
     q_norm = attn.q_norm.forward if hasattr(attn, "q_norm") else None
     k_norm = attn.k_norm.forward if hasattr(attn, "k_norm") else None
-    qkv = fused.qkv.forward if fused is not None and fused.qkv is not None else None
-    gate_up = fused.gate_up.forward if fused is not None and fused.gate_up is not None else None
+    own_qkv, own_gate_up = getattr(attn, "qkv_proj", None), getattr(m, "gate_up_proj", None)  # Phi-3
+    if fused is not None and fused.qkv is not None:
+        qkv, qkv_split = fused.qkv.forward, fused.qkv_split
+    elif own_qkv is not None:
+        d, hkv = attn.head_dim, attn.num_key_value_heads
+        qkv, qkv_split = product(own_qkv, model), (own_qkv.out_features - 2 * hkv * d, hkv * d, hkv * d)
+    else:
+        qkv, qkv_split = None, (0, 0, 0)
+    act = getattr(m, "act_fn", None) or getattr(m, "activation_fn", None)
+    if fused is not None and fused.gate_up is not None:
+        gate_up, gate_up_split = fused.gate_up.forward, fused.gate_up_split
+    elif own_gate_up is not None:
+        gate_up, gate_up_split = product(own_gate_up, model), (own_gate_up.out_features // 2,) * 2
+    else:
+        gate_up, gate_up_split = None, (0, 0)
+    gated = all(hasattr(m, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+    whole = (lambda x: mlp(x, m, model.pass_rows)) if gated else row_by_row(m, model)
+    # Gemma 2/3: the attention's and the MLP's outputs normed before their residual adds, and the
+    # MLP's input normed by pre_feedforward_layernorm (post_attention_layernorm norms the attention's output)
+    sandwich = hasattr(layer, "pre_feedforward_layernorm")
+    o, down = product_add(attn.o_proj, model), product_add(m.down_proj, model) if gate_up is not None else None
+    if sandwich:
+        after_attn, after_mlp = norm_call(layer.post_attention_layernorm), norm_call(layer.post_feedforward_layernorm)
+        o_product, mlp_whole = product(attn.o_proj, model), whole
+        o = lambda x, residual: residual + after_attn(o_product(x))
+        whole = lambda x: after_mlp(mlp_whole(x))
+        if gate_up is not None:
+            down_product = product(m.down_proj, model)
+            down = lambda x, residual: residual + after_mlp(down_product(x))
+    softcap = attn_softcap(layer)
     return LayerCalls(
-        input_norm=norm_call(layer.input_layernorm), post_norm=norm_call(layer.post_attention_layernorm),
+        input_norm=norm_call(layer.input_layernorm),
+        post_norm=norm_call(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm),
         q_norm=q_norm, k_norm=k_norm,
-        qkv=qkv, qkv_split=fused.qkv_split if qkv is not None else (0, 0, 0),
-        q=product(attn.q_proj, model), k=product(attn.k_proj, model), v=product(attn.v_proj, model),
-        o=product_add(attn.o_proj, model),
-        gate_up=gate_up, gate_up_split=fused.gate_up_split if gate_up is not None else (0, 0),
-        act=(m.act_fn.forward if isinstance(m.act_fn, torch.nn.Module) else m.act_fn) if gate_up is not None else None,
-        down=product_add(m.down_proj, model) if gate_up is not None else None,
-        mlp=lambda x: mlp(x, m, model.pass_rows),
+        qkv=qkv, qkv_split=qkv_split,
+        q=None if own_qkv is not None else product(attn.q_proj, model),
+        k=None if own_qkv is not None else product(attn.k_proj, model),
+        v=None if own_qkv is not None else product(attn.v_proj, model),
+        o=o,
+        gate_up=gate_up, gate_up_split=gate_up_split,
+        act=(act.forward if isinstance(act, torch.nn.Module) else act) if gate_up is not None else None,
+        down=down,
+        mlp=whole,
         scaling=attn.scaling,
+        softcap=softcap,
+        front=not sandwich and not softcap and q_norm is None,
     )

@@ -1,7 +1,7 @@
 """A lean batch-1 decoder forward with a static KV cache, over a transformers model's weights.
 
-`FastModel` runs the layers of a Hugging Face decoder-only model (Llama, Mistral, Qwen2,
-Qwen3, Gemma families) without the framework's per-call machinery, in the shape a compiler
+`FastModel` runs the layers of a Hugging Face decoder-only model (the families of families.py:
+Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3/4, Qwen3-MoE) without the framework's per-call machinery, in the shape a compiler
 and CUDA graphs need (gpt-fast style):
 
 - the KV cache is allocated once (`max_len` positions plus a little slack for padded passes)
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,7 +40,9 @@ from viasd_kernels import cpu_layer, cpu_rms_norm, cpu_rope_write
 from viasd_core import paths
 from viasd_core.errors import ViasdError
 from viasd_core.decoding import attention, graph_outputs
-from viasd_core.decoding.rope import apply_rope, check_rope, signed_sin
+from viasd_core.decoding.families import (SUPPORTED_FAMILIES, ModelShape, check_embedding, final_softcap,  # noqa: F401
+                                          model_shape, rope_tables, softcap, window)
+from viasd_core.decoding.rope import apply_rope, signed_sin
 from viasd_core.decoding.pass_widths import PASS_WIDTHS, pass_width
 from viasd_core.decoding.short_products import DEFAULT, ShortRows, linear
 from viasd_core.decoding.tree_pass import TreePasses
@@ -50,55 +51,23 @@ from viasd_core.decoding.layer_calls import layer_calls
 from viasd_core.decoding.norms import norm_call
 from viasd_core.decoding.weight_formats import PackedLinear, has_weight_format, widen_once
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma")
 PREFILL_CHUNK = 256  # longer passes run in chunks of this many positions (bounded memory)
 LAYER_KERNEL = True  # int4 CPU passes run a layer's front half in one C call (viasd_kernels.cpu_layer)
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    family: str
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    vocab_size: int
-    max_positions: int
-
-
-def model_shape(hf_model) -> ModelShape:
-    cfg = hf_model.config
-    family = getattr(cfg, "model_type", "?")
-    if family not in SUPPORTED_FAMILIES:
-        raise ViasdError(
-            f"model family '{family}' is not supported yet (supported: {', '.join(SUPPORTED_FAMILIES)}); "
-            "use a model of one of those families"
-        )
-    check_rope(cfg)
-    n_heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
-    return ModelShape(
-        family=family,
-        n_layers=cfg.num_hidden_layers,
-        n_heads=n_heads,
-        n_kv_heads=getattr(cfg, "num_key_value_heads", None) or n_heads,
-        head_dim=head_dim,
-        hidden_size=cfg.hidden_size,
-        vocab_size=hf_model.get_output_embeddings().out_features,
-        max_positions=getattr(cfg, "max_position_embeddings", 4096),
-    )
-
-
 class StaticCache(torch.nn.Module):
-    """Every run layer's K/V and the RoPE tables, allocated once."""
+    """Every run layer's K/V and the RoPE tables, allocated once: `cos`, `sin_signed` the first
+    table, `cos_1`, `sin_signed_1`, ... any other (families.rope_tables: Gemma 3's sliding layers)."""
 
-    def __init__(self, n_layers: int, n_kv_heads: int, length: int, head_dim: int, cos, sin, dtype, device):
+    def __init__(self, n_layers: int, n_kv_heads: int, length: int, head_dim: int, tables, dtype, device):
         super().__init__()
         self.layers = torch.nn.ModuleList(attention.LayerCache(n_kv_heads, length, head_dim, dtype, device)
                                           for _ in range(n_layers))
-        self.register_buffer("cos", cos, persistent=False)  # [length, head_dim]
-        self.register_buffer("sin_signed", signed_sin(sin), persistent=False)  # as apply_rope takes it
+        for i, (cos, sin) in enumerate(tables):
+            tail = f"_{i}" if i else ""
+            self.register_buffer("cos" + tail, cos, persistent=False)  # [length, rotary dim]
+            self.register_buffer("sin_signed" + tail, signed_sin(sin), persistent=False)  # as apply_rope takes it
+        self.tables = len(tables)
         self.register_buffer("key_pos", torch.arange(length, device=device), persistent=False)
         self.register_buffer("features", None, persistent=False)  # [length, n * hidden] once features are captured
 
@@ -117,11 +86,9 @@ class FastModel(attention.CachedPositions, TreePasses):
         self.name = name
         decoder = hf_model.get_decoder()
         self.embed = decoder.embed_tokens
-        if self.shape.family == "gemma" and getattr(self.embed, "embed_scale", None) is None:
-            raise ViasdError("this Gemma model's embedding has no sqrt(hidden) scale (transformers < 5.4 applies it "
-                             "outside the module): upgrade transformers to 5.4 or later")
+        check_embedding(self.shape.family, self.embed)
         self.norm = decoder.norm
-        self.rotary = decoder.rotary_emb
+        self.final_softcap = final_softcap(hf_model.config)  # Gemma 2: logits capped by tanh
         self.lm_head = hf_model.get_output_embeddings()
         all_layers = list(decoder.layers)
         if layer_ids is None:
@@ -130,7 +97,7 @@ class FastModel(attention.CachedPositions, TreePasses):
             raise ValueError(f"layer_ids must be non-empty indices below {len(all_layers)}, got {layer_ids}")
         self.layer_ids = sorted(layer_ids)
         self.layers = [all_layers[i] for i in self.layer_ids]
-        self.windows = [self._window(layer) for layer in self.layers]
+        self.windows = [window(self.shape.family, hf_model.config, layer) for layer in self.layers]
         param = next(hf_model.parameters())
         self.device = param.device
         # Quantized weights (bitsandbytes) report uint8/int8: the activations use the compute dtype.
@@ -195,13 +162,6 @@ class FastModel(attention.CachedPositions, TreePasses):
         self._short_rows = ShortRows(rows) if isinstance(rows, int) else rows
         self.pass_rows = self._short_rows._replace(invariant=getattr(self, "_row_attention", False))
 
-    def _window(self, layer) -> int | None:
-        attn = layer.self_attn
-        window = getattr(attn, "sliding_window", None)
-        if window is None and self.shape.family == "mistral":
-            window = getattr(self.hf_model.config, "sliding_window", None)
-        return int(window) if window else None
-
     def allocate(self, max_len: int) -> None:
         """Allocate the KV cache and RoPE tables for `max_len` positions (once; never shrinks).
 
@@ -213,12 +173,9 @@ class FastModel(attention.CachedPositions, TreePasses):
             return
         s = self.shape
         length = max_len + PASS_WIDTHS[-1]  # slack: a padded pass may write past the end
-        positions = torch.arange(length, device=self.device)
-        dummy = torch.zeros(1, dtype=self.dtype, device=self.device)
-        with torch.no_grad():
-            cos, sin = self.rotary(dummy, positions[None])
-        self.cache = StaticCache(len(self.layers), s.n_kv_heads, length, s.head_dim,
-                                 cos[0].to(self.dtype), sin[0].to(self.dtype), self.dtype, self.device)
+        tables, self._rope_ix = rope_tables(self.hf_model, self.layer_ids, torch.arange(length, device=self.device),
+                                            self.dtype)
+        self.cache = StaticCache(len(self.layers), s.n_kv_heads, length, s.head_dim, tables, self.dtype, self.device)
         self.max_len = max_len
         self.seen = 0
         self._allocate_features()
@@ -338,8 +295,8 @@ class FastModel(attention.CachedPositions, TreePasses):
         cache = self.cache
         x = self.embed(input_ids[None])  # [1, T, H]
         rope_pos = input_pos if rope_pos is None else rope_pos
-        cos = cache.cos.index_select(0, rope_pos)  # [T, D]
-        sin = cache.sin_signed.index_select(0, rope_pos)
+        ropes = [(getattr(cache, "cos" + t).index_select(0, rope_pos), getattr(cache, "sin_signed" + t).index_select(0, rope_pos))
+                 for t in [""] + [f"_{i}" for i in range(1, cache.tables)]]  # each table's rows [T, rotary dim]
         chunks = self._chunks(T, attn_len, masked, by_row) if key_mask is None else [(0, T, attn_len, masked, by_row)]
         masks = []  # per chunk: window -> [rows, keys]; by_row slices its keys instead
         for lo, hi, end, chunk_masked, chunk_by_row in chunks:
@@ -355,6 +312,7 @@ class FastModel(attention.CachedPositions, TreePasses):
         for ci, layer in enumerate(self.layers):
             for slot in self._capture[ci]:
                 captured[slot] = x[0]
+            cos, sin = ropes[self._rope_ix[ci]]
             if len(chunks) == 1:
                 x = self._layer(ci, x, input_pos, cos, sin, attn_len, masks[0], by_row, key_mask, kernels)
                 continue
@@ -367,7 +325,10 @@ class FastModel(attention.CachedPositions, TreePasses):
         if captured:
             cache.features[input_pos] = torch.cat(captured, dim=-1)  # [T, n * H]
         h = self._final_norm(x[0].index_select(0, rows))
-        logits = linear(h, self.lm_head, self.pass_rows).float()
+        logits = linear(h, self.lm_head, self.pass_rows)
+        if self.final_softcap is not None:
+            logits = softcap(logits, self.final_softcap)
+        logits = logits.float()
         if self.vocab_limit is not None and self.vocab_limit < logits.shape[-1]:
             logits[:, self.vocab_limit:] = float("-inf")
         return logits
@@ -413,10 +374,11 @@ class FastModel(attention.CachedPositions, TreePasses):
             k = apply_rope(k.transpose(1, 2), cos, sin)  # [1, Hkv, T, D]
             k_cache, v_cache = layer_cache.update(pos, k, v.transpose(1, 2))
         if by_row:
-            o = attention.attend_by_row(q, k_cache, v_cache, end, self.windows[ci], c.scaling, key_mask, kernels)
+            o = attention.attend_by_row(q, k_cache, v_cache, end, self.windows[ci], c.scaling, key_mask, kernels,
+                                        c.softcap)
         else:
             o = attention.attend(q, k_cache[:, :, :end], v_cache[:, :, :end], masks.get(self.windows[ci]),
-                                 c.scaling)  # [1, T, Hq * D]
+                                 c.scaling, c.softcap)  # [1, T, Hq * D]
         x = c.o(o, x)  # x + o_proj(o)
         h = c.post_norm(x)
         if c.gate_up is not None:
@@ -463,7 +425,7 @@ class FastModel(attention.CachedPositions, TreePasses):
 
     def _bind_front(self, ci: int, writer) -> cpu_layer.LayerFront | None:
         c, fused = self._calls[ci], self._fused[ci]
-        if (writer is None or c.q_norm is not None or fused is None
+        if (writer is None or not c.front or fused is None or self.cache.cos.shape[-1] != self.shape.head_dim
                 or c.qkv is None or c.gate_up is None or self.dtype != torch.bfloat16):
             return None
         products = (fused.qkv, self.layers[ci].self_attn.o_proj, fused.gate_up)
@@ -492,7 +454,10 @@ class FastModel(attention.CachedPositions, TreePasses):
         """The linear layers run-layer `ci`'s pass calls (its fused projections where it has them)."""
         layer = self.layers[ci]
         attn, f = layer.self_attn, self._fused[ci]
-        qkv = [f.qkv] if f is not None and f.qkv is not None else [attn.q_proj, attn.k_proj, attn.v_proj]
+        if f is not None and f.qkv is not None:
+            qkv = [f.qkv]
+        else:  # the layer's own (Phi-3: one qkv_proj)
+            qkv = [getattr(attn, name) for name in ("qkv_proj", "q_proj", "k_proj", "v_proj") if hasattr(attn, name)]
         if f is not None and f.gate_up is not None:
             return qkv + [attn.o_proj, f.gate_up, layer.mlp.down_proj]
         return qkv + [attn.o_proj, layer.mlp]

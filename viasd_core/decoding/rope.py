@@ -52,11 +52,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     transformers computes x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1). That is
     x * cos + roll(x, D/2) * signed_sin(sin): the same products up to a sign, and a sign flip is
     exact, so every value is bit for bit the same (tests/test_model_rope.py compares it with
-    `apply_rope_reference`), in four operators instead of six (two calls a layer and pass)."""
+    `apply_rope_reference`), in four operators instead of six (two calls a layer and pass).
+
+    Partial rotary (Phi-4-mini's `partial_rotary_factor`): a table narrower than x rotates x's first
+    part only and keeps the rest, as transformers' Phi-3 does."""
+    width = cos.shape[-1]
+    if width != x.shape[-1]:
+        part = x[..., :width]
+        return torch.cat((part * cos + part.roll(width // 2, -1) * sin_signed, x[..., width:]), dim=-1)
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 def apply_rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`apply_rope` as transformers writes it, over the plain sine table."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    """`apply_rope` as transformers writes it, over the plain sine table (partial: its first part)."""
+    width = cos.shape[-1]
+    rot, rest = x[..., :width], x[..., width:]
+    x1, x2 = rot.chunk(2, dim=-1)
+    return torch.cat((rot * cos + torch.cat((-x2, x1), dim=-1) * sin, rest), dim=-1)

@@ -1,0 +1,115 @@
+"""The families issue 50 added (conftest.NEW_FAMILIES: Gemma 2, Gemma 3 text, Phi-3/4, Qwen3-MoE), each
+exact on a tiny random float32 model: FastModel's pass computes transformers' logits, greedy `ar`
+emits transformers' generate() tokens, `sd` emits `ar`'s, and every row of a short pass comes out
+bit for bit as the row alone (the property sd == ar rests on). Their tiny configs (conftest.tiny_config)
+set what sets each family apart: Gemma 2's attention and final soft-caps, query_pre_attn_scalar and
+four norms a layer, sliding layers alternating with global ones; Gemma 3's q/k norms and the sliding
+layers' own RoPE base; Phi-4-mini's partial rotary over fused q/k/v and gate/up; a Qwen3-MoE block
+(4 experts, 2 a token) next to a dense layer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import NEW_FAMILIES, TinyTokenizer, tiny_config, tiny_model
+from test_engine_greedy import hf_greedy, make_engine, prompt_for
+from test_row_invariance import PROMPT, SPAN, target, tokens, width_dependent_rows
+from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.decoding.model import FastModel
+from viasd_core.errors import ViasdError
+
+NEW = 24
+
+
+def passes_of_every_kind(fast: FastModel, ids: torch.Tensor) -> torch.Tensor:
+    """A prefill of 12, four 1-token passes, a block of 4, a rollback and a block of 8 (past the
+    sliding window of 8): every position's logits."""
+    out = [fast.forward(ids[:12], 0, 12)]
+    out += [fast.forward(ids[i : i + 1], i, 1) for i in range(12, 16)]
+    out.append(fast.forward(ids[16:20], 16, 4))
+    fast.rollback(18)
+    out.append(fast.forward(ids[18:26], 18, 8))
+    return torch.cat(out[:-2] + [out[-2][:2], out[-1]])
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_fast_pass_computes_transformers_logits(family):
+    model = tiny_model(family, seed=1)
+    fast = FastModel(model, max_len=64)
+    ids = torch.randint(3, 256, (26,), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = model(ids[None]).logits[0].float()
+    torch.testing.assert_close(passes_of_every_kind(fast, ids), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_sd_equals_ar_equals_transformers(family):
+    target_model = tiny_model(family, seed=11)
+    draft = tiny_model(family, n_layers=1, seed=99)
+    for seed in range(2):
+        prompt = prompt_for(seed)
+        reference = hf_greedy(target_model, prompt, NEW)
+        ar = make_engine(target_model).generate(prompt, GenerationConfig(mode="ar", max_new_tokens=NEW))
+        assert ar.tokens == reference, (family, seed)
+        for draft_model, gamma in ((target_model, 3), (draft, 1), (draft, 5)):
+            sd = make_engine(target_model, draft_model=draft_model).generate(
+                prompt, GenerationConfig(mode="sd", max_new_tokens=NEW, gamma=gamma, adaptive=False))
+            assert sd.tokens == reference, (family, seed, gamma)
+            assert sd.stats.draft_tokens > 0
+            if draft_model is target_model:
+                assert sd.stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int4"])
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_a_rows_logits_do_not_depend_on_its_pass(family, fmt):
+    """As tests/test_row_invariance.py for the older families, at 2 threads: Gemma 2's capped
+    attention (each row through operators alone), Gemma 3's two RoPE tables, Phi-3's partial rotary,
+    Qwen3-MoE's experts (each row routed alone)."""
+    torch.set_num_threads(2)
+    fast = target(family, fmt)
+    assert fast.row_attention
+    assert width_dependent_rows(fast, tokens(PROMPT + SPAN + 8, seed=2)) == {}
+
+
+def test_gemma2_caps_and_gemma3_local_rope_are_what_the_pass_reads():
+    """What the tiny configs exercise is what FastModel applies: Gemma 2's caps, Gemma 3's second
+    RoPE table for its sliding layers, both families' sliding windows on alternate layers."""
+    g2 = FastModel(tiny_model("gemma2", seed=1), max_len=32)
+    assert [c.softcap for c in g2._calls] == [5.0] * 4 and g2.final_softcap == 12.0
+    assert g2.windows == [8, None, 8, None] and g2.cache.tables == 1
+    g3 = FastModel(tiny_model("gemma3_text", seed=1), max_len=32)
+    assert [c.softcap for c in g3._calls] == [None] * 4 and g3.final_softcap is None
+    assert g3.windows == [8, None, 8, None] and g3.cache.tables == 2 and g3._rope_ix == [1, 0, 1, 0]
+    assert not torch.equal(g3.cache.cos[:20], g3.cache.cos_1[:20])  # bases 1e6 (global) and 1e4 (local)
+    phi = FastModel(tiny_model("phi3", seed=1), max_len=32)
+    assert phi.cache.cos.shape[-1] == 12 and phi._calls[0].q is None and phi._calls[0].qkv_split == (64, 32, 32)
+
+
+@pytest.mark.parametrize("extra", [dict(partial_rotary_factor=1.0, sliding_window=6)], ids=["full-rotary-window"])
+def test_phi3_full_rotary_with_a_sliding_window(extra):
+    """Phi-3-mini's own shape: every dimension rotated (the C RoPE writer), one sliding window for all
+    layers from the config."""
+    model = tiny_model("phi3", seed=2, **extra)
+    fast = FastModel(model, max_len=64)
+    assert fast.windows == [6] * 4 and fast.cache.cos.shape[-1] == 16
+    ids = torch.randint(3, 256, (26,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = model(ids[None]).logits[0]
+    torch.testing.assert_close(passes_of_every_kind(fast, ids), want, rtol=1e-4, atol=1e-4)
+
+
+def test_gemma3_multimodal_and_bidirectional_models_are_refused_in_one_line():
+    from transformers import AutoModelForCausalLM
+
+    class Multimodal:  # the part of a Gemma3ForConditionalGeneration model_shape reads first
+        config = type("Config", (), {"model_type": "gemma3"})()
+
+    with pytest.raises(ViasdError, match="multimodal.*gemma3_text") as err:
+        FastModel(Multimodal())
+    assert "\n" not in str(err.value)
+    bidirectional = AutoModelForCausalLM.from_config(tiny_config("gemma3_text", n_layers=1, use_bidirectional_attention=True))
+    with pytest.raises(ViasdError, match="bidirectionally"):
+        FastModel(bidirectional, max_len=16)
