@@ -4,6 +4,10 @@
 eager and compiled, the int8 and int4 formats, and a short calibration. In float32, greedy sd and
 exact emit ar's tokens exactly.
 
+The families issue 50 added run at their real checkpoints' geometry too (`FAMILY_GEOMETRY`: Gemma-2-9B,
+Gemma-3-1B, Phi-3-mini-4k, Qwen3-30B-A3B, 2 layers each): FastModel's pass computes transformers'
+logits, greedy ar emits transformers' tokens and sd emits ar's (eager float32).
+
 Everything else in the suite runs models of width 64; these widths are the ones a GPU user loads
 (the padded int4 CUDA layout of the same widths: tests/test_weight_format_value.py). About 1B
 parameters a model, 4 GB in float32 (tied embeddings), one model at a time.
@@ -33,6 +37,29 @@ GEOMETRY = {
                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     "qwen2.5-7b": dict(SHAPES["qwen2.5-7b"]["target"], family="qwen2"),
 }
+# Issue 50's families, from the checkpoints' config.json (google/gemma-2-9b, google/gemma-3-1b-it,
+# microsoft/Phi-3-mini-4k-instruct, Qwen/Qwen3-30B-A3B); 2 layers: one sliding and one global where
+# the family alternates them (Gemma 3's global layers are every 6th in the checkpoint).
+FAMILY_GEOMETRY = {
+    "gemma-2-9b": dict(family="gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
+                       sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                       hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192,
+                       layer_types=["sliding_attention", "full_attention"]),
+    "gemma-3-1b": dict(family="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                       sliding_window=512, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=32768,
+                       layer_types=["sliding_attention", "full_attention"],
+                       rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "phi-3-mini-4k": dict(family="phi3", vocab_size=32064, hidden_size=3072, intermediate_size=8192,
+                          num_attention_heads=32, num_key_value_heads=32, sliding_window=2047, hidden_act="silu",
+                          max_position_embeddings=4096, original_max_position_embeddings=4096),
+    "qwen3-30b-a3b": dict(family="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, rope_theta=1000000.0,
+                          max_position_embeddings=40960),
+}
 PROMPT = [1, 9000, 15, 80000, 321, 4242]
 NEW = 8
 CONTEXT = 48
@@ -49,7 +76,7 @@ def fill_random_(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
             if "norm" in name:
                 p.fill_(1.0)
                 continue
-            rows, cols = (p.shape[0], p.shape[1]) if p.ndim == 2 else (1, p.shape[0])
+            rows, cols = (p.numel() // p.shape[-1], p.shape[-1])  # a 3-d tensor (MoE experts): its rows of all
             stride = max(1, (base.numel() - cols) // max(rows - 1, 1))
             stride -= stride % 2 == 0 and stride > 1  # odd: rows do not repeat with the column period
             offset = int(torch.randint(0, base.numel() - (rows - 1) * stride - cols + 1, (1,), generator=g))
@@ -60,7 +87,7 @@ def real_shaped(name: str, seed: int = 0):
     """A 2-layer float32 model of `name`'s geometry with tied embeddings, built without an init pass."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = dict(GEOMETRY[name])
+    spec = dict({**GEOMETRY, **FAMILY_GEOMETRY}[name])
     family = spec.pop("family")
     spec.update(num_hidden_layers=2, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cfg = AutoConfig.for_model(family, **spec)
@@ -70,6 +97,11 @@ def real_shaped(name: str, seed: int = 0):
     model.tie_weights()
     model.model.rotary_emb = type(model.model.rotary_emb)(cfg)  # its frequencies, computed (to_empty left garbage)
     fill_random_(model, seed)
+    embed = model.model.embed_tokens
+    if hasattr(embed, "scalar_embed_scale"):  # Gemma's sqrt(hidden): a buffer to_empty left garbage too
+        embed.embed_scale.fill_(embed.scalar_embed_scale)
+        with torch.no_grad():  # the scaled rows as small as other families' (else each token predicts itself)
+            embed.weight.div_(embed.scalar_embed_scale)
     return model.eval()
 
 
@@ -218,3 +250,32 @@ def test_a_short_calibration_on_real_shapes(model, monkeypatch):
     assert 0 < outcome.tokens <= 5 and outcome.drafted > 0  # the recorded blocks, replayed
     if chosen.fit.thresholds.active:
         assert outcome.fidelity >= 1 - budget
+
+
+@pytest.fixture(scope="module", params=list(FAMILY_GEOMETRY))
+def family_model(request):
+    return real_shaped(request.param)
+
+
+def test_the_new_families_compute_transformers_logits_and_greedy_tokens(family_model):
+    """Gemma 2's caps and four norms at 256-wide heads, Gemma 3's two RoPE tables with one KV head,
+    Phi-3's fused q/k/v (32 KV heads) and sliding window, Qwen3-MoE's 128 experts (8 a token): the
+    pass (a prefill, then 1-token and 3-token passes) computes transformers' logits; greedy ar emits
+    transformers' generate() tokens, and sd (blocks of 2) emits ar's."""
+    model = family_model
+    vocab = model.config.vocab_size
+    prompt = [t % vocab for t in PROMPT]
+    ids = torch.tensor(prompt + [7, 100, 2000, 5])
+    with torch.inference_mode():
+        want = model(ids[None]).logits[0]
+        reference = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                                   eos_token_id=None)[0, len(prompt):].tolist()
+    fast = FastModel(model, max_len=CONTEXT)
+    got = torch.cat([fast.forward(ids[:6], 0, 6), fast.forward(ids[6:7], 6, 1), fast.forward(ids[7:10], 7, 3)])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    eng = engine(model)
+    ar = eng.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=NEW))
+    assert ar.tokens == reference and len(set(reference)) > 1
+    eng.reset()
+    sd = eng.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=NEW, gamma=2, adaptive=False))
+    assert sd.tokens == reference and sd.stats.draft_tokens > 0
