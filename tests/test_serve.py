@@ -214,26 +214,39 @@ def test_metrics_count_what_the_requests_did(session, viasd_home):  # noqa: F811
         exts.append(chunks[-2].model_extra["viasd"])
         usages.append(chunks[-1].usage)
         assert raw(base, "POST", "/v1/chat/completions", "{")[0] == 400
+        name = c.models.list().data[0].id
         m = metric_samples(base)
     assert total(m, "viasd:requests_total", endpoint="/v1/chat/completions", status="200") == 4
     assert total(m, "viasd:requests_total", status="400") == 1
-    assert total(m, "viasd:request_success_total") == 4
-    assert total(m, "viasd:request_success_total", mode="ar") == 1
-    assert total(m, "viasd:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
-    assert total(m, "viasd:prefix_cache_hits_total") == sum(u.prompt_tokens_details.cached_tokens for u in usages)
-    assert total(m, "viasd:generation_tokens_total") == sum(u.completion_tokens for u in usages)
+    assert total(m, "vllm:request_success_total") == 4
+    assert total(m, "vllm:request_success_total", mode="ar") == 1
+    assert total(m, "vllm:prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert total(m, "vllm:prefix_cache_hits_total") == sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    assert total(m, "vllm:generation_tokens_total") == sum(u.completion_tokens for u in usages)
     assert total(m, "viasd:target_passes_total") == sum(e["target_passes"] for e in exts)
-    assert total(m, "viasd:spec_decode_num_draft_tokens_total") == sum(e["draft_tokens"] for e in exts) > 0
-    assert total(m, "viasd:spec_decode_num_accepted_tokens_total") == sum(sum(e["position_accepts"]) for e in exts)
-    assert total(m, "viasd:spec_decode_num_drafts_total") == sum(e["position_attempts"][0] for e in exts if e["position_attempts"])
+    assert total(m, "vllm:spec_decode_num_draft_tokens_total") == sum(e["draft_tokens"] for e in exts) > 0
+    assert total(m, "vllm:spec_decode_num_accepted_tokens_total") == sum(sum(e["position_accepts"]) for e in exts)
+    assert total(m, "vllm:spec_decode_num_drafts_total") == sum(e["position_attempts"][0] for e in exts if e["position_attempts"])
     for j in range(max(len(e["position_attempts"]) for e in exts)):
         tried = sum(e["position_attempts"][j] for e in exts if len(e["position_attempts"]) > j)
         assert total(m, "viasd:spec_decode_num_draft_tokens_per_pos_total", position=str(j)) == tried
     for tier in ("accept", "slim", "full", "bonus"):
         assert total(m, "viasd:tier_tokens_total", tier=tier) == sum(e["tier_counts"][tier] for e in exts)
-    assert total(m, "viasd:e2e_request_latency_seconds_count") == 4
-    assert total(m, "viasd:time_to_first_token_seconds_count") == 4
-    assert total(m, "viasd:num_requests_running") == 0 and total(m, "viasd:num_requests_waiting") == 0
+    assert total(m, "vllm:e2e_request_latency_seconds_count") == 4
+    assert total(m, "vllm:time_to_first_token_seconds_count") == 4
+    assert total(m, "vllm:num_requests_running") == 0 and total(m, "vllm:num_requests_waiting") == 0
+    for j in range(max(len(e["position_attempts"]) for e in exts)):
+        kept = sum(e["position_accepts"][j] for e in exts if len(e["position_accepts"]) > j)
+        assert total(m, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(j)) == kept
+    # vLLM's names and label: every series of the server carries model_name
+    assert {dict(labels).get("model_name") for _, labels in m} == {name}
+    # time per output token: one observation per step after the first (every step emits), one per request
+    steps = sum(e["steps"] for e in exts)
+    assert total(m, "vllm:inter_token_latency_seconds_count") == total(m, "vllm:time_per_output_token_seconds_count") == steps - 4
+    assert total(m, "vllm:inter_token_latency_seconds_sum") == pytest.approx(total(m, "vllm:time_per_output_token_seconds_sum"))
+    assert 0 < total(m, "vllm:inter_token_latency_seconds_sum") < total(m, "vllm:e2e_request_latency_seconds_sum")
+    assert total(m, "vllm:request_time_per_output_token_seconds_count") == 4  # every answer has several tokens
+    assert total(m, "vllm:inter_token_latency_seconds_bucket", le="+Inf") == steps - 4
 
 
 def test_calibrated_modes_per_request(tiny_dirs, viasd_home):

@@ -52,7 +52,7 @@ def test_a_burst_of_50_requests_from_8_clients(session, tiny_dirs, viasd_home, c
         assert [(i, status, text) for i, status, text, _ in results] == [
             (i, 200, expected[PROMPTS[i % len(PROMPTS)]]) for i in range(50)]
         m = metric_samples(base)
-        assert total(m, "viasd:requests_total", status="200") == 50 and total(m, "viasd:request_success_total") == 50
+        assert total(m, "viasd:requests_total", status="200") == 50 and total(m, "vllm:request_success_total") == 50
     # A queue of 2: what does not fit is refused with 503 and Retry-After, nothing is lost or mixed up.
     with running(session, max_queue=2) as (base, _):
         results = burst(base, 24, 8)
@@ -66,7 +66,7 @@ def test_a_burst_of_50_requests_from_8_clients(session, tiny_dirs, viasd_home, c
         m = metric_samples(base)
         assert total(m, "viasd:requests_total", status="200") == len(ok) + 1
         assert total(m, "viasd:requests_total", status="503") == len(busy)
-        assert total(m, "viasd:num_requests_running") == total(m, "viasd:num_requests_waiting") == 0
+        assert total(m, "vllm:num_requests_running") == total(m, "vllm:num_requests_waiting") == 0
     assert_clean_log(capfd)
 
 
@@ -103,8 +103,8 @@ def test_full_queue_and_time_limits(session, viasd_home, capfd):  # noqa: F811
             status, _, answer = first.result(10)
             assert status == 504 and "after 1 new tokens" in answer["error"]["message"], answer
             m = metric_samples(base)
-            assert total(m, "viasd:request_success_total", finished_reason="timeout") == 1  # the one that ran
-            assert total(m, "viasd:generation_tokens_total") == 1
+            assert total(m, "vllm:request_success_total", finished_reason="timeout") == 1  # the one that ran
+            assert total(m, "vllm:generation_tokens_total") == 1
             assert total(m, "viasd:requests_total", status="504") == 2
     finally:
         session.engine.generate = inner
@@ -153,8 +153,8 @@ def test_a_client_that_goes_away_frees_the_engine_within_a_step(session, viasd_h
             freed = wait_for(lambda: not server.worker.busy)
             assert freed < 2.0, freed
             m = metric_samples(base)
-            assert total(m, "viasd:request_success_total", finished_reason="abort") == 2
-            assert total(m, "viasd:generation_tokens_total") < 60
+            assert total(m, "vllm:request_success_total", finished_reason="abort") == 2
+            assert total(m, "vllm:generation_tokens_total") < 60
             answer = c.chat.completions.create(model="target", max_tokens=3, **body("w1"))  # the engine serves again
             assert answer.usage.completion_tokens >= 1
     finally:

@@ -70,7 +70,7 @@ async def _disconnected(request: Request) -> None:
 
 
 def create_app(session: Session, served: ServedModel, settings: ServeSettings) -> Starlette:
-    metrics = ServeMetrics()
+    metrics = ServeMetrics(served.name)
     worker = EngineWorker(session, metrics, served.draft, settings.max_queue, fidelity=settings.fidelity)
     started = int(time.time())
     numbers = itertools.count()  # the requests accepted so far: a server --seed's per-request offset

@@ -106,7 +106,7 @@ class EngineWorker:
                 raise queue_full(max(1, math.ceil(self._service_s * len(self._live))))
             self._waiting += 1
             self._live.add(job)
-            self.metrics.waiting.set(self._waiting)
+            self.metrics.set_waiting(self._waiting)
         self._queue.put(job)
         return job
 
@@ -122,7 +122,7 @@ class EngineWorker:
         job.state = "done"
         self._waiting -= 1
         self._live.discard(job)
-        self.metrics.waiting.set(self._waiting)
+        self.metrics.set_waiting(self._waiting)
 
     async def next_event(self, job: Job) -> tuple[str, object]:
         """The job's next event; a job still waiting at its deadline is dropped with a 504."""
@@ -188,8 +188,8 @@ class EngineWorker:
                 if not skipped:
                     job.state = "running"
                     self._waiting -= 1
-                    self.metrics.waiting.set(self._waiting)
-                    self.metrics.running.set(1)
+                    self.metrics.set_waiting(self._waiting)
+                    self.metrics.set_running(1)
             if skipped:
                 self._post(job, "error", self._stopped_error(job))
                 continue
@@ -205,7 +205,7 @@ class EngineWorker:
                 with self._lock:  # the job leaves before its answer goes out: the client's next request fits
                     job.state = "done"
                     self._live.discard(job)
-                    self.metrics.running.set(0)
+                    self.metrics.set_running(0)
                 self._service_s = 0.8 * self._service_s + 0.2 * (time.monotonic() - started)
                 self.jobs_run += 1
             self._post(job, *last)
@@ -258,13 +258,13 @@ class EngineWorker:
     def _generate(self, job: Job, started: float) -> tuple[str, object]:
         """Run the job on the engine (posting 'started' and text); returns its last event."""
         request, config = job.request, job.request.config
-        first: list[float] = []
+        emitted: list[tuple[float, int]] = []  # (time, new tokens) of each step that emitted some
         stream = StopAwareText(self.session.tokenizer, config.stop) if request.stream else None
 
         def on_emit(tokens, tiers):
             job.tokens += len(tokens)
-            if not first:
-                first.append(time.monotonic())
+            if tokens:
+                emitted.append((time.monotonic(), len(tokens)))
             if stream is not None:
                 piece = stream.feed(tokens, tiers)
                 if piece:
@@ -294,7 +294,7 @@ class EngineWorker:
             gen.stats.fidelity = fidelity(self.session.target.model, ids, gen.tokens)
         reason = job.reason if stopped else ("stop" if gen.finish_reason in ("eos", "stop") else gen.finish_reason)
         self.metrics.generation(gen.stats, reason, started - job.arrived, done - started,
-                                first[0] - job.arrived if first else None, done - job.arrived)
+                                emitted[0][0] - job.arrived if emitted else None, done - job.arrived, emitted)
         if stopped:
             return "error", self._stopped_error(job)
         if stream is not None:
