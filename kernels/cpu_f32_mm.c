@@ -37,28 +37,45 @@ int viasd_f32_mm_vector_bits(void);
 #define AHEAD 1      /* tiles ahead that a pass of 2-16 rows asks for its weights: over a weight beyond the
                         caches ~10-25% faster, 2 and 4 tiles no better; a 1-row pass asks for nothing
                         (the hardware's prefetcher keeps up: asking cost 3% from L3, 50% from L2) */
+/* The 16 lanes of an accumulator are held as PARTS vectors of the widest registers the build
+ * targets (one AVX-512 register, two AVX ones, four of 128 bits): GCC keeps a 64-byte vector that is
+ * wider than the registers in memory, a load and a store around every update (the AVX2 build ran
+ * at ~40% of PyTorch's speed that way). Each lane's sequence of updates is the same however the
+ * lanes are split, so the split changes no bit. */
+#ifndef PART_BYTES  /* (-DPART_BYTES=16: the tests build NEON's tiles on an x86-64 CPU with FMA) */
 #if defined(__AVX512F__)
+#define PART_BYTES 64
+#elif defined(__AVX__)
+#define PART_BYTES 32
+#else
+#define PART_BYTES 16
+#endif
+#endif
+#if PART_BYTES == 64
 #define ROW_TILE 4   /* rows x outputs of accumulators in a tile: 16 of 32 vector registers */
 #define OUT_TILE 4
 #define ROW1_OUTS 8  /* outputs of a 1-row pass's tile */
-#else
-#define ROW_TILE 2   /* each vector two registers (AVX2) or more: 8 accumulators of 16 lanes */
-#define OUT_TILE 4
+#elif PART_BYTES == 32
+#define ROW_TILE 2   /* 2 x 2 accumulators of two registers each: 8 of 16, with the rows' and a weight's */
+#define OUT_TILE 2
 #define ROW1_OUTS 4
+#else
+#define ROW_TILE 1   /* 2 accumulators of four registers (SSE2 has 16, NEON 32) */
+#define OUT_TILE 2
+#define ROW1_OUTS 2
 #endif
+#define PARTS (64 / PART_BYTES)
+#define PART_LANES (PART_BYTES / 4)
 
+typedef float vpart __attribute__((vector_size(PART_BYTES)));
+typedef float vpartu __attribute__((vector_size(PART_BYTES), aligned(4), may_alias));  /* loads from any float */
 typedef float vf16 __attribute__((vector_size(64)));
-typedef float vf16u __attribute__((vector_size(64), aligned(4), may_alias));  /* for loads from any float */
 
 /* The widest vectors the build targets (512 AVX-512, 256 AVX, 128 SSE2 or NEON, else 0): the same
  * numbers whichever, different tiles (the tests check that a build capped at AVX2 agrees). */
 int viasd_f32_mm_vector_bits(void) {
-#if defined(__AVX512F__)
-    return 512;
-#elif defined(__AVX__)
-    return 256;
-#elif defined(__SSE2__) || defined(__ARM_NEON)
-    return 128;
+#if defined(__AVX512F__) || defined(__AVX__) || defined(__SSE2__) || defined(__ARM_NEON)
+    return PART_BYTES * 8;
 #else
     return 0;
 #endif
@@ -98,29 +115,35 @@ static inline __attribute__((always_inline)) void rows_outs(const int R, const i
                                                             const float *const *w, int64_t K, const float *bias,
                                                             const float *residual, float *out, int64_t N,
                                                             int64_t n_here, int64_t ahead) {
-    vf16 acc[ROW_TILE > 1 ? ROW_TILE : 1][ROW1_OUTS > OUT_TILE ? ROW1_OUTS : OUT_TILE];
+    vpart acc[ROW_TILE > 1 ? ROW_TILE : 1][ROW1_OUTS > OUT_TILE ? ROW1_OUTS : OUT_TILE][PARTS];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < J; j++)
-            acc[r][j] = (vf16){0};
+            for (int p = 0; p < PARTS; p++)
+                acc[r][j][p] = (vpart){0};
     for (int64_t k = 0; k < K; k += LANES) {
-        vf16 xv[ROW_TILE];
+        vpart xv[ROW_TILE][PARTS];
         for (int r = 0; r < R; r++)
-            xv[r] = *(const vf16u *)(x + r * K + k);
+            for (int p = 0; p < PARTS; p++)
+                xv[r][p] = *(const vpartu *)(x + r * K + k + p * PART_LANES);
         for (int j = 0; j < J; j++) {
-            const vf16 wv = *(const vf16u *)(w[j] + k);
             if (ahead > L1_AHEAD)
                 __builtin_prefetch(w[j] + k + ahead, 0, 1);  /* to L2 (prefetcht2 on x86) */
             else if (ahead)
                 __builtin_prefetch(w[j] + k + ahead, 0, 3);
-            for (int r = 0; r < R; r++)
-                acc[r][j] = acc[r][j] + xv[r] * wv;  /* the one update of every output */
+            for (int p = 0; p < PARTS; p++) {
+                const vpart wv = *(const vpartu *)(w[j] + k + p * PART_LANES);
+                for (int r = 0; r < R; r++)
+                    acc[r][j][p] = acc[r][j][p] + xv[r][p] * wv;  /* the one update of every output */
+            }
         }
     }
     vf16 v[16] = {{0}};  /* every tile holds at most 16 sums (R * J <= 16) */
     float sum[16];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < J; j++)
-            v[r * J + j] = acc[r][j];
+            for (int p = 0; p < PARTS; p++)
+                for (int l = 0; l < PART_LANES; l++)
+                    v[r * J + j][p * PART_LANES + l] = acc[r][j][p][l];
     fold16(v, sum);
     for (int j = 0; j < J && j < n_here; j++)
         for (int r = 0; r < R; r++) {

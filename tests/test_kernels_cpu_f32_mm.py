@@ -120,6 +120,21 @@ def test_the_capped_build_has_no_avx512(build_dir, avx2_dir):
         assert native == 512
 
 
+def test_128_bit_tiles_give_the_same_bits(build_dir, tmp_path, monkeypatch):
+    """Built for 128-bit vectors (NEON's width; here forced with -DPART_BYTES=16 so that the build keeps
+    the CPU's FMA, which SSE2 alone lacks) each accumulator is four registers and the tiles are
+    smaller: every row's numbers are the native build's."""
+    cases = []
+    for n, k in SHAPES:
+        w, x = weights(n, k, seed=n + k), activations(fm.MAX_ROWS, k, seed=n)
+        cases.append((w, x, fm.bind(w, build_dir=build_dir)(x)))
+    monkeypatch.setattr(cpu_build, "FLAGS", (*cpu_build.FLAGS, "-DPART_BYTES=16"))
+    folder = built(tmp_path / "v128")
+    assert fm.vector_bits(folder) == 128
+    for w, x, native in cases:
+        assert torch.equal(rows_alone_equal(fm.bind(w, build_dir=folder), x), native)
+
+
 def lane_tree(p: torch.Tensor) -> torch.Tensor:
     """The kernel's sum of 16 float32 lanes [..., 16]: l + l + 8, then l + l + 4, then (0 + 2) + (1 + 3)."""
     s8 = p[..., :8] + p[..., 8:]
