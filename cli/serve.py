@@ -22,13 +22,36 @@ EXAMPLES
 
   viasd serve --host 0.0.0.0 --api-key "$KEY"   (reachable from other machines: set a key)
 
+  viasd serve --cors http://localhost:3000      (a chat UI in the browser at that origin may call it)
+
   curl http://127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 """
 
 
+class _ContextEnd(int):
+    """serve's --max-new-tokens default: every answer may run to the end of the context (as OpenAI,
+    llama-server and Ollama); the engine cuts any limit to what the context leaves. --help shows it
+    by name."""
+
+    def __str__(self) -> str:
+        return "the context's end"
+
+    __repr__ = __str__
+
+
+UNTIL_CONTEXT_END = _ContextEnd(2**31 - 1)
+
+
+def _check_origin(origin: str) -> str:
+    scheme, sep, rest = origin.partition("://")
+    if origin != "*" and not (sep and scheme in ("http", "https") and rest and "/" not in rest):
+        raise UsageError(f"--cors takes an origin such as http://localhost:3000 (scheme, host, port; no path) or '*', got '{origin}'")
+    return origin
+
+
 @app.command(epilog=EXAMPLES)
 @handle_errors
-@generation_options(max_new_tokens=256)
+@generation_options(max_new_tokens=UNTIL_CONTEXT_END)
 @model_options
 def serve(
     *,
@@ -40,6 +63,9 @@ def serve(
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The model id clients use (default: the model's id).")] = None,
     max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait beside the running one; more get 503 with Retry-After.")] = 16,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds a request may take from arrival (queueing included) to its last token.")] = 300.0,
+    fidelity: Annotated[bool, typer.Option("--fidelity/--no-fidelity", help="viasd requests: report fidelity, from one full uncached target forward over prompt and answer per request (off: no such cost, fidelity null).")] = False,
+    cors: Annotated[Optional[list[str]], typer.Option("--cors", help="Allow browser pages from this origin (repeatable; '*': any) to call the API: CORS headers and preflight answers. Off by default.")] = None,
+    access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="One line per request on stderr: method, path, status, new tokens, seconds.")] = True,
 ):
     """Serve the model over OpenAI's HTTP API (chat and completions, streamed or not), with
     /health and Prometheus /metrics; one request at a time on the engine, the rest queued."""
@@ -49,6 +75,7 @@ def serve(
         raise UsageError(f"--max-queue must be >= 0, got {max_queue}")
     if not timeout > 0:
         raise UsageError(f"--timeout must be > 0 seconds, got {timeout}")
+    origins = tuple(_check_origin(o) for o in cors or ())
     try:
         from viasd_core.frontends.serve_app import ServeSettings
         from viasd_core.frontends.serve_server import serve as run
@@ -56,5 +83,6 @@ def serve(
         raise UsageError(f"viasd serve needs '{e.name}': install the serve extra (pip install 'viasd[serve]')")
     log = StderrLog()
     session = open_session(opts, config, progress=log, long_lived=True)
-    run(session, config, ServeSettings(api_key=api_key or None, max_queue=max_queue, timeout=timeout), host, port,
-        name=served_model_name, progress=log, out=typer.echo)
+    settings = ServeSettings(api_key=api_key or None, max_queue=max_queue, timeout=timeout, fidelity=fidelity,
+                             cors=origins, access_log=access_log)
+    run(session, config, settings, host, port, name=served_model_name, progress=log, out=typer.echo)

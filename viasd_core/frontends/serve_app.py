@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -37,6 +39,7 @@ from viasd_core.frontends.serve_worker import EngineWorker, Job
 from viasd_core.session import Session
 
 log = logging.getLogger("viasd.serve")
+access = logging.getLogger("viasd.serve.access")
 CLIENT_CLOSED = 499  # the status counted for a request whose client went away before its answer
 
 
@@ -47,6 +50,8 @@ class ServeSettings:
     timeout: float = 300.0  # seconds from arrival to the last token, per request
     max_body: int = 8 * 2**20  # bytes of a request body
     fidelity: bool = False  # viasd requests: measure fidelity (a full uncached target forward each)
+    cors: tuple[str, ...] = ()  # origins browser pages may call from ('*': any); none: no CORS headers
+    access_log: bool = True  # one line per request on the log (stderr under `viasd serve`)
 
 
 def _error(e: ApiError) -> JSONResponse:
@@ -61,6 +66,31 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise ApiError(413, f"the request body is larger than {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+class AccessLog:
+    """One log line per HTTP request once its response is sent (or the client left):
+    `POST /v1/chat/completions 200 42 tokens 1.234 s` (new tokens of its generation, if any)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        began, status = time.monotonic(), [CLIENT_CLOSED]
+
+        async def send_noting_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        finally:
+            job = scope.get("state", {}).get("job")
+            access.info("%s %s %d %d tokens %.3f s", scope["method"], scope["path"], status[0],
+                        job.tokens if job is not None else 0, time.monotonic() - began)
 
 
 async def _disconnected(request: Request) -> None:
@@ -133,6 +163,7 @@ def create_app(session: Session, served: ServedModel, settings: ServeSettings) -
             req = (parse_chat if kind == "chat" else parse_completion)(body, served)
             req.config.seed = request_seed(req.config.seed, served.config.seed, next(numbers))
             job = worker.submit(req, settings.timeout)
+            request.state.job = job  # for the access log's token count
         except ApiError as e:
             return answer(endpoint, _error(e))
         except ClientDisconnect:
@@ -173,7 +204,8 @@ def create_app(session: Session, served: ServedModel, settings: ServeSettings) -
         return {"id": served.name, "object": "model", "created": started, "owned_by": "viasd",
                 EXTENSION: {"model_id": session.target.model_id, "draft": served.draft, "drafts": list(served.drafts),
                             "mode": served.config.mode, "modes": list(served.modes),
-                            "context_len": session.engine.context_len, "max_tokens": served.config.max_new_tokens}}
+                            "context_len": session.engine.context_len,
+                            "max_tokens": min(served.config.max_new_tokens, session.engine.context_len)}}
 
     async def models(request: Request) -> Response:
         try:
@@ -217,7 +249,12 @@ def create_app(session: Session, served: ServedModel, settings: ServeSettings) -
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics_text, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    middleware = [Middleware(AccessLog)] if settings.access_log else []
+    if settings.cors:  # preflight (OPTIONS) answered here, before routes and the API key
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors), allow_methods=["GET", "POST"],
+                                     allow_headers=["*"], max_age=600))
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={HTTPException: http_error},
+                    middleware=middleware)
     app.state.worker = worker
     app.state.metrics = metrics
     app.state.served = served
