@@ -26,7 +26,7 @@ import torch
 import statistics
 
 from viasd_core import paths
-from viasd_core.decoding import weight_formats
+from viasd_core.decoding.packed_linear import PackedLinear
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.pass_timing import time_passes
 from viasd_core.devices import device_name
@@ -57,10 +57,9 @@ def main() -> None:
         rounds = {setting: {w: [] for w in widths} for setting in ("kernel", "pytorch")}
         for _ in range(args.rounds):
             for setting in rounds:
-                weight_formats.PACKED_KERNEL = setting == "kernel"
-                for m in gc.get_objects():  # the model's layers and the fused ones beside them
-                    if isinstance(m, weight_formats.PackedLinear):
-                        m._short = None  # decide again under the setting
+                layers = [m for m in gc.get_objects() if isinstance(m, PackedLinear)]  # the model's and the fused ones
+                for m in sorted(layers, key=lambda m: m.rows_of is not None):  # fused ones before the parts viewing them
+                    m.bind(packed_kernel=setting == "kernel")  # bound again under the setting
                 for w, s in time_passes(model, widths, context=args.context, repeats=args.repeats).items():
                     rounds[setting][w].append(s)
         pick = min if args.stat == "best" else statistics.median
@@ -69,7 +68,6 @@ def main() -> None:
         report["x_1_token"][fmt] = {k: {w: round(s / v[1], 3) for w, s in v.items()} for k, v in best.items()
                                     if 1 in v}
         report["pytorch_over_kernel"][fmt] = {w: round(best["pytorch"][w] / best["kernel"][w], 3) for w in widths}
-    weight_formats.PACKED_KERNEL = True
     print(json.dumps(report, indent=1))
 
 

@@ -25,7 +25,7 @@ import time
 import torch
 from viasd_kernels import cpu_int4_widen
 
-from viasd_core.decoding import weight_formats as wf
+from viasd_core.decoding import packed_cpu
 from viasd_core.decoding.model import PREFILL_CHUNK, FastModel
 from viasd_core.decoding.short_products import ShortRows
 from viasd_core.decoding.weight_format import WeightFormat
@@ -41,9 +41,9 @@ def prefill_path(fast: FastModel, ids: torch.Tensor, name: str):
 
     def prefill():
         fast.reset()
-        dense, widen = wf._int4_dense_cpu, cpu_int4_widen.widen
+        dense, widen = packed_cpu._int4_dense_cpu, cpu_int4_widen.widen
         if kernel_only:
-            wf._int4_dense_cpu = lambda *a: None
+            packed_cpu._int4_dense_cpu = lambda *a: None
         if operators:
             cpu_int4_widen.widen = lambda *a, **kw: None
         try:
@@ -53,7 +53,7 @@ def prefill_path(fast: FastModel, ids: torch.Tensor, name: str):
             else:
                 fast.forward(ids, 0, 1)
         finally:
-            wf._int4_dense_cpu, cpu_int4_widen.widen = dense, widen
+            packed_cpu._int4_dense_cpu, cpu_int4_widen.widen = dense, widen
 
     return prefill
 

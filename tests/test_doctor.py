@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
 from viasd_core import compile_choice
-from viasd_core.decoding import attention, short_products, weight_formats
+from viasd_core.decoding import attention, packed_cpu, short_products
 from viasd_kernels import cpu_build, cpu_int4_widen
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.frontends.doctor import FAIL, PASS, SKIP, check_exact_mode, environment, run_doctor
@@ -97,15 +97,14 @@ def test_doctor_says_how_the_int_formats_attend_row_by_row_and_widen_for_prefill
     assert report["environment"]["row_attention"].startswith(("viasd_kernels' row-invariant kernel", "one call a position: "))
     assert {c["name"]: c["status"] for c in report["checks"]}["sd == ar (greedy)"] == PASS
     # how an int4 prefill widens its weights: the one-pass kernel where it builds, else the operators and why
-    assert report["environment"]["int4_widening"] == weight_formats.int4_widening_way()
+    assert report["environment"]["int4_widening"] == packed_cpu.int4_widening_way()
     assert report["environment"]["int4_widening"].startswith(("viasd_kernels' one-pass kernel", "PyTorch's operators: "))
     # how its short passes multiply: viasd_kernels' packed products where they run, else PyTorch's and why
-    assert report["environment"]["packed_products"] == weight_formats.short_products_way()
+    assert report["environment"]["packed_products"] == packed_cpu.short_products_way()
     assert report["environment"]["packed_products"].startswith(("viasd_kernels' packed products", "PyTorch's kernels: "))
-    monkeypatch.setattr(weight_formats, "PACKED_KERNEL", False)
-    assert weight_formats.short_products_way() == "PyTorch's kernels (the packed products are turned off)"
+    assert packed_cpu.short_products_way(packed_kernel=False) == "PyTorch's kernels (the packed products are turned off)"
     monkeypatch.setattr(cpu_int4_widen, "widen", lambda *a, **kw: None)
-    assert weight_formats.int4_widening_way().startswith("PyTorch's operators: ")
+    assert packed_cpu.int4_widening_way().startswith("PyTorch's operators: ")
     monkeypatch.setattr(attention, "ROW_KERNEL", False)
     assert attention.by_row_way() == "one call a position (the kernel is turned off)"
 

@@ -34,11 +34,15 @@ def test_fused_projections_compute_what_the_separate_ones_do(family, fmt, monkey
     assert attn.k_proj.qdata.untyped_storage().data_ptr() == f.qkv.qdata.untyped_storage().data_ptr()
     with torch.no_grad():
         assert torch.equal(model(ids[None]).logits, hf_before)
-    if fmt == "int4":  # a part's column slice of the scales, copied once on its first kernel call, then re-used
-        with torch.no_grad():
+    if fmt == "int4":  # a part's packed product reads the fused layer's scales (no copy); PyTorch's kernel, where
+        with torch.no_grad():  # that product does not run, copies the part's column slice once, then re-uses it
             model(ids[None, :5])  # 5 rows: the kernel (30 took the widened weight)
+        part, whole = attn.k_proj._short, f.qkv._short  # the short passes' kernels (None: PyTorch's)
         copy = attn.k_proj._contiguous_scale
-        assert copy is not None and copy.is_contiguous() and torch.equal(copy, attn.k_proj.scale)
+        if part is not None:
+            assert copy is None and part.reads[1].untyped_storage().data_ptr() == whole.reads[1].untyped_storage().data_ptr()
+        else:
+            assert copy is not None and copy.is_contiguous() and torch.equal(copy, attn.k_proj.scale)
         with torch.no_grad():
             model(ids[None, :5])
         assert attn.k_proj._contiguous_scale is copy

@@ -1,5 +1,5 @@
 """viasd_kernels.cpu_int4_widen: an int4 weight widened to bfloat16 in one pass is bit for bit what
-PyTorch's operators make of it (weight_formats._int4_dense_reference), in both of PyTorch's CPU
+PyTorch's operators make of it (packed_cpu._int4_dense_reference), in both of PyTorch's CPU
 layouts and at every group size the kernel takes; what it does not take falls back."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 import torch
 from viasd_kernels import cpu_build, cpu_int4_widen as cw
 
-from viasd_core.decoding import weight_formats as wf
+from viasd_core.decoding import packed_cpu, weight_formats as wf
 
 
 def pack(values: torch.Tensor, block: int) -> torch.Tensor:
     """values [N, K] (0..15) in PyTorch's CPU layout with blocks of `block` outputs (the inverse of
-    weight_formats._int4_unpack_cpu): byte j of row k of a block holds outputs j and j + block / 2."""
+    packed_cpu._int4_unpack_cpu): byte j of row k of a block holds outputs j and j + block / 2."""
     n, k = values.shape
     v = values.to(torch.uint8).view(n // block, 2, block // 2, k)
     return (v[:, 0] | (v[:, 1] << 4)).transpose(1, 2).contiguous().view(n, k // 2)
@@ -49,7 +49,7 @@ def test_kernel_is_the_operators_bit_for_bit(build_dir, block, shape):
         values, sz = case(n, k, group, seed, spread)
         qdata = pack(values, block)
         got = cw.widen(qdata, group, sz, block, build_dir=build_dir)
-        want = wf._int4_dense_reference(qdata, group, sz, block).to(torch.bfloat16)
+        want = packed_cpu._int4_dense_reference(qdata, group, sz, block).to(torch.bfloat16)
         assert got is not None and got.dtype == torch.bfloat16 and torch.equal(got, want), (shape, block, seed)
         # and the reference is the arithmetic it claims: q * scale + (zero - 8 * scale) in float32
         scale, zero = sz.float().permute(2, 1, 0)

@@ -24,7 +24,7 @@ from row_checks import rows_alone_equal
 from test_kernels_cpu_int4_widen import case, pack
 from viasd_kernels import cpu_build, cpu_packed_mm as pm
 
-from viasd_core.decoding import weight_formats as wf
+from viasd_core.decoding import packed_cpu, packed_torch, weight_formats as wf
 
 NO_BF16 = "this CPU has no AVX-512 BF16 instructions"
 WAYS = ("native", "avx2", "avx512")
@@ -261,7 +261,7 @@ def test_a_packed_layer_takes_the_kernel_for_short_passes_only(kernels, monkeypa
     cap this process's PyTorch still packs int4 in its uncapped layout, which the portable way takes
     too; a process started under the cap packs in blocks of 32: test_row_invariance.py.)"""
     way, build_dir = kernels
-    monkeypatch.setattr(wf.paths, "kernel_dir", lambda: build_dir)
+    monkeypatch.setattr(packed_cpu.paths, "kernel_dir", lambda: build_dir)
     layer = torch.nn.Linear(576, 192, bias=True).to(torch.bfloat16)
     packed = wf._pack(layer, kind)
     bound = packed._short_product(packed.qdata, packed.scale)
@@ -291,11 +291,10 @@ def test_a_packed_layer_takes_the_kernel_for_short_passes_only(kernels, monkeypa
         calls.clear()
         assert torch.equal(packed.add_to(x, residual), residual + packed(x)), rows
         assert calls == ([rows, rows] if rows <= pm.MAX_ROWS else []), rows
-    monkeypatch.setattr(wf, "PACKED_KERNEL", False)
-    packed._short = None
+    packed.bind(packed_kernel=False)
     x = torch.randn(6, 576).to(torch.bfloat16)
-    reference = wf._int4_mm(x, packed.qdata, packed.group, packed.scale) if kind == "int4" else \
-        wf._int8_mm_reference(x, packed.qdata, packed.scale)
+    reference = packed_torch._int4_mm(x, packed.qdata, packed.group, packed.scale) if kind == "int4" else \
+        packed_torch._int8_mm_reference(x, packed.qdata, packed.scale)
     assert torch.equal(packed(x), reference)
 
 
@@ -309,7 +308,7 @@ def test_greedy_sd_equals_ar_through_the_kernel(kernels, monkeypatch, fmt):
     way, build_dir = kernels
     if way == "avx512":
         pytest.skip("the portable way's passes are checked under the avx2 cap (the same bits under avx512)")
-    monkeypatch.setattr(wf.paths, "kernel_dir", lambda: build_dir)
+    monkeypatch.setattr(packed_cpu.paths, "kernel_dir", lambda: build_dir)
     rows = []
     real = pm.Bound.__call__
     monkeypatch.setattr(pm.Bound, "__call__",

@@ -181,9 +181,9 @@ def assert_greedy_choices(model, prompt_ids, tokens, positions):
     forward runs the packed formats' decode kernels at every row (not the dense prefill product)."""
     from unittest import mock
 
-    from viasd_core.decoding import weight_formats
+    from viasd_core.decoding import packed_linear
 
-    with torch.no_grad(), mock.patch.object(weight_formats, "DENSE_PREFILL_ROWS", 1 << 30):
+    with torch.no_grad(), mock.patch.object(packed_linear, "DENSE_PREFILL_ROWS", 1 << 30):
         logits = model(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1 : -1].float()
     ties = 0
     for i in positions:

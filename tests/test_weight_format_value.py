@@ -132,10 +132,12 @@ def cuda_int4_layout(monkeypatch):
     import viasd_core.decoding.weight_formats as wf
     from torchao.quantization.quantize_.workflows import Int4TilePackedTo4dTensor
 
+    from viasd_core.decoding import packed_torch
+
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.ops.aten, "_convert_weight_to_int4pack", lambda q, inner_k_tiles: q)  # keep the bytes
     monkeypatch.setattr(wf, "_int4_layout", lambda device: Int4TilePackedTo4dTensor)
-    monkeypatch.setattr(wf, "_int4_mm", tinygemm_standin)
+    monkeypatch.setattr(packed_torch, "_int4_mm", tinygemm_standin)
 
 
 # (hidden, intermediate) of the catalog's models: the layers read one and write the other

@@ -66,22 +66,21 @@ def test_int8_packs_symmetric_rows_and_the_kernel_applies_them():
 
 
 def check_dense_prefill_rows(monkeypatch, packed, name: str, weight: torch.Tensor, *args) -> list[int]:
-    """Through `packed`: passes of up to 16 rows equal the kernel `name` (weight_formats) bit for
+    """Through `packed`: passes of up to 16 rows equal the kernel `name` (packed_torch) bit for
     bit; longer ones stay within twice the kernel's own error against `weight` [out, in] (plus bf16
     rounding). Returns the row counts the kernel ran (it is wrapped to count them)."""
-    from viasd_core.decoding import weight_formats as wf
+    from viasd_core.decoding import packed_linear, packed_torch
 
-    monkeypatch.setattr(wf, "PACKED_KERNEL", False)  # PyTorch's kernels (viasd_kernels' own: test_kernels_cpu_packed_mm)
-    packed._short = None
+    packed.bind(packed_kernel=False)  # PyTorch's kernels (viasd_kernels' own: test_kernels_cpu_packed_mm)
     kernel_rows = []
-    reference = getattr(wf, name)
-    monkeypatch.setattr(wf, name, lambda x, *a: kernel_rows.append(x.shape[0]) or reference(x, *a))
+    reference = getattr(packed_torch, name)
+    monkeypatch.setattr(packed_torch, name, lambda x, *a: kernel_rows.append(x.shape[0]) or reference(x, *a))
     torch.manual_seed(3)
     for rows in (1, 6, 16, 17, 40, 256):
         x = torch.randn(rows, weight.shape[1], dtype=torch.bfloat16)
         got = packed(x)
         want = reference(x, *args)
-        if rows < wf.DENSE_PREFILL_ROWS:
+        if rows < packed_linear.DENSE_PREFILL_ROWS:
             assert torch.equal(got, want), rows
         else:
             exact = x.double() @ weight.double().T
@@ -91,10 +90,10 @@ def check_dense_prefill_rows(monkeypatch, packed, name: str, weight: torch.Tenso
 
 def dense_products_in(monkeypatch, pays: bool) -> torch.dtype:
     """bf16_choice's verdict set to `pays`; returns the dtype a CPU prefill's dense product then runs in."""
-    from viasd_core.decoding import weight_formats as wf
+    from viasd_core.decoding import packed_cpu
 
-    monkeypatch.setattr(wf, "bf16_products_pay", lambda device="cpu": pays)
-    return wf.dense_dtype(torch.bfloat16)
+    monkeypatch.setattr(packed_cpu, "bf16_products_pay", lambda device="cpu": pays)
+    return packed_cpu.dense_dtype(torch.bfloat16)
 
 
 @pytest.mark.parametrize("pays", [True, False], ids=["bf16-products", "fp32-products"])
@@ -124,22 +123,22 @@ def test_cpu_int4_prefill_rows_read_the_packed_layout_back_and_take_one_dense_pr
     and run one dense product within bf16 accumulation error of the kernel (in bfloat16, or in
     float32 where bfloat16 products do not pay). A layout that does not read back (a partial last
     block of rows) keeps the kernel at every size."""
-    from viasd_core.decoding import weight_formats as wf
+    from viasd_core.decoding import packed_cpu, packed_torch
 
     dense_products_in(monkeypatch, pays)
 
     packed, _ = pack_one("int4", n_in=256, n_out=192)
     eye = torch.eye(256, dtype=torch.bfloat16)
-    kernel_weight = wf._int4_mm(eye, packed.qdata, packed.group, packed.scale).T  # [192, 256]
-    dense = wf._int4_dense_cpu(packed.qdata, packed.group, packed.scale, torch.float32)
+    kernel_weight = packed_torch._int4_mm(eye, packed.qdata, packed.group, packed.scale).T  # [192, 256]
+    dense = packed_cpu._int4_dense_cpu(packed.qdata, packed.group, packed.scale, torch.float32)
     assert dense is not None and torch.equal(dense.to(torch.bfloat16), kernel_weight)
     args = (packed.qdata, packed.group, packed.scale)
     assert check_dense_prefill_rows(monkeypatch, packed, "_int4_mm", kernel_weight, *args) == [1, 6, 16]
     kernel_rows = []
-    reference = wf._int4_mm
-    monkeypatch.setattr(wf, "_int4_mm", lambda x, *a: kernel_rows.append(x.shape[0]) or reference(x, *a))
+    reference = packed_torch._int4_mm
+    monkeypatch.setattr(packed_torch, "_int4_mm", lambda x, *a: kernel_rows.append(x.shape[0]) or reference(x, *a))
     odd, _ = pack_one("int4", n_in=64, n_out=80)  # 80 rows: a partial block of 64
-    assert wf._int4_dense_cpu(odd.qdata, odd.group, odd.scale, torch.bfloat16) is None
+    assert packed_cpu._int4_dense_cpu(odd.qdata, odd.group, odd.scale, torch.bfloat16) is None
     x = torch.randn(40, 64, dtype=torch.bfloat16)
     assert torch.equal(odd(x), reference(x, odd.qdata, odd.group, odd.scale)) and kernel_rows == [40]
 
@@ -148,16 +147,16 @@ def test_cpu_int4_prefill_rows_read_the_packed_layout_back_and_take_one_dense_pr
 def test_without_fast_bf16_products_the_prefill_multiplies_the_same_weights_in_float32(monkeypatch, fmt):
     """The float32 dense product holds the weight the kernel applies (its bfloat16 values, widened)
     and rounds only its output to bfloat16; held so for a whole prefill by widen_once."""
-    from viasd_core.decoding import weight_formats as wf
+    from viasd_core.decoding import packed_cpu, packed_linear
 
     dense_products_in(monkeypatch, False)
     packed, _ = pack_one(fmt, n_in=256, n_out=192)
     bf16 = packed.widened(torch.bfloat16)
-    fp32 = packed.widened(wf.dense_dtype(torch.bfloat16))
+    fp32 = packed.widened(packed_cpu.dense_dtype(torch.bfloat16))
     assert fp32.dtype == torch.float32 and torch.equal(fp32, bf16.float())
     x = torch.randn(40, 256, dtype=torch.bfloat16)
     want = torch.nn.functional.linear(x.float(), bf16.float()).to(torch.bfloat16)
-    with wf.widen_once([packed], torch.bfloat16):
+    with packed_linear.widen_once([packed], torch.bfloat16):
         assert packed.held.dtype == torch.float32
         assert torch.equal(packed(x), want)
     assert packed.held is None and torch.equal(packed(x), want)  # widened for the call alone
@@ -329,9 +328,7 @@ def test_a_packed_layer_traces_into_one_graph_with_its_eager_numbers(monkeypatch
     layer = torch.nn.Linear(64, 128, bias=kind == "int8").to(torch.bfloat16)
     from viasd_core.decoding import weight_formats as wf
 
-    monkeypatch.setattr(wf, "PACKED_KERNEL", False)
-
-    packed = wf._pack(layer, kind)
+    packed = wf._pack(layer, kind, packed_kernel=False)
     compiled = torch.compile(lambda x: packed(x), fullgraph=True)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     assert torch.equal(compiled(x), packed(x))

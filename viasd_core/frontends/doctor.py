@@ -38,7 +38,7 @@ import torch
 from viasd_core import cpu_isa
 from viasd_core.bench.files import versions
 from viasd_core.devices import device_name
-from viasd_core.decoding import attention, short_products, weight_formats
+from viasd_core.decoding import attention, packed_cpu, short_products, weight_formats
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.decoding.exactness import Promise, promise
 from viasd_core.decoding.model import FastModel
@@ -112,9 +112,9 @@ def environment(session: Session, refresh: bool = False) -> dict:
                              else None),
         "row_attention": attention.by_row_way() if engine.target.row_attention else None,
         "layer_kernels": engine.target.layer_kernels_way(),
-        "packed_products": (weight_formats.short_products_way()
+        "packed_products": (packed_cpu.short_products_way()
                             if str(session.target.format) in weight_formats.FORMATS and device.type == "cpu" else None),
-        "int4_widening": (weight_formats.int4_widening_way()
+        "int4_widening": (packed_cpu.int4_widening_way()
                           if str(session.target.format) == "int4" and device.type == "cpu" else None),
         "cuda_available": torch.cuda.is_available(),
         "bf16_supported": bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()),
