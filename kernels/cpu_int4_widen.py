@@ -1,7 +1,7 @@
 """An int4 weight widened to bfloat16 in one pass over its packed bytes, for a CPU prefill.
 
 A prompt's prefill runs each int4 layer as one dense product over its weight widened to bfloat16
-(viasd_core/decoding/weight_formats.py: PackedLinear.widened, once per layer and prefill). PyTorch's
+(viasd_core/decoding/packed_linear.py: PackedLinear.widened, once per layer and prefill). PyTorch's
 operators widen it in five passes over a float32 copy: 41-51 ms for SmolLM2-135M's 30 layers on a
 2-core AMD EPYC, a fifth to a third of a 300-token prefill. `widen` computes each output's 16
 possible values per group of inputs once (the operators' arithmetic, step by step) and writes every
@@ -12,7 +12,7 @@ result (cpu_int4_widen.c says how; docs/benchmarks.md section 28).
 - **Kernel**: `widen(qdata, group, scale_and_zero, block, build_dir=...)`, a C function built once per
   machine (cpu_build.py); None where it does not apply or cannot be built (the caller then widens
   with PyTorch's operators).
-- **Reference**: weight_formats._int4_dense_reference, the operators (tests/test_kernels_cpu_int4_widen.py
+- **Reference**: packed_cpu._int4_dense_reference, the operators (tests/test_kernels_cpu_int4_widen.py
   compares the two bit for bit).
 """
 

@@ -1,6 +1,6 @@
 """Whether bfloat16 products pay, measured once a machine (viasd_core/bf16_choice.py), and the
 two choices made from it: training's autocast (training/shared.resolve_bf16) and the int formats'
-prefill product (decoding/weight_formats.dense_dtype, tested in test_weight_formats.py)."""
+prefill product (decoding/packed_cpu.dense_dtype, tested in test_weight_formats.py)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ bfloat16 halves the bytes of a product's operands, and on a CPU with bfloat16 in
 (AVX2 only) has no fast kernel for them: on a 2-core AMD EPYC a 1024 x 1152 by 1152 x 576 product
 took 9 ms in float32 and 772 ms in bfloat16. Two places choose by this:
 
-- a long prompt's prefill in the int8/int4 formats (weight_formats.PackedLinear: one dense product
+- a long prompt's prefill in the int8/int4 formats (packed_linear.PackedLinear: one dense product
   over the widened weight) computes in bfloat16 where it pays, else in float32 over the same
   weight values;
 - training (training/shared.resolve_bf16) uses bfloat16 autocast where it pays.

@@ -127,7 +127,7 @@ def build_dataset(
 def _widened_once(model):
     """For a packed (int8/int4) CPU target: every layer's weight widened once for the whole call, not
     at every pass. A pass of 17 rows or more (a batch of 32 decoding, a prefill) takes one dense
-    product over the widened weight (weight_formats.PackedLinear), widened for each pass unless
+    product over the widened weight (packed_linear.PackedLinear), widened for each pass unless
     held; holding it gives the same numbers (the same widened weight) and measured 84.0 against
     64.7 answer tokens/s at batch 32 (docs/campaign.md). A float model: nothing to hold."""
     from viasd_core.decoding.weight_formats import has_weight_format, widen_once
