@@ -265,6 +265,8 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
     dev = resolve_device(device)
     if isinstance(quant, str) and quant.strip().lower() != AUTO:
         quant = WeightFormat.parse(quant, also=(AUTO,))  # a misspelt --quant fails before any download
+    if isinstance(quant, WeightFormat) and quant.packed:
+        activation_dtype(quant, dtype, dev)  # and a format this device cannot run (int4 on an old GPU)
     folder, model_id = resolve_ref(ref, revision, progress)
     embedded = folder == _embedded_dir()  # also where `ref` is the embedded model's own GGUF file
     fmt, reason = resolve_format(quant, EMBEDDED_TARGET if embedded else ref, dev, dtype, progress)
