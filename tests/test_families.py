@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import NEW_FAMILIES, TinyTokenizer, tiny_config, tiny_model
+from test_compiled_step import graphs_compiled
 from test_engine_greedy import hf_greedy, make_engine, prompt_for
 from test_row_invariance import PROMPT, SPAN, target, tokens, width_dependent_rows
 from viasd_core.decoding.engine import GenerationConfig
@@ -86,6 +87,22 @@ def test_gemma2_caps_and_gemma3_local_rope_are_what_the_pass_reads():
     assert not torch.equal(g3.cache.cos[:20], g3.cache.cos_1[:20])  # bases 1e6 (global) and 1e4 (local)
     phi = FastModel(tiny_model("phi3", seed=1), max_len=32)
     assert phi.cache.cos.shape[-1] == 12 and phi._calls[0].q is None and phi._calls[0].qkv_split == (64, 32, 32)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe"])
+def test_compiled_passes_match_eager(family):
+    """torch.compile traces the capped attention (its masked operators) and the MoE block (the whole
+    pass, one graph a width) and computes eager's logits; the compiled path really ran."""
+    model = tiny_model(family, seed=3)
+    eager, compiled = FastModel(model, max_len=64), FastModel(model, max_len=64)
+    assert compiled.compile(None)
+    ids = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(4))
+    before = graphs_compiled()
+    for start, length, n_logits in [(0, 20, 1), (20, 1, 1), (21, 3, 3), (24, 1, 1)]:
+        want = eager.forward(ids[start : start + length], start, n_logits)
+        got = compiled.forward(ids[start : start + length], start, n_logits)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert graphs_compiled() - before == 2  # (1, 1) and (4, 4): the compiled passes really ran
 
 
 @pytest.mark.parametrize("extra", [dict(partial_rotary_factor=1.0, sliding_window=6)], ids=["full-rotary-window"])
