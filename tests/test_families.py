@@ -63,7 +63,7 @@ def test_sd_equals_ar_equals_transformers(family):
                 assert sd.stats.acceptance_rate == 1.0
 
 
-@pytest.mark.parametrize("fmt", ["float32", "int4"])
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_a_rows_logits_do_not_depend_on_its_pass(family, fmt):
     """As tests/test_row_invariance.py for the older families, at 2 threads: Gemma 2's capped
@@ -118,15 +118,22 @@ def test_phi3_full_rotary_with_a_sliding_window(extra):
     torch.testing.assert_close(passes_of_every_kind(fast, ids), want, rtol=1e-4, atol=1e-4)
 
 
-def test_gemma3_multimodal_and_bidirectional_models_are_refused_in_one_line():
-    from transformers import AutoModelForCausalLM
+def test_gemma3_multimodal_and_bidirectional_models_are_refused_in_one_line(tmp_path):
+    """A multimodal Gemma 3 checkpoint is refused from its config, before any weight is read (the
+    folder holds none), and by FastModel; so is a bidirectional Gemma 3 (an embedding model)."""
+    from transformers import AutoModelForCausalLM, Gemma3Config
 
-    class Multimodal:  # the part of a Gemma3ForConditionalGeneration model_shape reads first
-        config = type("Config", (), {"model_type": "gemma3"})()
+    from viasd_core.loading.models import _from_pretrained
 
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    multimodal = Gemma3Config(text_config=tiny_config("gemma3_text", n_layers=1).to_dict(), vision_config=vision)
+    multimodal.save_pretrained(tmp_path)
     with pytest.raises(ViasdError, match="multimodal.*gemma3_text") as err:
-        FastModel(Multimodal())
+        _from_pretrained("org/gemma-3-mm", tmp_path, {}, False)
     assert "\n" not in str(err.value)
+    with pytest.raises(ViasdError, match="multimodal"):
+        FastModel(AutoModelForCausalLM.from_config(multimodal), max_len=16)
     bidirectional = AutoModelForCausalLM.from_config(tiny_config("gemma3_text", n_layers=1, use_bidirectional_attention=True))
     with pytest.raises(ViasdError, match="bidirectionally"):
         FastModel(bidirectional, max_len=16)

@@ -50,9 +50,9 @@ class ModelShape:
     max_positions: int
 
 
-def model_shape(hf_model) -> ModelShape:
-    """The model's geometry; a one-line ViasdError for a family or a setting FastModel does not run."""
-    cfg = hf_model.config
+def check_family(cfg) -> str:
+    """`cfg`'s family (its model_type), or a one-line ViasdError for a family or a setting FastModel
+    does not run; read from the config alone, so that loading refuses before any weight is read."""
     family = getattr(cfg, "model_type", "?")
     if family in REFUSED:
         raise ViasdError(f"model family '{family}' is not supported: {REFUSED[family]}")
@@ -65,6 +65,13 @@ def model_shape(hf_model) -> ModelShape:
         raise ViasdError(f"this {family} model attends bidirectionally (an embedding model, not a decoder): "
                          "viasd decodes causal language models only")
     check_rope(cfg)
+    return family
+
+
+def model_shape(hf_model) -> ModelShape:
+    """The model's geometry; a one-line ViasdError for a family or a setting FastModel does not run."""
+    cfg = hf_model.config
+    family = check_family(cfg)
     n_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
     return ModelShape(

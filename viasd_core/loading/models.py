@@ -21,7 +21,7 @@ import torch
 from viasd_core import paths
 from viasd_core.devices import resolve_device, resolve_dtype
 from viasd_core.errors import UsageError, ViasdError
-from viasd_core.decoding.rope import check_rope
+from viasd_core.decoding.families import check_family
 from viasd_core.decoding.weight_format import AUTO, BITSANDBYTES, NONE, TORCHAO, WeightFormat
 from viasd_core.decoding.weight_formats import activation_dtype, apply_weight_format
 from viasd_core.loading.format_choice import QUALITY_MEASURED, choose_format, forget
@@ -304,8 +304,8 @@ def _from_pretrained(ref: str, folder: Path, kwargs: dict, trust_remote_code: bo
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        # A RoPE type the engine cannot run is refused before any weight is read.
-        check_rope(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
+        # A family or a RoPE type the engine cannot run is refused before any weight is read.
+        check_family(AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code))
         return AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     except ValueError as e:
         if "trust_remote_code" in str(e):
