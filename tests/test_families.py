@@ -63,6 +63,19 @@ def test_sd_equals_ar_equals_transformers(family):
                 assert sd.stats.acceptance_rate == 1.0
 
 
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_exact_with_a_slim_view_equals_ar(family):
+    """`exact` mode's slim view runs a subset of the layers (its own RoPE tables' indices, windows,
+    caps and MoE blocks by layer): its tokens are still ar's."""
+    target_model = tiny_model(family, n_layers=6, seed=14)
+    prompt = prompt_for(20)
+    reference = hf_greedy(target_model, prompt, NEW)
+    for draft_model in (target_model, tiny_model(family, n_layers=1, seed=98)):
+        eng = make_engine(target_model, draft_model=draft_model, slim_layers=[0, 2, 3, 5])
+        out = eng.generate(prompt, GenerationConfig(mode="exact", max_new_tokens=NEW, gamma=4))
+        assert out.tokens == reference and out.stats.slim_passes > 0
+
+
 @pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8", "int4"])
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_a_rows_logits_do_not_depend_on_its_pass(family, fmt):
@@ -87,6 +100,7 @@ def test_gemma2_caps_and_gemma3_local_rope_are_what_the_pass_reads():
     assert not torch.equal(g3.cache.cos[:20], g3.cache.cos_1[:20])  # bases 1e6 (global) and 1e4 (local)
     phi = FastModel(tiny_model("phi3", seed=1), max_len=32)
     assert phi.cache.cos.shape[-1] == 12 and phi._calls[0].q is None and phi._calls[0].qkv_split == (64, 32, 32)
+    assert "RoPE through operators (partial rotary)" in phi.layer_kernels_way()
 
 
 @pytest.mark.parametrize("family", ["gemma2", "qwen3_moe"])

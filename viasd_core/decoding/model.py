@@ -401,6 +401,8 @@ class FastModel(attention.CachedPositions, TreePasses):
             norm = f"RMSNorm through the module ({why})"
         if any(c.q_norm is not None for c in self._calls):
             rope = "RoPE through operators (per-head norms come first)"
+        elif self.cache is not None and self.cache.cos.shape[-1] != self.shape.head_dim:
+            rope = "RoPE through operators (partial rotary)"
         elif self.cache is not None and self._rope_writer(self.cache.layers[0]) is not None:
             rope = "RoPE and cache writes in one C call"
         else:
