@@ -10,4 +10,6 @@ if ! command -v clang >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [
   { apt-get update -qq && apt-get install -y -qq clang; } >/dev/null 2>&1 \
     || echo "viasd: clang could not be installed; the clang kernel builds are not tested" >&2
 fi
-TRITON_INTERPRET=1 python3 -m pytest -q "$@"
+# One worker a core (pytest-xdist), each test file whole in one worker (its module fixtures built once);
+# the slowest tests listed at the end.
+TRITON_INTERPRET=1 python3 -m pytest -q -n auto --dist loadfile --durations=25 "$@"
