@@ -244,6 +244,18 @@ class Engine:
         should_stop() is asked after every step: True ends the generation there (finish_reason
         'cancelled'; a server's client went away), with every cache consistent as at any end.
         """
+        steps = self.steps(prompt_ids, config, on_emit, should_stop)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def steps(self, prompt_ids: list[int], config: GenerationConfig, on_emit=None, should_stop=None):
+        """`generate` one step at a time: a generator that pauses after each committed step (and
+        its should_stop) and returns the Generation. Between two steps the caller may run other
+        generations on other caches (a server's slots, serve_slots.py) as long as it puts this
+        one's back (the models' caches, `tokens`, `ids`, the drafter) before resuming it."""
         config.validate()
         if config.mode in ("sd", "exact", "viasd") and self.drafter is None:
             raise UsageError(f"mode '{config.mode}' needs a draft: pass --draft (a model or 'ngram')")
@@ -311,6 +323,7 @@ class Engine:
                 if should_stop is not None and should_stop():
                     gen.finish_reason = "cancelled"
                     break
+                yield result
         except KeyboardInterrupt:
             gen.finish_reason = "interrupted"
         # Caches stay consistent with the committed tokens, whatever happened above.
