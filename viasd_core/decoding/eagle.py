@@ -100,6 +100,7 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         self.hidden_size = cfg.hidden_size
         self.vocab_size = cfg.vocab_size
         self.draft_vocab_size = int(raw_config.get("draft_vocab_size") or cfg.vocab_size)
+        self.norm_before_residual = bool(raw_config.get("norm_before_residual"))  # residual after hidden_norm (speculators)
         if embed is None:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         else:
@@ -181,7 +182,7 @@ class FeatureHead(nn.Module, attention.CachedPositions):
     def finish(self, fused: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """The residual and MLP after attention: the head's output feature [..., H]."""
         layer = self.midlayer
-        h = fused + linear(attn_out, layer.self_attn.o_proj, self.short_rows)
+        h = (self._norm(layer.hidden_norm, fused) if self.norm_before_residual else fused) + linear(attn_out, layer.self_attn.o_proj, self.short_rows)
         return h + mlp(self._norm(layer.post_attention_layernorm, h), layer.mlp, self.short_rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from viasd_core.decoding.eagle import CONFIG, EMBED, LAYER_IDS_KEY, PICKLE, SAFETENSORS, FeatureHead, head_llama_config
+from viasd_core.decoding.head_layouts import eagle3_tensors, flat_config
 from viasd_core.decoding.rope import check_rope
 from viasd_core.errors import ViasdError
 from viasd_core.paths import atomic_folder
@@ -62,8 +63,8 @@ def check_head_config(raw: dict, target_config, where: str) -> tuple[int, int, i
         raise ViasdError(f"{where}: draft_vocab_size {draft_vocab} exceeds the vocabulary of {vocab}")
     if _int(raw, "num_hidden_layers", where, default=1) != 1:
         raise ViasdError(f"{where}: {raw['num_hidden_layers']} decoder layers; only one-layer EAGLE-3 heads are supported")
-    if raw.get("norm_before_residual") or _eagle_config(raw).get("use_aux_hidden_state") is False:
-        raise ViasdError(f"{where}: this head variant (norm_before_residual, or no fused features) is not supported")
+    if _eagle_config(raw).get("use_aux_hidden_state") is False:
+        raise ViasdError(f"{where}: this head variant (no fused features) is not supported")
     for key in ("intermediate_size", "num_attention_heads"):
         _int(raw, key, where)
     try:
@@ -99,7 +100,7 @@ def read_head_config(folder: Path) -> dict:
         raise ViasdError(f"{path} is not valid JSON ({getattr(e, 'msg', e)}): the file is damaged") from None
     if not isinstance(raw, dict):
         raise ViasdError(f"{path} is not a JSON object")
-    return raw
+    return flat_config(raw, f"EAGLE-3 head '{folder}'")  # a speculators layout's config, flattened
 
 
 def read_head_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -125,7 +126,7 @@ def read_head_weights(folder: Path) -> dict[str, torch.Tensor]:
         raise ViasdError(f"'{folder}' has no {SAFETENSORS} or {PICKLE}: copy the head's weights there")
     if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
         raise ViasdError(f"the weights in '{folder}' are not a flat mapping of names to tensors")
-    return tensors
+    return eagle3_tensors(tensors)  # a speculators layout's layers.0.* named midlayer.*
 
 
 def _names(names) -> str:
