@@ -47,7 +47,7 @@ def _register() -> None:
     # Set before anything imports torch._dynamo, which fixes the folder on import.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(paths.cache_dir() / "inductor"))
 
-    for name in ("generate", "calibrate", "bench", "chat", "pull", "models", "distill", "doctor", "serve"):
+    for name in ("generate", "calibrate", "bench", "chat", "pull", "models", "distill", "doctor", "serve", "export"):
         try:
             importlib.import_module(f"viasd_cli.{name}")
         except ModuleNotFoundError as e:  # a command not built yet
