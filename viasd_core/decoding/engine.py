@@ -26,6 +26,7 @@ import torch
 
 from viasd_core.decoding.draft_policy import FLOOR, UNMEASURED_START, DraftPolicy
 from viasd_core.decoding.drafters import Drafter
+from viasd_core.decoding.grammar import Constraint, Grammar
 from viasd_core.decoding.model import PASS_WIDTHS, FastModel
 from viasd_core.decoding.router import Thresholds
 from viasd_core.decoding.sampling import Sampler, SamplingParams
@@ -59,6 +60,9 @@ class GenerationConfig:
     # default: the stop at 0.15 kept blocks shorter than they pay, docs/benchmarks.md section 30).
     min_confidence: float = 0.0
     tree: TreeShape | None = None  # sd: draft token trees of this shape (None: chains)
+    # The output must match this grammar (grammar.py): every mode but ar then runs constrained_step
+    # (chains verified by the target alone); None: unconstrained, the steps above untouched.
+    grammar: Grammar | None = None
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -269,10 +273,13 @@ class Engine:
                 "shorten the prompt or raise --max-context"
             )
         max_new = min(config.max_new_tokens, self.context_len - len(prompt_ids))
-        if config.tree is not None and config.mode == "sd" and not self.supports_tree:
+        if config.tree is not None and config.mode == "sd" and not self.supports_tree and config.grammar is None:
             raise UsageError("draft trees need an EAGLE-3 head draft and a target without sliding-window "
                              "attention: use --tree off")
-        plan = plan_for(config.mode, config.thresholds, config.tree)
+        constraint = None  # the grammar's state for this generation (a one-line error when it is not valid)
+        if config.grammar is not None:
+            constraint = Constraint(config.grammar, self.tokenizer, self.target.embed.num_embeddings, self.eos, self.device)
+        plan = plan_for(config.mode, config.thresholds, config.tree, constrained=constraint is not None)
 
         # Re-use cached positions shared with the previous call (multi-turn chat).
         keep = min(common_prefix(self.tokens, prompt_ids), len(prompt_ids) - 1)
@@ -284,7 +291,7 @@ class Engine:
         run = Run(config.sampling, Sampler(config.seed, device=self.device), stats,
                   plain_tier="ar" if plan.step is None else "full",
                   stop_below=config.min_confidence if config.adaptive else 0.0, thresholds=config.thresholds,
-                  tree=config.tree)
+                  tree=config.tree, constraint=constraint)
         gen = Generation(list(prompt_ids), [], [], "", "length", stats)
         if max_new < config.max_new_tokens:
             gen.clipped_to = max_new
@@ -309,6 +316,8 @@ class Engine:
                 t_step = time.perf_counter()
                 result = plan.step(self, run, g) if g > 0 else plain_step(self, run)
                 self._commit(result)
+                if constraint is not None:
+                    constraint.commit(result.tokens)
                 if stats.time_first_token is None and result.tokens:  # the step ended with its device read
                     stats.time_first_token = time.perf_counter() - t0
                 # adapt: the step ended with its device read, so its wall time is real

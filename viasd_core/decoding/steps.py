@@ -29,6 +29,7 @@ import torch
 from viasd_kernels import RouteResult, route_block
 
 from viasd_core.decoding.drafters import Drafter, Proposal
+from viasd_core.decoding.grammar import Constraint
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.router import Thresholds, slim_confidence, unsure_to_full, walk_block
 from viasd_core.decoding.sampling import Sampler, SamplingParams, greedy_accept, prefix_length, process_logits, speculative_sample
@@ -81,6 +82,7 @@ class Run:
     stop_below: float  # the draft's confidence stop rule (0 = off)
     thresholds: Thresholds | None  # tiered steps only
     tree: TreeShape | None = None  # tree steps only
+    constraint: Constraint | None = None  # a grammar masks the target's (and the draft's) logits (grammar.py)
 
 
 Step = Callable[[Decoder, Run, int], StepResult]
@@ -94,9 +96,11 @@ class Plan:
     slim_runs: bool  # whether the slim verifier runs (it is prefilled only then)
 
 
-def plan_for(mode: str, thresholds: Thresholds | None, tree: TreeShape | None = None) -> Plan:
+def plan_for(mode: str, thresholds: Thresholds | None, tree: TreeShape | None = None, constrained: bool = False) -> Plan:
     if mode == "ar":
         return Plan(None, slim_runs=False)
+    if constrained:  # every speculative mode drafts chains and verifies them with the target alone
+        return Plan(constrained_step, slim_runs=False)
     if mode == "exact":
         return Plan(refined_step, slim_runs=True)
     if mode == "viasd" and thresholds is not None and thresholds.active:
@@ -112,6 +116,8 @@ def plain_step(eng: Decoder, run: Run, g: int = 0) -> StepResult:
     n = len(eng.tokens)
     t = eng.clock()
     target_logits = eng.target.extend(eng.ids, n, 1)  # [1, V]
+    if run.constraint is not None:
+        target_logits = run.constraint.mask(target_logits, run.constraint.allowed(1))
     if run.params.greedy:
         token_t = target_logits.argmax(-1)  # [1]
     else:
@@ -169,14 +175,17 @@ def refined_step(eng: Decoder, run: Run, g: int) -> StepResult:
 
 
 def _verify_and_accept(eng: Decoder, run: Run, proposal: Proposal, draft_tokens: torch.Tensor, draft_probs,
-                       refined: bool) -> StepResult:
-    """Steps 3-5 of sd and exact over the block in ids[n : n + g], with the device read once."""
+                       refined: bool, allowed: torch.Tensor | None = None) -> StepResult:
+    """Steps 3-5 of sd and exact over the block in ids[n : n + g], with the device read once.
+    `allowed` [g + 1, V] bool: what a grammar allows at each row (constrained_step)."""
     n, g = len(eng.tokens), draft_tokens.shape[0]
     stats, params = run.stats, run.params
     limit = proposal.limit  # [] int64 or None: the proposals' count, when decided on the device
     # 3. verify: one target pass over the pending token and the block
     t = eng.clock()
     target_logits = eng.target.extend(eng.ids, n + g, g + 1)  # [g + 1, V]
+    if allowed is not None:
+        target_logits = run.constraint.mask(target_logits, allowed)
     target_argmax = target_logits.argmax(-1)  # [g + 1]
     # 4. accept
     block = eng.ids[n : n + g]  # [g] the proposals (refined ones in exact)
@@ -205,6 +214,28 @@ def _verify_and_accept(eng: Decoder, run: Run, proposal: Proposal, draft_tokens:
         keep["slim"] = draft_valid  # the slim ran over the draft's tokens
     return StepResult(n, tokens, tiers, drafted=proposals, kept=n_acc, keep=keep, draft_tokens=draft_tokens,
                       target_argmax=target_choices)
+
+
+def constrained_step(eng: Decoder, run: Run, g: int) -> StepResult:
+    """sd under a grammar (docs/algorithm.md, "Constrained decoding"): a chain draft proposes from
+    logits masked by the grammar's state after its own tokens so far; the block ends before the first
+    token the grammar rejects (a prompt-lookup proposal may hold one); the target's row at every
+    block position is masked by the state after the block's prefix before it, so greedy sd emits
+    exactly constrained ar's tokens and speculative sampling keeps constrained ar's distribution."""
+    c, n = run.constraint, len(eng.tokens)
+    t = eng.clock()
+    with c.drafting(eng.drafter, eng.ids, n):
+        proposal = eng.drafter.propose(eng.ids, n, g, run.params, run.sampler, host_tokens=eng.tokens)
+    eng.host_reads += proposal.reads + c.reads
+    c.reads = 0
+    valid = c.follow(eng.read(proposal.tokens))
+    run.stats.time_draft += eng.clock() - t
+    if valid == 0:
+        eng.drafter.rollback(n)  # it may have run its own drafted tokens
+        return plain_step(eng, run)
+    probs = None if proposal.probs is None else proposal.probs[:valid]
+    cut = Proposal(tokens=proposal.tokens[:valid], probs=probs)
+    return _verify_and_accept(eng, run, cut, cut.tokens.clone(), probs, refined=False, allowed=c.allowed(valid + 1))
 
 
 def _count_verified(stats: RunStats, drafted: int, n_acc: int, emitted: int) -> list[str]:
