@@ -39,6 +39,19 @@ def test_the_key_version_kind_and_threads_each_name_another_file(tmp_path, monke
     assert MachineRecord("tree", CPU, {"model": "m"}, version=1).path == base.path
 
 
+def test_the_instruction_set_class_in_force_names_another_file(tmp_path, monkeypatch):
+    """A measurement made at the CPU's own class (bfloat16 products pay with AVX-512 BF16) is not read
+    under VIASD_MAX_CPU_ISA's lower class, which ATen's capability alone does not tell apart."""
+    from viasd_kernels import cpu_build
+
+    monkeypatch.setenv("VIASD_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_build, "isa_class", lambda: "avx512_bf16")
+    native = MachineRecord("bf16-products", CPU, {}, version=1).path
+    monkeypatch.setattr(cpu_build, "isa_class", lambda: "avx512")
+    assert MachineRecord("bf16-products", CPU, {}, version=1).path != native
+    assert machine_identity(CPU)["isa_class"] == "avx512"
+
+
 def test_a_broken_or_foreign_file_loads_as_none_and_is_replaced(tmp_path, monkeypatch):
     monkeypatch.setenv("VIASD_HOME", str(tmp_path))
     record = MachineRecord("format", CPU, {"model": "m"}, version=1)

@@ -69,11 +69,16 @@ def device_name(device: torch.device) -> str:
 
 def machine_identity(device: torch.device) -> dict:
     """What a cached measurement of this machine is keyed by: the device's name, on a CPU the
-    instruction set PyTorch's kernels use here (AVX512, AVX2, ...) and the usable cores, and
+    instruction set PyTorch's kernels use here (AVX512, AVX2, ...), the class in force and the usable cores, and
     PyTorch's version. A cached choice is measured again when any of them changes."""
     identity = {"device": device_name(device), "torch": torch.__version__}
     if device.type == "cpu":
+        from viasd_kernels import cpu_build
+
         identity["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        # the class viasd's kernels and oneDNN/MKL run (VIASD_MAX_CPU_ISA): ATen's capability does not
+        # tell AVX-512 with BF16 from AVX-512 without it, and bfloat16 products pay only with it
+        identity["isa_class"] = cpu_build.isa_class()
         identity["cores"] = usable_cores()
     return identity
 
