@@ -314,3 +314,14 @@ def test_the_cli_prints_the_serve_command_and_refuses_bad_input_in_one_line(head
     r = runner.invoke(get_app(), ["export", str(damaged), "--to", "vllm", str(tmp_path / "bad")])
     assert r.exit_code != 0 and "damaged" in r.output and len(r.output.strip().splitlines()) == 1, r.output
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_local_target_is_checked_against_the_head(head_dir, tmp_path):
+    TARGET.save_pretrained(tmp_path / "target")
+    result = export_head(head_dir, "vllm", tmp_path / "ok", target=str(tmp_path / "target"))
+    assert result.command.startswith(f"vllm serve {tmp_path / 'target'} ") and not result.notes
+    other = LlamaConfig(**{**TARGET.to_dict(), "vocab_size": VOCAB + 8})
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(ViasdError, match="vocab size"):
+        export_head(head_dir, "vllm", tmp_path / "no", target=str(tmp_path / "other"))
+    assert not (tmp_path / "no").exists()

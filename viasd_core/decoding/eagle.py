@@ -10,6 +10,7 @@ It then drafts on: its own output feature (before the final norm) replaces the t
     fused    = fc(features)                                              [T, H]
     x        = cat(input_layernorm(embed(token)), hidden_norm(fused))    [T, 2H]
     h        = fused + o_proj(attention(q_proj(x), k_proj(x), v_proj(x)))   (RoPE, causal, own KV cache)
+               (norm_before_residual, the speculators variant: hidden_norm(fused) + ...)
     hidden   = h + mlp(post_attention_layernorm(h))                      [T, H]  (the next step's feature)
     logits   = lm_head(norm(hidden))                                     [T, draft_vocab], fp32
     target id of draft index j = j + d2t[j]; t2d[v] marks the target ids the head can propose
