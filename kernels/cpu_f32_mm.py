@@ -9,7 +9,7 @@ sequence over its row and its weights (16 float32 lanes over the inputs in order
 multiply-add a step where the CPU has FMA, the lanes added in a fixed tree; cpu_f32_mm.c says how),
 whatever the pass's width, the thread count and the thread that runs it.
 
-Timings (2-core Intel Xeon, Sapphire Rapids with AVX-512, `benchmarks/f32_mm.py`, SmolLM2-135M's
+Timings (2-core Intel Xeon, Sapphire Rapids with AVX-512, `benchmarks/experiments/f32_mm.py`, SmolLM2-135M's
 shapes, under other processes' load; docstring of that script): with the weights coming from memory
 as in a model's pass (`--cold 128`, 1 thread) this product was the fastest of the four at every
 width, or within 3% (F.linear's 1-row k/v product, oneDNN's 16-row gate/up product), and 1.2-2.0x

@@ -56,7 +56,7 @@ def test_a_compiled_pass_over_packed_short_products_traces_the_plain_one():
 
 
 def test_a_dynamic_row_count_compiles_fewer_graphs_with_the_same_logits():
-    """compile(dynamic=True) (benchmarks/frozen_compile.py): one graph serves every width above 1."""
+    """compile(dynamic=True) (benchmarks/experiments/frozen_compile.py): one graph serves every width above 1."""
     model = tiny_model("llama", seed=3)
     eager = FastModel(model, max_len=96)
     compiled = FastModel(model, max_len=96)

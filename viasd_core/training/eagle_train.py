@@ -1,6 +1,6 @@
 """Train an EAGLE-3 head (viasd_core.decoding.eagle.FeatureHead) for a target, from the target's own outputs.
 
-Stages (functions, shared by `viasd distill --kind feature`, benchmarks/eagle_smollm2.py and tests):
+Stages (functions, shared by `viasd distill --kind feature`, recipes/eagle_campaign.py and tests):
 
 1. sequences       the target's own answers (teacher_answers.build_dataset: batched generation).
 2. `teacher_pass`  ONE teacher-forced, batched target pass per batch of sequences gives, at every
@@ -258,7 +258,7 @@ def ttt_loss(head: FeatureHead, records: Sequence[FeatureRecord], t2d_index: tor
     """Soft cross-entropy of every drafting step against the target (step s weighted decay**s, each
     position by its record's focus). Returns (loss, per-step top-1 agreement on the positions with labels).
     rows_only=False is the plain path (logits on every row, then the labelled ones picked): the same
-    loss, kept to measure what skipping the prompt rows saves (benchmarks/campaign_measure.py)."""
+    loss, kept to measure what skipping the prompt rows saves (benchmarks/experiments/campaign_measure.py)."""
     device = head.fc.weight.device
     tokens, feats, T = make_batch(records, max_len)
     probs, idx = soft_targets(records, t2d_index, T)

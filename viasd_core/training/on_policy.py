@@ -17,7 +17,7 @@ Two ways to find those rejections, equal up to float rounding:
   were kept, which is all a greedy chain looks at). Walking the blocks over those drafts as the
   engine does gives the same rejections for the cost of a forward pass of the head: minutes for
   every training answer. The stored features are bfloat16 where `sd` sees float32, so a near-tie
-  may fall the other way; benchmarks/campaign_measure.py `on-policy-check` measures how often on
+  may fall the other way; benchmarks/experiments/campaign_measure.py `on-policy-check` measures how often on
   the real pair (docs/campaign.md section 5), tests/test_on_policy.py checks equality on float32
   features.
 
