@@ -304,7 +304,7 @@ def test_the_cli_prints_the_serve_command_and_refuses_bad_input_in_one_line(head
     cases = [["--to", "tpu"], ["--to", "sglang", "--layout", "speculators"], ["--tokens", "0"]]
     for extra in cases:
         r = runner.invoke(get_app(), ["export", str(head_dir), str(tmp_path / "bad"), *extra])
-        assert r.exit_code != 0 and r.exception is None or isinstance(r.exception, SystemExit), r.output
+        assert r.exit_code != 0 and (r.exception is None or isinstance(r.exception, SystemExit)), r.output
         assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1, r.output
         assert not (tmp_path / "bad").exists()
     damaged = tmp_path / "damaged"
