@@ -148,6 +148,7 @@ def test_gemma3_multimodal_and_bidirectional_models_are_refused_in_one_line(tmp_
     assert "\n" not in str(err.value)
     with pytest.raises(ViasdError, match="multimodal"):
         FastModel(AutoModelForCausalLM.from_config(multimodal), max_len=16)
-    bidirectional = AutoModelForCausalLM.from_config(tiny_config("gemma3_text", n_layers=1, use_bidirectional_attention=True))
+    bidirectional = AutoModelForCausalLM.from_config(
+        tiny_config("gemma3_text", n_layers=1, use_bidirectional_attention=True))
     with pytest.raises(ViasdError, match="bidirectionally"):
         FastModel(bidirectional, max_len=16)

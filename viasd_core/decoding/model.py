@@ -1,8 +1,8 @@
 """A lean batch-1 decoder forward with a static KV cache, over a transformers model's weights.
 
 `FastModel` runs the layers of a Hugging Face decoder-only model (the families of families.py:
-Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3/4, Qwen3-MoE) without the framework's per-call machinery, in the shape a compiler
-and CUDA graphs need (gpt-fast style):
+Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3/4, Qwen3-MoE) without the framework's per-call
+machinery, in the shape a compiler and CUDA graphs need (gpt-fast style):
 
 - the KV cache is allocated once (`max_len` positions plus a little slack for padded passes)
   as module buffers; a pass writes its positions by index at DEVICE positions, so a
@@ -295,8 +295,9 @@ class FastModel(attention.CachedPositions, TreePasses):
         cache = self.cache
         x = self.embed(input_ids[None])  # [1, T, H]
         rope_pos = input_pos if rope_pos is None else rope_pos
-        ropes = [(getattr(cache, "cos" + t).index_select(0, rope_pos), getattr(cache, "sin_signed" + t).index_select(0, rope_pos))
-                 for t in [""] + [f"_{i}" for i in range(1, cache.tables)]]  # each table's rows [T, rotary dim]
+        ropes = [(getattr(cache, "cos" + t).index_select(0, rope_pos),  # each table's rows [T, rotary dim]
+                  getattr(cache, "sin_signed" + t).index_select(0, rope_pos))
+                 for t in [""] + [f"_{i}" for i in range(1, cache.tables)]]
         chunks = self._chunks(T, attn_len, masked, by_row) if key_mask is None else [(0, T, attn_len, masked, by_row)]
         masks = []  # per chunk: window -> [rows, keys]; by_row slices its keys instead
         for lo, hi, end, chunk_masked, chunk_by_row in chunks:
