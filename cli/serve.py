@@ -61,18 +61,22 @@ def serve(
     port: Annotated[int, typer.Option("--port", help="Port to listen on (0: a free one, printed).")] = 8000,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="VIASD_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* (also from VIASD_API_KEY).")] = None,
     served_model_name: Annotated[Optional[str], typer.Option("--served-model-name", help="The model id clients use (default: the model's id).")] = None,
-    max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait beside the running one; more get 503 with Retry-After.")] = 16,
+    max_queue: Annotated[int, typer.Option("--max-queue", help="Requests that may wait beside the running ones (one a slot); more get 503 with Retry-After.")] = 16,
+    slots: Annotated[Optional[int], typer.Option("--slots", help="KV slots: conversations whose caches the server keeps, and requests that take turns on the engine (default: 4, fewer where they would take more than half the free memory).")] = None,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds a request may take from arrival (queueing included) to its last token.")] = 300.0,
     fidelity: Annotated[bool, typer.Option("--fidelity/--no-fidelity", help="viasd requests: report fidelity, from one full uncached target forward over prompt and answer per request (off: no such cost, fidelity null).")] = False,
     cors: Annotated[Optional[list[str]], typer.Option("--cors", help="Allow browser pages from this origin (repeatable; '*': any) to call the API: CORS headers and preflight answers. Off by default.")] = None,
     access_log: Annotated[bool, typer.Option("--access-log/--no-access-log", help="One line per request on stderr: method, path, status, new tokens, seconds.")] = True,
 ):
     """Serve the model over OpenAI's HTTP API (chat and completions, streamed or not), with
-    /health and Prometheus /metrics; one request at a time on the engine, the rest queued."""
+    /health and Prometheus /metrics; several conversations cached (--slots), their requests taking
+    turns on the engine step by step, the rest queued."""
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be in [0, 65535], got {port}")
     if max_queue < 0:
         raise UsageError(f"--max-queue must be >= 0, got {max_queue}")
+    if slots is not None and slots < 1:
+        raise UsageError(f"--slots must be >= 1, got {slots}")
     if not timeout > 0:
         raise UsageError(f"--timeout must be > 0 seconds, got {timeout}")
     origins = tuple(_check_origin(o) for o in cors or ())
@@ -83,6 +87,6 @@ def serve(
         raise UsageError(f"viasd serve needs '{e.name}': install the serve extra (pip install 'viasd[serve]')")
     log = StderrLog()
     session = open_session(opts, config, progress=log, long_lived=True)
-    settings = ServeSettings(api_key=api_key or None, max_queue=max_queue, timeout=timeout, fidelity=fidelity,
+    settings = ServeSettings(api_key=api_key or None, max_queue=max_queue, slots=slots, timeout=timeout, fidelity=fidelity,
                              cors=origins, access_log=access_log)
     run(session, config, settings, host, port, name=served_model_name, progress=log, out=typer.echo)

@@ -83,8 +83,8 @@ def test_full_queue_and_time_limits(session, viasd_home, capfd):  # noqa: F811
     with running(session, max_queue=0) as (base, _):  # no queue: served while the engine is free
         assert [raw(base, "POST", CHAT, body("w1 w2"))[0] for _ in range(3)] == [200] * 3
     gate = threading.Event()
-    inner = session.engine.generate
-    session.engine.generate = lambda *a, **k: (gate.wait(20), inner(*a, **k))[1]  # the engine holds until released
+    inner = session.engine.steps
+    session.engine.steps = lambda *a, **k: (gate.wait(20), inner(*a, **k))[1]  # the engine holds until released
     try:
         with running(session, GenerationConfig(mode="ar", max_new_tokens=8), max_queue=1, timeout=1.0) as (base, server):
             worker = server.worker
@@ -107,7 +107,7 @@ def test_full_queue_and_time_limits(session, viasd_home, capfd):  # noqa: F811
             assert total(m, "vllm:generation_tokens_total") == 1
             assert total(m, "viasd:requests_total", status="504") == 2
     finally:
-        session.engine.generate = inner
+        session.engine.steps = inner
     undo = slow_target(session, 0.02)
     try:
         with running(session, GenerationConfig(mode="ar", max_new_tokens=300), timeout=0.4) as (base, server):
@@ -192,12 +192,12 @@ def test_ctrl_c_during_a_stream_ends_it_cleanly(tiny_dirs, tmp_path):
 
 
 def test_a_failing_generation_is_a_500_and_one_log_line(session, viasd_home, capfd, caplog):  # noqa: F811
-    inner = session.engine.generate
+    inner = session.engine.steps
 
     def boom(*args, **kwargs):
         raise RuntimeError("boom")
 
-    session.engine.generate = boom
+    session.engine.steps = boom
     try:
         with running(session) as (base, _):
             status, _, answer = raw(base, "POST", CHAT, body("w1 w2"))
@@ -207,9 +207,9 @@ def test_a_failing_generation_is_a_500_and_one_log_line(session, viasd_home, cap
             data = [line[6:] for line in events.splitlines() if line.startswith("data: ")]
             assert status == 200 and data[-1] == "[DONE]"
             assert json.loads(data[-2])["error"]["message"] == "internal error: RuntimeError: boom"
-            session.engine.generate = inner
+            session.engine.steps = inner
             assert raw(base, "POST", CHAT, body("w1 w2"))[0] == 200  # the next request is served
     finally:
-        session.engine.generate = inner
+        session.engine.steps = inner
     assert [r.getMessage() for r in caplog.records if r.name == "viasd.serve"] == ["generation failed: RuntimeError: boom"] * 2
     assert_clean_log(capfd)

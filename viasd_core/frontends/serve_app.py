@@ -46,7 +46,8 @@ CLIENT_CLOSED = 499  # the status counted for a request whose client went away b
 @dataclass
 class ServeSettings:
     api_key: str | None = None  # required as a Bearer token on /v1/* when set
-    max_queue: int = 16  # requests waiting beside the running one; more get 503
+    max_queue: int = 16  # requests waiting beside the running ones; more get 503
+    slots: int | None = 1  # KV slots, each a conversation's cache; requests beside each other; None: by memory (serve_slots)
     timeout: float = 300.0  # seconds from arrival to the last token, per request
     max_body: int = 8 * 2**20  # bytes of a request body
     fidelity: bool = False  # viasd requests: measure fidelity (a full uncached target forward each)
@@ -101,7 +102,8 @@ async def _disconnected(request: Request) -> None:
 
 def create_app(session: Session, served: ServedModel, settings: ServeSettings) -> Starlette:
     metrics = ServeMetrics(served.name)
-    worker = EngineWorker(session, metrics, served.draft, settings.max_queue, fidelity=settings.fidelity)
+    worker = EngineWorker(session, metrics, served.draft, settings.max_queue, fidelity=settings.fidelity,
+                          slots=settings.slots)
     started = int(time.time())
     numbers = itertools.count()  # the requests accepted so far: a server --seed's per-request offset
     key = settings.api_key.encode() if settings.api_key else None

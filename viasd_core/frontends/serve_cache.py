@@ -26,7 +26,9 @@ Each model (the target, the slim verifier, a draft model) is tracked on its own:
 not run in a request (the slim under `sd`) keeps what it had, one that ran prefilled from its own
 boundary. A drafter whose cache is not indexed by token position (the EAGLE-3 head) is reset
 before a request that keeps anything. If anything other than this server ran a model since the
-last request (its pass count moved), that model keeps nothing.
+last request (its pass count moved), that model keeps nothing. A server with several KV slots
+(serve_slots.py) keeps one such bookkeeping per slot: passes run on another slot's caches are
+not counted against this one's (`resume`).
 
 Cost: in a growing conversation the re-used part is the previous prompt's whole chunks; its last
 partial chunk and the previous answer are prefilled again (they were computed by passes a fresh
@@ -50,6 +52,13 @@ def prefill_boundary(n_prompt: int) -> int:
     prefill from B runs more than SHORT positions."""
     end = n_prompt - 1  # the positions a prefill runs (the last prompt token starts the decode)
     return max(0, (end - SHORT - 1) // PREFILL_CHUNK * PREFILL_CHUNK)
+
+
+def reusable(tokens: list[int], prompt_ids: list[int], exact: int) -> int:
+    """How many leading positions a cache holding `tokens`, of which the first `exact` are exact,
+    may keep for `prompt_ids`: whole chunks of the common prefix below prefill_boundary."""
+    keep = min(common_prefix(tokens, prompt_ids), prefill_boundary(len(prompt_ids)), exact)
+    return keep // PREFILL_CHUNK * PREFILL_CHUNK
 
 
 class PrefixReuse:
@@ -80,12 +89,10 @@ class PrefixReuse:
     def before(self, prompt_ids: list[int]) -> int:
         """Roll every cache back to what may be re-used for `prompt_ids`; returns the target's part."""
         eng = self.engine
-        keep = min(common_prefix(eng.tokens, prompt_ids), prefill_boundary(len(prompt_ids)))
-        keep = keep // PREFILL_CHUNK * PREFILL_CHUNK
         models = self._models()
         kept = {}
         for m in models:
-            k = min(keep, self.exact_prefix(m)) // PREFILL_CHUNK * PREFILL_CHUNK
+            k = reusable(eng.tokens, prompt_ids, self.exact_prefix(m))
             m.rollback(k)
             kept[id(m)] = k
         target_keep = kept[id(eng.target)]
@@ -114,6 +121,13 @@ class PrefixReuse:
                 continue  # attached meanwhile: nothing of it is known exact
             exact[id(m)] = (m, boundary if m.passes != before else got[1], m.passes)
         self._exact = exact
+
+    def resume(self, elsewhere: dict[int, int]) -> None:
+        """`elsewhere[id(model)]` passes of a model ran on other caches (a server's other slots,
+        serve_slots.py) while this bookkeeping's cache was put aside: they left it alone, so they
+        do not count as the model having run outside the server."""
+        self._passes = {k: n + elsewhere.get(k, 0) for k, n in self._passes.items()}
+        self._exact = {k: (m, keep, n + elsewhere.get(k, 0)) for k, (m, keep, n) in self._exact.items()}
 
     def forget(self) -> None:
         self._exact = {}

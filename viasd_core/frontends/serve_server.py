@@ -27,6 +27,7 @@ from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.errors import ViasdError
 from viasd_core.frontends.serve_app import ServeSettings, create_app
 from viasd_core.frontends.serve_schema import ServedModel
+from viasd_core.frontends.serve_tools import tool_style
 from viasd_core.loading.profile import profile_path
 from viasd_core.session import Session, attach_profile, thresholds_of
 from viasd_core.loading.vocab_rows import token_rows
@@ -44,7 +45,7 @@ def prepare(session: Session, config: GenerationConfig, name: str | None = None)
     aliases = frozenset({session.target.model_id, session.target.ref, opts.model} - {None})
     return ServedModel(name=name or session.target.model_id, aliases=aliases, config=config, draft=session.draft_id,
                        calibrated=engine.slim is not None and thresholds is not None, thresholds=thresholds,
-                       vocab_size=token_rows(session.target.model))
+                       vocab_size=token_rows(session.target.model), tool_style=tool_style(session.tokenizer))
 
 
 def is_loopback(host: str) -> bool:
@@ -124,7 +125,8 @@ def serve(session: Session, config: GenerationConfig, settings: ServeSettings, h
     server = make_server(session, served, settings,
                          on_stopped=lambda n: progress(f"stopped after {n} generation{'s' * (n != 1)}"))
     progress(f"model {served.name}: mode {config.mode}, draft {served.draft}, modes {', '.join(served.modes)}; "
-             f"context {session.engine.context_len}, queue {settings.max_queue}, timeout {settings.timeout:g} s")
+             f"context {session.engine.context_len}, {server.worker.pool.describe()}, queue {settings.max_queue}, "
+             f"timeout {settings.timeout:g} s")
     out(f"serving on {address(sock)}/v1 (Ctrl-C stops)")
     # The engine runs in this (main) thread, HTTP in another: see EngineWorker.will_run_here.
     server.worker.will_run_here()

@@ -1,4 +1,4 @@
-"""One engine, one generation at a time: a worker thread fed by a bounded queue.
+"""One engine, several conversations: a worker thread fed by a queue, taking turns between requests.
 
 The HTTP side (asyncio) submits a Job and reads its events; the worker thread runs the Job on
 the engine and posts the events back into the job's event loop:
@@ -8,12 +8,17 @@ the engine and posts the events back into the job's event loop:
   ("done", Generation)        the generation ended by itself (eos, length, stop)
   ("error", ApiError)         it did not: bad prompt, time limit, shutdown, internal error
 
-A job ends early when its `reason` is set, polled after every engine step (Engine.generate's
+Slots and turns. The engine's caches form a bounded set of KV slots (serve_slots.SlotPool): a job
+taken from the queue gets the free slot whose cache it may keep most of, and holds it until it
+ends; jobs beyond the slots wait, in order. The running jobs take turns, one engine step each
+(Engine.steps), their slot swapped in before each: a short request is not stuck behind a long
+one, and each slot's conversation survives the others' requests. A slot re-uses its KV cache
+only where a fresh server computes alike (serve_cache.PrefixReuse, one per slot): an answer
+never depends on what the earlier requests were, nor on which ran beside it.
+
+A job ends early when its `reason` is set, polled after every engine step (Engine.steps'
 should_stop): 'abort' (the client went away), 'timeout' (its deadline passed; the deadline
 counts from arrival, queueing included) or 'shutdown'. A job still waiting is simply skipped.
-The engine keeps its committed tokens between jobs, so a request that extends the previous
-conversation re-uses its KV cache, but only the positions a fresh server would compute alike
-(serve_cache.PrefixReuse): an answer never depends on what the earlier requests were.
 Everything tokenizer- and engine-side runs on the worker thread only.
 """
 
@@ -25,16 +30,17 @@ import math
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from viasd_core.decoding.drafters import NgramDrafter
 from viasd_core.decoding.engine import Generation
 from viasd_core.decoding.fidelity import fidelity
 from viasd_core.errors import ViasdError
-from viasd_core.frontends.serve_cache import PrefixReuse
 from viasd_core.frontends.serve_errors import ApiError, bad_request, internal, queue_full, shutting_down, timed_out
 from viasd_core.frontends.serve_metrics import ServeMetrics
 from viasd_core.frontends.serve_schema import GenRequest
+from viasd_core.frontends.serve_slots import Slot, SlotPool
 from viasd_core.frontends.serve_text import StopAwareText
 from viasd_core.loading.prompts import encode
 from viasd_core.session import Session
@@ -52,6 +58,10 @@ class Job:
     state: str = "waiting"  # waiting -> running -> done (or waiting -> done when skipped)
     reason: str | None = None  # why it is stopped early: abort, timeout, shutdown
     tokens: int = 0  # new tokens so far
+    ids: list[int] | None = None  # the prompt's tokens, once tokenized (on the worker thread)
+    slot: Slot | None = None  # held while it runs
+    steps: object = None  # its generator of engine steps (EngineWorker._steps)
+    started: float = 0.0  # when it got its slot
 
     @property
     def deadline(self) -> float:
@@ -60,19 +70,22 @@ class Job:
 
 class EngineWorker:
     def __init__(self, session: Session, metrics: ServeMetrics, served_draft: str, max_queue: int,
-                 fidelity: bool = False):
+                 fidelity: bool = False, slots: int | None = 1):
         self.session = session
         self.engine = session.engine
-        self.reuse = PrefixReuse(self.engine)  # which cached positions a request may keep
         self.metrics = metrics
-        self.max_queue = max_queue  # jobs waiting beside the running one
+        self.max_queue = max_queue  # jobs waiting beside the running ones
         self.fidelity = fidelity  # viasd answers: one full target forward over prompt + answer each
         drafter = self.engine.drafter
         self.drafters = {"none": None, "ngram": drafter if served_draft == "ngram" else NgramDrafter(), served_draft: drafter}
+        self._attached = {id(drafter)}  # drafters the engine has sized and compiled (Engine.drafter's setter)
+        self.pool = SlotPool(self.engine, list(self.drafters.values()), slots)  # slots=None: by memory
+        self.pool.live.drafter = served_draft
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._live: set[Job] = set()  # waiting or running
         self._waiting = 0
+        self._running = 0
         self._closing = False
         self._service_s = 1.0  # moving average of a job's time on the engine (for Retry-After)
         self.jobs_run = 0
@@ -102,8 +115,8 @@ class EngineWorker:
         with self._lock:
             if self._closing:
                 raise shutting_down()
-            if len(self._live) > self.max_queue:  # max_queue waiting beside the running one
-                raise queue_full(max(1, math.ceil(self._service_s * len(self._live))))
+            if len(self._live) >= self.max_queue + self.pool.count:  # max_queue waiting beside the slots' jobs
+                raise queue_full(max(1, math.ceil(self._service_s * len(self._live) / self.pool.count)))
             self._waiting += 1
             self._live.add(job)
             self.metrics.set_waiting(self._waiting)
@@ -179,36 +192,90 @@ class EngineWorker:
             pass
 
     def _run(self) -> None:
+        active: deque[Job] = deque()  # holding a slot: one engine step each, in turn
+        pending: deque[Job] = deque()  # taken from the queue, waiting for a slot
+        ending = False
         while True:
-            job = self._queue.get()
-            if job is None:
+            while not ending:  # take what has arrived; wait only when there is nothing to run
+                try:
+                    job = self._queue.get(block=not active and not pending)
+                except queue.Empty:
+                    break
+                if job is None:
+                    ending = True
+                else:
+                    pending.append(job)
+            self._admit(pending, active)
+            if active:
+                job = active.popleft()
+                if self._step(job):
+                    active.append(job)
+            elif ending and not pending:
                 break
+
+    def _admit(self, pending: deque, active: deque) -> None:
+        """Give waiting jobs free slots, in order (a job whose prompt is refused ends here)."""
+        while pending:
+            job = pending[0]
+            if job.state != "done" and job.ids is None:
+                try:
+                    job.ids = self._prompt_ids(job.request)
+                except ApiError as e:
+                    pending.popleft()
+                    self._end_waiting(job, ("error", e))
+                    continue
+            slot = self.pool.choose(job.ids) if job.state != "done" else None
             with self._lock:
                 skipped = job.state == "done"
-                if not skipped:
+                if not skipped and slot is not None:
                     job.state = "running"
                     self._waiting -= 1
+                    self._running += 1
                     self.metrics.set_waiting(self._waiting)
-                    self.metrics.set_running(1)
+                    self.metrics.set_running(self._running)
             if skipped:
+                pending.popleft()
                 self._post(job, "error", self._stopped_error(job))
                 continue
-            started = time.monotonic()
-            try:
-                last = self._generate(job, started)
-            except Exception as e:  # a bug: one line in the log, a clean engine for the next request
-                log.error("generation failed: %s: %s", type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
-                self.engine.reset()
-                self.reuse.forget()
-                last = "error", internal(e)
-            finally:
-                with self._lock:  # the job leaves before its answer goes out: the client's next request fits
-                    job.state = "done"
-                    self._live.discard(job)
-                    self.metrics.set_running(0)
-                self._service_s = 0.8 * self._service_s + 0.2 * (time.monotonic() - started)
-                self.jobs_run += 1
-            self._post(job, *last)
+            if slot is None:
+                return  # every slot is held: the rest wait for one
+            pending.popleft()
+            self.pool.hold(slot, job)
+            job.slot, job.started = slot, time.monotonic()
+            job.steps = self._steps(job)
+            active.append(job)
+
+    def _end_waiting(self, job: Job, last: tuple[str, object]) -> None:
+        with self._lock:
+            if job.state == "waiting":
+                self._finish_waiting(job)
+        self._post(job, *last)
+
+    def _step(self, job: Job) -> bool:
+        """Run one engine step of `job` on its slot; False once it has ended (its answer posted)."""
+        self.pool.activate(job.slot)
+        self._attach(job.request.draft)
+        try:
+            next(job.steps)
+            return True
+        except StopIteration as done:
+            last = done.value
+        except Exception as e:  # a bug: one line in the log, a clean slot for the next request
+            log.error("generation failed: %s: %s", type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+            self.engine.reset()
+            job.slot.reuse.forget()
+            job.slot.drafter = None
+            last = "error", internal(e)
+        self.pool.release(job.slot)
+        with self._lock:  # the job leaves before its answer goes out: the client's next request fits
+            job.state = "done"
+            self._live.discard(job)
+            self._running -= 1
+            self.metrics.set_running(self._running)
+        self._service_s = 0.8 * self._service_s + 0.2 * (time.monotonic() - job.started)
+        self.jobs_run += 1
+        self._post(job, *last)
+        return False
 
     def _stopped_error(self, job: Job) -> ApiError:
         if job.reason == "timeout":
@@ -246,18 +313,23 @@ class EngineWorker:
             raise bad_request(f"the model's chat template refused these messages: {type(e).__name__}: {e}",
                               "messages", code="chat_template_error")
 
-    def _use_drafter(self, name: str) -> None:
-        """Attach the request's drafter; one taken up again starts from an empty cache (it missed
-        the tokens committed without it)."""
+    def _attach(self, name: str) -> None:
+        """Attach a request's drafter to the engine: through Engine.drafter's setter the first time
+        (it sizes, links and compiles it), by reference afterwards (the setter would warm a
+        compiled drafter up again, running passes on the live slot's caches)."""
         wanted = self.drafters[name]
-        if self.engine.drafter is not wanted:
+        if self.engine.drafter is wanted:
+            return
+        if wanted is None or id(wanted) in self._attached:
+            self.engine._drafter = wanted
+        else:
             self.engine.drafter = wanted
-            if wanted is not None:
-                wanted.reset()
+            self._attached.add(id(wanted))
 
-    def _generate(self, job: Job, started: float) -> tuple[str, object]:
-        """Run the job on the engine (posting 'started' and text); returns its last event."""
-        request, config = job.request, job.request.config
+    def _steps(self, job: Job):
+        """The job's engine steps (a generator: it pauses after each), posting 'started' and text;
+        returns its last event. Runs with its slot live and its drafter attached."""
+        request, config, slot = job.request, job.request.config, job.slot
         emitted: list[tuple[float, int]] = []  # (time, new tokens) of each step that emitted some
         stream = StopAwareText(self.session.tokenizer, config.stop) if request.stream else None
 
@@ -275,15 +347,18 @@ class EngineWorker:
                 job.reason = "timeout"
             return job.reason is not None
 
+        ids, started = job.ids, job.started
+        self._post(job, "started", len(ids))
+        if slot.drafter != request.draft:  # the drafter's state here followed other tokens: start it afresh
+            if self.engine.drafter is not None:
+                self.engine.drafter.reset()
+            slot.drafter = request.draft
         try:
-            ids = self._prompt_ids(request)
-            self._post(job, "started", len(ids))
-            self._use_drafter(request.draft)
-            self.reuse.before(ids)
+            slot.reuse.before(ids)
             try:
-                gen: Generation = self.engine.generate(ids, config, on_emit=on_emit, should_stop=should_stop)
+                gen: Generation = yield from self.engine.steps(ids, config, on_emit=on_emit, should_stop=should_stop)
             finally:
-                self.reuse.after(ids)
+                slot.reuse.after(ids)
         except ApiError as e:
             return "error", e
         except ViasdError as e:  # the engine's own checks
