@@ -7,7 +7,7 @@ operators widen it in five passes over a float32 copy: 41-51 ms for SmolLM2-135M
 possible values per group of inputs once (the operators' arithmetic, step by step) and writes every
 weight as the value its 4 bits name: 12 ms for the same layers with AVX-512 (the plain C loop, built
 for AVX2 only on the same CPU: about two thirds of the operators' time), bit for bit the operators'
-result (cpu_int4_widen.c says how; docs/benchmarks.md section 28).
+result (cpu_int4_widen.c says how; docs/experiments/pass-python-int4-prefill-widening.md).
 
 - **Kernel**: `widen(qdata, group, scale_and_zero, block, build_dir=...)`, a C function built once per
   machine (cpu_build.py); None where it does not apply or cannot be built (the caller then widens
