@@ -2,7 +2,7 @@
 
 PyTorch's CPU kernels for the int formats (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`)
 widen the weight and multiply in float32 for every 4 rows of a pass, so a 6-token verify pass costs
-about twice a 1-token pass (docs/benchmarks.md section 30). These kernels widen each weight once a
+about twice a 1-token pass (docs/experiments/short-pass-products-read-once.md). These kernels widen each weight once a
 pass and multiply every row with it, one of two ways (cpu_packed_mm.c says how):
 
 - **AVX-512 BF16** (`BF16_WAY`): the weight widened exactly to bfloat16, every row through the pair
