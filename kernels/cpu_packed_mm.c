@@ -27,7 +27,7 @@
  * by block they are a second sequential stream. Passes of more rows do enough arithmetic a line for
  * the hardware's prefetcher to fall behind, so the int4 products ask for their weights 4 KB ahead
  * (a 6-row pass's products ~12% faster, a 1-row pass's unchanged) and the int8 ones 4 tiles ahead
- * (docs/benchmarks.md section 33).
+ * (docs/experiments/int4-scales-blockwise-prefetch.md).
  *
  * A row's arithmetic depends only on the row and the weights: the same instructions in the same
  * order whether the pass holds 1 or 16 rows and whichever thread runs its outputs (threads split the
