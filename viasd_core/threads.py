@@ -3,7 +3,7 @@
 torch starts with one thread per core. That is right on an idle machine and badly wrong on a busy
 one: with another job holding one of two cores (even at nice 19), a 2-thread pass waits at every
 parallel region for the thread that lost its core, and decoding fell from 57 to 0.8 tokens/s,
-while 1 thread gave 34.5 (docs/benchmarks.md section 15; not seen again since, but a same-priority
+while 1 thread gave 34.5 (docs/experiments/threads-under-load.md; not seen again since, but a same-priority
 busy loop still makes 2 threads 3.1x slower than 1). How busy a machine is changes from run to
 run, so `auto` is not cached: each session times a short and a verify-sized target pass at a few
 thread counts (1, 2, 4, ... and every usable core) before anything else is measured or compiled, and
