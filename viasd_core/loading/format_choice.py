@@ -2,8 +2,7 @@
 
 Which formats may be chosen is a question of quality, answered once per model by measuring it
 (`QUALITY_MEASURED`): for the embedded target, fp32 and the int8 and int4 copies agree with fp32's
-greedy token at 0.971 (int8) and 0.978 (int4) teacher-forced, over the 0.97 bar (docs/benchmarks.md
-section 10). Which of those is fastest is a question of the machine: on a CPU whose int4 kernel is
+greedy token at 0.971 (int8) and 0.978 (int4) teacher-forced, over the 0.97 bar (docs/experiments/int8-int4-weight-only.md). Which of those is fastest is a question of the machine: on a CPU whose int4 kernel is
 slow (no AVX-512, an older PyTorch) int8 or fp32 can win. So each candidate is loaded and timed once,
 a 1-token pass (plain decoding) and a 4-token pass (a verify pass) after 64 cached positions
 (decoding/pass_timing.py; the best of three interleaved rounds; float32 with each of its short
