@@ -10,15 +10,14 @@ transformers' own forward (bench's baselines, fidelity) share one copy of the pa
   linear layers; the output head in int8 per row. The head is the layer whose rounding moves
   the argmax most: measured on the embedded SmolLM2 (40 Spec-Bench dev prompts, teacher-forced
   agreement with fp32 `ar`), int4 everywhere 0.920, int4 layers with an int8 head 0.980
-  (docs/benchmarks.md section 10).
+  (docs/experiments/int8-int4-weight-only.md).
 
 Both run with bfloat16 activations (on CPU tinygemm's int4 kernel is ~10x slower on float32
 inputs); embeddings and norms stay in bfloat16. torchao chooses the quantization parameters and
 packs the weights; the pass then calls PyTorch's kernels on plain tensors (`PackedLinear`), so
 it is fast eagerly and compiles like a float model. On a CPU with AVX-512 BF16 the short passes
 (decoding, verify blocks) call viasd_kernels' packed products instead (cpu_packed_mm: a 6-token int4
-verify pass of SmolLM2 1.56x a 1-token pass, against 1.81x through PyTorch's kernels; docs/benchmarks.md
-section 30), over the same packed tensors. int8 on CUDA calls viasd_kernels' int8
+verify pass of SmolLM2 1.56x a 1-token pass, against 1.81x through PyTorch's kernels; docs/experiments/short-pass-products-read-once.md), over the same packed tensors. int8 on CUDA calls viasd_kernels' int8
 matmul instead (a Triton kernel in a custom op, which compiles and which CUDA graphs capture):
 the gpt-fast form it replaces, `mm(x, w.to(bf16)) * scale`, widened every weight to a bfloat16
 copy at every call, compiled or not (kernels/int8_mm.py says what that costs).
