@@ -4,7 +4,7 @@ A short pass (a decoded token, a verify block: at most SHORT_ROWS rows) multipli
 few rows, so its time is the time it takes to read the weights. PyTorch's float32 `linear` does not
 read them at that speed on the CPUs we measured: for one row it reads ~11 GB/s where a plain sum
 reads 27-30 GB/s (a 2-core AMD EPYC with AVX-512), and for 6-16 rows it packs the weight again at
-every call. Two products do better, each where it is best (docs/benchmarks.md sections 17 and 25):
+every call. Two products do better, each where it is best (docs/experiments/fp32-short-passes-blocked.md and docs/experiments/fp32-onednn-packed-on-policy-head.md):
 
 - **blocked**: a batched matrix-vector product over CHUNKS blocks of the weight's rows
   (`torch.bmm(W.view(c, N / c, K), x.T)`): ~31 GB/s for 1-4 rows on an AVX-512 BF16 EPYC (a plain
@@ -20,7 +20,7 @@ Which product a pass of r rows takes is a `ShortRows` value per model: the block
 `blocked` rows, the packed one above that up to `packed` rows, F.linear beyond (and for every pass
 where neither applies), except that with `prefill` a prompt's chunks (long passes) take the packed
 product too: PyTorch's float32 F.linear ran at about half the packed product's speed on the AMD EPYC
-(a 768-token SmolLM2 prefill: 1.20 s against 0.67 s, docs/benchmarks.md section 25).
+(a 768-token SmolLM2 prefill: 1.20 s against 0.67 s, docs/experiments/fp32-onednn-packed-on-policy-head.md).
 `choose_rows` times a 1-, a 4- and a WIDE-token pass each way and a prefill chunk packed and plain,
 at the session's thread count, and `pick_rows` composes the value; a session caches it per machine,
 thread count and models, and `viasd doctor` measures again.
