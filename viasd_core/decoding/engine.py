@@ -57,7 +57,7 @@ class GenerationConfig:
     thresholds: Thresholds | None = None  # viasd mode
     # Adaptive only: a model draft stops before the token at which its own estimate that the whole
     # block is accepted (the product of its token probabilities) falls below this (0 = off, the
-    # default: the stop at 0.15 kept blocks shorter than they pay, docs/benchmarks.md section 30).
+    # default: the stop at 0.15 kept blocks shorter than they pay, docs/experiments/short-pass-products-read-once.md).
     min_confidence: float = 0.0
     tree: TreeShape | None = None  # sd: draft token trees of this shape (None: chains)
     # The output must match this grammar (grammar.py): every mode but ar then runs constrained_step
