@@ -116,7 +116,7 @@ class PackedLinear(torch.nn.Module):
         chunks, which every mode runs alike) take one dense product over the widened weight: the
         kernels are built for few rows (tinygemm streams the whole weight again for every 4 rows),
         and a 768-token prefill of SmolLM2 took 1546 ms through PyTorch's int8 kernel against
-        1064 ms this way (docs/benchmarks.md section 14). The weight is the one `widen_once` holds
+        1064 ms this way (docs/experiments/int8-prefill-dense-product.md). The weight is the one `widen_once` holds
         (a prefill's chunks share it) or widened for this call."""
         return self._product(x, None)
 
