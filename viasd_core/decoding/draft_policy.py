@@ -13,7 +13,7 @@ prompt are often rejected, and on a CPU where a 1-token pass is cheap (float32 h
 (fp32, 8 held-out prompts: 148 of 360 steps plain, tau 1.41 against 1.78 for a fixed block of 3).
 Most of that was the drafter's catch-up on the prompt, timed as the first block's draft until it
 moved into the prefill (Drafter.prefill); with both, 13-26 steps plain, tau 1.65-1.68
-(docs/benchmarks.md section 34).
+(docs/experiments/first-block-measured-layer-front.md).
 
 Within speculative steps the block length follows acceptance: one more after a fully accepted
 block, one fewer after a block of which nothing was kept, never fewer than its floor (FLOOR drafts,
@@ -26,9 +26,9 @@ floor (GenerationConfig.start_at_measured): it shrinks after empty blocks no fur
 this machine's verify curve and the draft's acceptance favour. On a 2-core CPU the probe picks a
 chain of 1 at int4 (raised to 2) and 3 in float32, whose verify curve is nearly flat from 2 to 6
 tokens; starting at 5 cost about 2% against the best fixed block at int4, and shrinking to 2 in
-float32 about 3% against a floor of 3 (docs/benchmarks.md section 34).
+float32 about 3% against a floor of 3 (docs/experiments/first-block-measured-layer-front.md).
 
-Why these rules (docs/benchmarks.md section 31, 26 held-out prompts on a 2-core AVX-512 EPYC): the
+Why these rules (docs/experiments/draft-policy-shrink-margin.md and docs/experiments/row-attention-one-call.md held-out prompts on a 2-core AVX-512 EPYC): the
 earlier rule (one fewer after a block rejected before its middle, plain steps as soon as they
 measured faster, and the draft stopping at confidence 0.15) averaged 1.5-1.6 tokens a pass and ran
 2-6% behind the best fixed block of 3 drafts; shrinking only on empty blocks, a floor of 2, no
