@@ -8,7 +8,7 @@ view them (no weight held twice), and FastModel's pass calls the fused layer and
 Each output is computed exactly as the original layer computes it (tests/test_fused_projections.py
 compares the pass bit for bit with fusion off), so exactness and transformers' own forward (bench's
 baselines, fidelity) are unchanged. On SmolLM2 int4 (2 threads), 30 layers' q/k/v/gate/up products
-for one row took 5.33 ms as five calls and 3.73 ms as two (docs/benchmarks.md section 20).
+for one row took 5.33 ms as five calls and 3.73 ms as two (docs/experiments/fused-projections-int4.md).
 
 Float layers are left as they are (float32 short passes have their own product: short_products.py;
 their weights may be trained and saved, and a saved tensor must not view another). One fusion per
