@@ -3,7 +3,7 @@
 On CUDA `auto` compiles: CUDA graphs remove the launch overhead that dominates the small passes
 of decoding. On a CPU there is no launch overhead to remove, and a compiled pass pads a short pass
 to a fixed width and attends over the whole cache (its static shapes): on our development CPU the
-compiled `sd` was 5% slower than the eager one (docs/benchmarks.md section 7). Which wins depends
+compiled `sd` was 5% slower than the eager one (docs/experiments/compiled-sync-free-step.md). Which wins depends
 on the CPU, so there `auto` stays eager until this machine has been measured: `viasd doctor` times
 the target's 1-token and 4-token passes eager and compiled (compiling the two graphs first: a whole
 `viasd doctor --quant none` took 2 min 25 s on our 2-core CPU; inductor caches the kernels on disk) and
@@ -13,7 +13,7 @@ found the compiled passes faster, a long-lived `auto` session (`viasd serve`, an
 which checks what a server would run) compiles; a one-off
 command stays eager, since compiling the session's graphs costs a minute or more at start-up even
 with inductor's cache warm (61 s to 315 s for the embedded target on our 2-core CPU), which
-saving ~5 ms a token wins back only after some 12,000 tokens (docs/benchmarks.md section 21).
+saving ~5 ms a token wins back only after some 12,000 tokens (docs/experiments/startup-compile-first-block.md).
 int8/int4 passes on a CPU and bitsandbytes layers never compile (decoding/model.py:
 FastModel.compile), so nothing is measured for them.
 """
