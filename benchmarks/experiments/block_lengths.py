@@ -10,7 +10,7 @@ this machine, session.choose_first_block; adaptive `sd` from each `--start` leng
 that, so the machine's drift falls on all methods alike. tokens/s is new tokens over the wall time of
 the whole generate call (prefill included), as `viasd bench` reports it: the mean of the prompts'
 rates (`x_ar`), and total tokens over total seconds (`total_x_ar`, also per category). Prints one
-JSON object (docs/benchmarks.md sections 19 and 29).
+JSON object (docs/experiments/block-length-from-costs.md and docs/experiments/on-policy-head-block-cap.md).
 """
 
 from __future__ import annotations
