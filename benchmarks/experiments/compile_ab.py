@@ -7,7 +7,7 @@ docs/results/cpu-prompts.jsonl, greedy `ar`. Each prompt runs compiled, then wit
 passes eager (the same model, its graphs kept: FastModel.eager), so drift on a shared machine falls
 on both alike. Reports decode milliseconds per token (time after the first token over the tokens
 after it: prefill runs eager either way) and the probe's own timing (compile_choice.time_compiled)
-taken in the same process (docs/benchmarks.md section 21).
+taken in the same process (docs/experiments/startup-compile-first-block.md).
 """
 
 from __future__ import annotations
