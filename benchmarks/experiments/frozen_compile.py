@@ -3,7 +3,7 @@
     python benchmarks/experiments/frozen_compile.py --threads 2 --widths 1,2,4,8,16 [--dynamic] > out.json
 
 An experiment, not a path viasd takes. `--compile` compiles the target's pass with the weights as
-graph inputs, so inductor calls PyTorch's own matrix products (docs/benchmarks.md section 21).
+graph inputs, so inductor calls PyTorch's own matrix products (docs/experiments/startup-compile-first-block.md).
 With `freezing` the weights become constants of each graph, and with the C++ backend of
 max-autotune inductor writes its own small-row GEMM over a prepacked copy of them. This script
 times the embedded target's passes eagerly (as viasd runs them on a CPU: `short_rows` 1) and
@@ -11,7 +11,7 @@ compiled that way (every width's graph compiled first, then timed), and reports 
 and the process's resident memory before and after (each graph appears to hold its own packed weights).
 `--dynamic` compiles the pass with a dynamic row count instead of one graph per padded width
 (dynamo still gives a 1-token pass a graph of its own), and reports how many graphs it compiled.
-Prints one JSON object (docs/benchmarks.md section 23).
+Prints one JSON object (docs/experiments/avx2-cpu-bf16-products.md).
 """
 
 from __future__ import annotations
