@@ -6,7 +6,7 @@ The embedded target (SmolLM2-135M), passes of w tokens after 300 cached position
 with each setting in turn every round (this machine's speed drifts by several percent between
 processes): "both kernels" (what the engine runs), "no norm kernel" (transformers' RMSNorm
 modules), "no rope kernel" (apply_rope and LayerCache.update) and "neither". Each setting keeps its
-best round. Prints one JSON object (docs/benchmarks.md section 32).
+best round. Prints one JSON object (docs/experiments/per-layer-operators-one-call.md).
 """
 
 from __future__ import annotations
