@@ -6,7 +6,7 @@ The default session (`--quant auto`), the head prefilled over 300 positions of r
 features, then 1-token steps from its own feature (as when drafting) at position 300, two ways in
 turn each round: "norm kernel" (the head's RMSNorms as `allocate` makes them, norms.norm_call) and
 "modules" (transformers' RMSNorm forward). Each keeps its best round of 200 steps; prints one JSON
-object in microseconds a step (docs/benchmarks.md section 33).
+object in microseconds a step (docs/experiments/int4-scales-blockwise-prefetch.md).
 """
 
 from __future__ import annotations
