@@ -12,7 +12,7 @@ which the report's "way" names) and "pytorch" (PyTorch's `_weight_int4pack_mm_fo
 `_weight_int8pack_mm`: the fallback, dispatched for the same capped class). Interleaved rounds; each
 setting keeps its best round (or the median of its rounds: --stat median). Prints one JSON object:
 milliseconds by format, setting and width, each setting's w-token pass over its 1-token pass, and
-PyTorch's time over the kernel's (docs/benchmarks.md section 30).
+PyTorch's time over the kernel's (docs/experiments/short-pass-products-read-once.md).
 """
 
 from __future__ import annotations
