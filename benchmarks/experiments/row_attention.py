@@ -7,7 +7,7 @@ The embedded target at int4 (fused projections), passes over w tokens after 300 
 a layer: exact, what the engine runs where the kernel builds), "loop" (one SDPA call per position over
 exactly its keys: exact, the reference and the fallback) and "one call" (one SDPA call for the pass:
 not batch-invariant on a CPU, so not usable for sd == ar; timed only as a floor). Interleaved rounds;
-each setting keeps its best. Prints one JSON object (docs/benchmarks.md sections 20 and 26).
+each setting keeps its best. Prints one JSON object (docs/experiments/fused-projections-int4.md and docs/experiments/row-attention-one-call.md).
 """
 
 from __future__ import annotations
