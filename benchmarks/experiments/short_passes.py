@@ -8,7 +8,7 @@ beside a plain sum over 540 MB (what the memory gives). Then the target's passes
 256 cached positions (`pass_timing.time_passes`), with every product through F.linear, through the
 blocked product and through the packed one: the best of `--rounds` interleaved rounds of
 `--repeats` passes.
-Prints one JSON object (docs/benchmarks.md section 17).
+Prints one JSON object (docs/experiments/fp32-short-passes-blocked.md).
 """
 
 from __future__ import annotations
