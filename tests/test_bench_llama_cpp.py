@@ -2,8 +2,8 @@
 that feeds llama.cpp the prompt's token ids and stops like our engine (EOS or the token budget).
 
 llama-cpp-python builds llama.cpp from source (minutes), so CI does not install it: the runner is
-tested against a stand-in module with llama_cpp.Llama's interface; docs/benchmarks.md has the
-measured run with the real package.
+tested against a stand-in module with llama_cpp.Llama's interface; docs/performance.md has the
+measured runs with the real package.
 """
 
 import sys
