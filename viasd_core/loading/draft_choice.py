@@ -2,7 +2,7 @@
 
 Ranking (the first that is available wins):
   1. the embedded target: its EAGLE-3 head trained by viasd, else its distilled draft model, each with
-     prompt lookup beside it (the best measured: docs/benchmarks.md);
+     prompt lookup beside it (the best measured: docs/performance.md);
   2. a published EAGLE-3 head the catalog lists for the target, in the HF cache;
   3. any other EAGLE-3 head in the HF cache whose shapes fit the target (hidden size, vocabulary,
      feature layers: eagle_files.check_head_config); not vouched for by the catalog, so below it;
@@ -71,7 +71,7 @@ def _embedded_choice() -> DraftChoice:
     for ref, name, what in found:
         if (embedded_draft_dir(name) / "model.safetensors").exists():
             return DraftChoice(ref + HYBRID_SUFFIX, f"{what}, prompt lookup beside it: the best measured for the "
-                                                    "embedded target (docs/benchmarks.md)")
+                                                    "embedded target (docs/performance.md)")
     return DraftChoice(NGRAM, "prompt lookup: the package's embedded drafts are missing")
 
 
