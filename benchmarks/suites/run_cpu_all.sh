@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The CPU measurements recorded in docs/benchmarks.md: calibration at three budgets, then the
+# The CPU measurements recorded in docs/experiments/ (records 1-3): calibration at three budgets, then the
 # bench runs. Each bench run measures its own `ar` baseline in the same process.
 #   bash benchmarks/suites/run_cpu_all.sh [OUT_DIR] [PER_CATEGORY] [MAX_NEW]
 set -euo pipefail
