@@ -12,7 +12,7 @@ prefill), `int4-kernel` runs tinygemm's kernel for every row (no widened weight 
 `int4-operators` widens each layer with PyTorch's operators instead of viasd_kernels' one-pass
 kernel (kernels/cpu_int4_widen.py). `none-packed`
 runs float32's chunks through oneDNN's packed product (decoding/short_products.py).
-Prints one JSON object (docs/benchmarks.md).
+Prints one JSON object (docs/performance.md's prefill tables).
 """
 
 from __future__ import annotations
