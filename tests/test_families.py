@@ -45,6 +45,21 @@ def test_fast_pass_computes_transformers_logits(family):
     torch.testing.assert_close(passes_of_every_kind(fast, ids), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3_text"])
+def test_a_prefill_in_chunks_computes_transformers_logits(family, monkeypatch):
+    """A pass longer than PREFILL_CHUNK runs layer by layer over chunks: each layer's own RoPE table
+    and window (8, as the chunks here) over chunk borders."""
+    from viasd_core.decoding import model as model_module
+
+    monkeypatch.setattr(model_module, "PREFILL_CHUNK", 8)
+    model = tiny_model(family, seed=4)
+    ids = torch.randint(3, 256, (26,), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = model(ids[None]).logits[0]
+    got = FastModel(model, max_len=64).forward(ids, 0, 26)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_sd_equals_ar_equals_transformers(family):
     target_model = tiny_model(family, seed=11)
