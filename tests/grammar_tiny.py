@@ -38,7 +38,7 @@ def byte_tokenizer():
 
 
 def save_byte_model_dir(folder, n_layers=4, seed=0):
-    model = tiny_model("qwen2", n_layers=n_layers, seed=seed, vocab=VOCAB)
+    model = tiny_model("qwen2", n_layers=n_layers, seed=seed, vocab=VOCAB, max_position_embeddings=2048)
     model.generation_config.eos_token_id = [EOS, IM_END]
     model.save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)

@@ -173,7 +173,7 @@ def create_app(session: Session, served: ServedModel, settings: ServeSettings) -
         except Exception as e:  # a bug: a 500 and one line in the log
             log.error("request failed: %s: %s", type(e).__name__, e)
             return answer(endpoint, _error(internal(e)))
-        reply = Reply(kind, req.model, req.config.seed)
+        reply = Reply(kind, req.model, req.config.seed, req.tools)
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:

@@ -4,8 +4,8 @@ them equal):
   READ         honoured: serve_schema reads them (per endpoint)
   NEUTRAL      refused (400, naming the field) unless at the value that asks for nothing the
                engine does not do (n: 1, presence_penalty: 0, ...): what clients send by default
-  CONSTRAINED  constrained output (tools, JSON, grammars): refused (400) until the server can
-               constrain decoding, unless trivially satisfied (response_format text, no tools)
+  CONSTRAINED  constrained-output options the server does not take (serve_tools reads tools, JSON and
+               grammars): refused (400) unless trivially satisfied
   IGNORED      accepted and ignored, each with the reason it cannot change an answer here
 
 Any other field is refused (400) as OpenAI does ("unrecognized request argument"): nothing a client
@@ -18,7 +18,11 @@ from viasd_core.frontends.serve_errors import bad_request
 
 BOTH = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
                   "stream_options", "mode", "draft"})
-READ = {"chat": BOTH | {"messages", "max_completion_tokens", "chat_template_kwargs"}, "completion": BOTH | {"prompt"}}
+GRAMMARS = frozenset({"response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema",
+                      "grammar"})  # serve_tools.GRAMMAR_FIELDS: constrained decoding (llguidance)
+READ = {"chat": BOTH | GRAMMARS | {"messages", "max_completion_tokens", "chat_template_kwargs", "tools", "tool_choice",
+                                   "parallel_tool_calls"},
+        "completion": BOTH | GRAMMARS | {"prompt"}}
 
 
 def _absent_or(*neutral):
@@ -63,21 +67,13 @@ NEUTRAL = {  # name -> (is it neutral?, the neutral value as the message says it
     "web_search_options": (_absent_or(), "null"),
 }
 
-CONSTRAINED = {  # name -> is it trivially satisfied?
-    "tools": _empty,
-    "functions": _empty,
-    "tool_choice": _absent_or("none", "auto"),  # no tools: nothing to call
-    "function_call": _absent_or("none", "auto"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
-    "guided_json": _absent_or(),
-    "guided_regex": _absent_or(),
-    "guided_choice": _absent_or(),
-    "guided_grammar": _absent_or(),
-    "guided_decoding_backend": _absent_or(),
-    "guided_whitespace_pattern": _absent_or(),
-    "structured_outputs": _absent_or(),
-    "grammar": lambda v: v in (None, ""),
-    "json_schema": _empty,
+CONSTRAINED = {  # name -> (is it trivially satisfied?, what to send instead)
+    "functions": (_empty, "use 'tools' (functions is OpenAI's deprecated form)"),
+    "function_call": (_absent_or("none", "auto"), "use 'tool_choice' (function_call is OpenAI's deprecated form)"),
+    "guided_decoding_backend": (lambda v: v in (None, "auto", "llguidance", "guidance"),
+                                "this server constrains through llguidance: leave it out"),
+    "guided_whitespace_pattern": (_absent_or(), "JSON is written in json.dumps' layout here: leave it out"),
+    "structured_outputs": (_absent_or(), "send guided_json, guided_regex, guided_choice or guided_grammar"),
 }
 
 IGNORED = {  # name -> why it cannot change an answer here
@@ -88,12 +84,11 @@ IGNORED = {  # name -> why it cannot change an answer here
     "prompt_cache_key": "a routing hint for OpenAI's prompt cache: this server keeps what it may re-use exactly",
     "cache_prompt": "llama.cpp's prompt cache switch: the server re-uses cached positions only where the answer "
                     "stays what a fresh server gives, so the flag cannot change an answer",
-    "parallel_tool_calls": "with no tools (tools are refused) there is nothing to call",
     "request_id": "vLLM's caller-chosen id: the server makes its own response ids",
 }
 
-MESSAGE_READ = frozenset({"role", "content"})
-MESSAGE_NEUTRAL = {"tool_calls": _empty, "refusal": _absent_or(), "audio": _absent_or(), "tool_call_id": _absent_or()}
+MESSAGE_READ = frozenset({"role", "content", "tool_calls", "tool_call_id"})
+MESSAGE_NEUTRAL = {"refusal": _absent_or(), "audio": _absent_or()}
 MESSAGE_IGNORED = {"name": "a participant's name: the chat template gets each message's role and content only"}
 
 
@@ -108,9 +103,10 @@ def check_fields(body: dict, kind: str) -> None:
             if not neutral(value):
                 raise bad_request(f"'{name}' is not supported by this server: leave it out or at {shown}", name)
         elif name in CONSTRAINED:
-            if not CONSTRAINED[name](value):
-                raise bad_request(f"'{name}' asks for constrained output (tools, JSON, a grammar), which this server "
-                                  "does not support yet: leave it out", name, code="constrained_output_unsupported")
+            trivial, instead = CONSTRAINED[name]
+            if not trivial(value):
+                raise bad_request(f"'{name}' is not supported by this server: {instead}", name,
+                                  code="constrained_output_unsupported")
         elif any(name in other for other in READ.values()):
             where = "/v1/chat/completions" if kind == "completion" else "/v1/completions"
             raise bad_request(f"'{name}' belongs to {where}, not to this endpoint", name)
@@ -126,7 +122,7 @@ def check_message(message: dict, i: int) -> None:
             continue
         if name in MESSAGE_NEUTRAL:
             if not MESSAGE_NEUTRAL[name](value):
-                raise bad_request(f"messages[{i}].{name}: tool calls are not supported yet (constrained output)",
-                                  "messages", code="constrained_output_unsupported")
+                raise bad_request(f"messages[{i}].{name} is not supported by this server: leave it out or null",
+                                  "messages")
         else:
             raise bad_request(f"messages[{i}]: unrecognized field '{name}' (a message has role and content)", "messages")

@@ -19,6 +19,7 @@ import time
 import uuid
 
 from viasd_core.decoding.engine import Generation
+from viasd_core.frontends.serve_tools import Tools, parse_tool_calls
 
 EXTENSION = "viasd"
 OBJECTS = {"chat": ("chat.completion", "chat.completion.chunk", "chatcmpl-"),
@@ -53,8 +54,9 @@ def statistics(gen: Generation, draft: str, seed: int | None) -> dict:
 class Reply:
     """The bodies of one answer: the whole response, or its stream's chunks."""
 
-    def __init__(self, kind: str, model: str, seed: int | None = None):
+    def __init__(self, kind: str, model: str, seed: int | None = None, tools: Tools | None = None):
         self.kind = kind
+        self.tools = tools  # a chat answer's tool calls are parsed from its text (unless tool_choice none)
         self.model = model
         self.seed = seed  # the request's sampling seed, reported in the statistics
         self.object, self.chunk_object, prefix = OBJECTS[kind]
@@ -72,8 +74,14 @@ class Reply:
         return {"index": 0, "delta": {} if text is None else {"content": text}, "logprobs": None, "finish_reason": finish}
 
     def whole(self, gen: Generation, draft: str) -> dict:
-        return {**self._head(self.object), "choices": [self._choice(gen.text, finish_reason(gen), True)],
-                "usage": usage(gen), EXTENSION: statistics(gen, draft, self.seed)}
+        choice = self._choice(gen.text, finish_reason(gen), True)
+        if self.tools is not None and self.tools.parse and gen.finish_reason in ("eos", "stop"):
+            content, calls = parse_tool_calls(gen.text, self.tools)
+            if calls:
+                choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                choice["finish_reason"] = "tool_calls"
+        return {**self._head(self.object), "choices": [choice], "usage": usage(gen),
+                EXTENSION: statistics(gen, draft, self.seed)}
 
     def first_chunk(self) -> str | None:
         """A chat stream opens with the assistant's role (a completion stream has no such chunk)."""

@@ -21,9 +21,10 @@ from viasd_core.decoding.router import Thresholds
 from viasd_core.errors import UsageError
 from viasd_core.frontends.serve_errors import ApiError, bad_request
 from viasd_core.frontends.serve_fields import check_fields, check_message
+from viasd_core.frontends.serve_tools import Tools, request_output
 
 MAX_STOPS = 4  # as OpenAI
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class ServedModel:
     calibrated: bool  # a slim verifier is loaded: exact and viasd can run (with the loaded draft)
     thresholds: Thresholds | None  # the profile's, for viasd
     vocab_size: int  # token ids a prompt may hold: [0, vocab_size)
+    tool_style: str = "json"  # the chat template's tool-call convention (serve_tools.tool_style)
 
     @property
     def drafts(self) -> tuple[str, ...]:
@@ -59,6 +61,7 @@ class GenRequest:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     model: str
     template_kwargs: dict | None = None  # chat: chat_template_kwargs, extra variables for the template
+    tools: Tools | None = None  # chat: the request's tools (the template gets them; calls parsed unless 'none')
 
 
 def parse_json(raw: bytes) -> dict:
@@ -166,6 +169,7 @@ def _common(body: dict, served: ServedModel, kind: str, messages, prompt) -> Gen
         top_k=_int(body, "top_k", base.top_k, lo=0), seed=_int(body, "seed", None, lo=-(2**63), hi=2**64 - 1),
         stop=_stops(body, base.stop), thresholds=served.thresholds,
     )
+    config.grammar, tools = request_output(body, kind, served.tool_style)
     if _number(body, "min_p", 0.0, 0.0, 1.0) > 0 and config.temperature > 0:
         raise bad_request("'min_p' is honoured under greedy decoding only (the greedy token always passes it): "
                           "the sampler has no min-p filter yet, so leave it out or at 0 when sampling", "min_p")
@@ -174,7 +178,7 @@ def _common(body: dict, served: ServedModel, kind: str, messages, prompt) -> Gen
     except UsageError as e:
         raise bad_request(e.message)
     return GenRequest(kind, messages, prompt, config, draft, _bool(body, "stream", False),
-                      _bool(stream_options or {}, "include_usage", False), model or served.name)
+                      _bool(stream_options or {}, "include_usage", False), model or served.name, tools=tools)
 
 
 def request_seed(own: int | None, server: int | None, number: int) -> int | None:
@@ -213,12 +217,40 @@ def parse_chat(body: dict, served: ServedModel) -> GenRequest:
         role = m.get("role")
         if role not in ROLES:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(ROLES)} (got {role!r})", "messages")
-        out.append({"role": ROLES[role], "content": _text_content(m.get("content"), i)})
-    if not any(m["content"].strip() for m in out):
+        calls = m.get("tool_calls")
+        content = "" if calls and m.get("content") is None else _text_content(m.get("content"), i)
+        out.append({"role": ROLES[role], "content": content, **_tool_fields(m, i)})
+    if not any(m["content"].strip() or m.get("tool_calls") for m in out):
         raise bad_request("every message is empty: give some text", "messages")
     request = _common(body, served, "chat", out, None)
     request.template_kwargs = _template_kwargs(body)
+    if request.tools is not None:
+        request.template_kwargs = {**(request.template_kwargs or {}), "tools": list(request.tools.specs)}
     return request
+
+
+def _tool_fields(m: dict, i: int) -> dict:
+    """An assistant message's tool calls (arguments as objects, as chat templates expect) and a tool
+    message's call id, for the template."""
+    out = {}
+    if m.get("tool_call_id") is not None:
+        out["tool_call_id"] = m["tool_call_id"]
+    calls = m.get("tool_calls")
+    if calls:
+        if m.get("role") != "assistant" or not isinstance(calls, list):
+            raise bad_request(f"messages[{i}].tool_calls: an assistant message's array of calls", "messages")
+        out["tool_calls"] = []
+        for call in calls:
+            fn = call.get("function") if isinstance(call, dict) else None
+            try:
+                args = fn["arguments"]
+                args = json.loads(args) if isinstance(args, str) else args
+                out["tool_calls"].append({"id": call.get("id"), "type": "function",
+                                          "function": {"name": fn["name"], "arguments": args}})
+            except (TypeError, KeyError, ValueError):
+                raise bad_request(f"messages[{i}].tool_calls: each is {{\"id\", \"type\": \"function\", "
+                                  "\"function\": {\"name\", \"arguments\": JSON text}}}", "messages")
+    return out
 
 
 # apply_chat_template's own parameters: chat_template_kwargs may not set them (only template variables)

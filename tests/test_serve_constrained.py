@@ -1,0 +1,120 @@
+"""Constrained output through `viasd serve` and the official openai client: JSON answers validate
+against their schemas, vendor grammars hold, a tool call makes the round trip in OpenAI's shape."""
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+
+from grammar_tiny import save_byte_model_dir
+from test_serve_support import client, raw, running
+from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.loading.options import ModelOptions
+from viasd_core.session import build_session
+
+SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["city", "n"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "weather", "description": "the weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                   "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def byte_session(tmp_path_factory):
+    base = tmp_path_factory.mktemp("byte_models")
+    target, draft = save_byte_model_dir(base / "target", seed=51), save_byte_model_dir(base / "draft", n_layers=1, seed=52)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VIASD_HOME", str(tmp_path_factory.mktemp("viasd_home")))
+        yield build_session(ModelOptions(model=str(target), draft=str(draft)), mode="sd")
+
+
+def serve(byte_session):
+    return running(byte_session, GenerationConfig(mode="sd", max_new_tokens=60))
+
+
+def test_json_answers_validate_and_sd_equals_ar(byte_session, viasd_home):
+    with serve(byte_session) as (base, _):
+        c = client(base)
+        for extra in ({"response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}},
+                      {"extra_body": {"guided_json": SCHEMA}}, {"extra_body": {"json_schema": SCHEMA}}):
+            answers = [c.chat.completions.create(model="target", messages=USER, extra_body={"mode": mode, **extra.get(
+                "extra_body", {})}, **{k: v for k, v in extra.items() if k != "extra_body"}) for mode in ("ar", "sd")]
+            for a in answers:
+                assert a.choices[0].finish_reason == "stop"
+                jsonschema.validate(json.loads(a.choices[0].message.content), SCHEMA)
+            assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+        obj = c.chat.completions.create(model="target", messages=USER, response_format={"type": "json_object"})
+        if obj.choices[0].finish_reason == "stop":  # an object may run past the budget; what came is its start
+            assert isinstance(json.loads(obj.choices[0].message.content), dict)
+        else:
+            assert obj.choices[0].message.content.startswith("{")
+        regex = c.completions.create(model="target", prompt="Say yes or no:", extra_body={"guided_regex": "(yes|no)!"})
+        assert re.fullmatch(r"(yes|no)!", regex.choices[0].text)
+        choice = c.chat.completions.create(model="target", messages=USER, extra_body={"guided_choice": ["sun", "rain"]})
+        assert choice.choices[0].message.content in ("sun", "rain")
+        gbnf = c.chat.completions.create(model="target", messages=USER, extra_body={"grammar": 'root ::= "a" [0-9] [0-9]'})
+        assert re.fullmatch(r"a[0-9][0-9]", gbnf.choices[0].message.content)
+
+
+def test_a_tool_call_round_trip(byte_session, viasd_home):
+    with serve(byte_session) as (base, _):
+        c = client(base)
+        for choice in ({"type": "function", "function": {"name": "weather"}}, "required"):
+            first = c.chat.completions.create(model="target", messages=USER, tools=[WEATHER, CLOCK], tool_choice=choice,
+                                              max_tokens=150, parallel_tool_calls=False)
+            assert first.choices[0].finish_reason == "tool_calls"
+            calls = first.choices[0].message.tool_calls
+            assert len(calls) == 1 and calls[0].id.startswith("call_") and calls[0].type == "function"
+            assert calls[0].function.name in ("weather", "clock")
+            if choice != "required":
+                assert calls[0].function.name == "weather"
+            jsonschema.validate(json.loads(calls[0].function.arguments),
+                                {"weather": WEATHER, "clock": CLOCK}[calls[0].function.name]["function"]["parameters"])
+        messages = USER + [first.choices[0].message.model_dump(exclude_none=True),
+                           {"role": "tool", "tool_call_id": calls[0].id, "content": "sunny"}]
+        after = c.chat.completions.create(model="target", messages=messages, tools=[WEATHER, CLOCK], tool_choice="none",
+                                          max_tokens=5)
+        assert after.choices[0].message.tool_calls is None and after.choices[0].finish_reason in ("stop", "length")
+        assert after.usage.prompt_tokens > first.usage.prompt_tokens  # the call and its result reached the template
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}}, None),
+    ({"guided_regex": "a("}, None),
+    ({"guided_json": SCHEMA, "guided_regex": "a+"}, "guided_regex"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream"),
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
+])
+def test_bad_constraints_are_a_400_naming_the_field(byte_session, viasd_home, extra, param):
+    with serve(byte_session) as (base, _):
+        status, _, answer = raw(base, "POST", "/v1/chat/completions", {"messages": USER, **extra})
+        assert status == 400, answer
+        assert answer["error"]["param"] == param and "\n" not in answer["error"]["message"], answer
+        assert param is None or param in answer["error"]["message"]
+        if param is None:
+            assert "grammar is not valid" in answer["error"]["message"]
+
+
+def test_the_tool_convention_is_the_templates():
+    from viasd_core.frontends.serve_tools import Tools, parse_tool_calls
+
+    qwen = Tools((WEATHER,), ("weather",), "qwen", True)
+    content, calls = parse_tool_calls('ok <tool_call>\n{"name": "weather", "arguments": {"city": "Rome", "days": 2}}\n'
+                                      '</tool_call>\n<tool_call>\n{"name": "weather", "arguments": {"city": "Paris", '
+                                      '"days": 1}}\n</tool_call>', qwen)
+    assert content == "ok" and [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["Rome", "Paris"]
+    mistral = Tools((WEATHER,), ("weather",), "mistral", True)
+    assert len(parse_tool_calls('[TOOL_CALLS][{"name": "weather", "arguments": {"city": "Rome"}}]', mistral)[1]) == 1
+    llama = Tools((WEATHER,), ("weather",), "llama3", True)
+    assert json.loads(parse_tool_calls('{"name": "weather", "parameters": {"days": 3}}', llama)[1][0]["function"]
+                      ["arguments"]) == {"days": 3}
+    assert parse_tool_calls('{"name": "other", "parameters": {}}', llama) == ('{"name": "other", "parameters": {}}', [])
