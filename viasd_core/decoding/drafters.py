@@ -1,6 +1,7 @@
 """Proposers of draft blocks, behind one contract (`Drafter`): a small draft model, prompt lookup
-(n-gram, model-free), both (hybrid), or (in feature_drafter.py) an EAGLE-3 head reading the
-target's features. loading/drafter_factory.py builds the one a session asks for.
+(n-gram, model-free), a model with a lookup beside it (hybrid), or elsewhere an EAGLE-3 head reading
+the target's features (feature_drafter.py) and a counted suffix index that remembers earlier
+requests (suffix_drafter.py). loading/drafter_factory.py builds the one a session asks for.
 
 A drafter writes its proposed tokens into the engine's token buffer at [n, n + g) and returns
 them with the distribution each was sampled from (None when the proposal is deterministic,
@@ -16,6 +17,7 @@ import torch
 
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.sampling import Sampler, SamplingParams, prefix_length, process_logits
+from viasd_core.decoding.suffix_index import Walk
 from viasd_core.decoding.tree import TokenTree, TreeShape
 
 
@@ -27,6 +29,14 @@ class Proposal:
     # [] int64 on the device, or None: how many of the g tokens are proposals (the confidence stop
     # decided on the device; positions from it on are drafted but not proposed). None: all g.
     limit: torch.Tensor | None = None
+    source: str | None = None  # who proposed, for the statistics (None: the drafter itself, by its name)
+
+
+def lookup_proposal(ids: torch.Tensor, n: int, tokens: list[int], source: str) -> Proposal:
+    """A deterministic proposal of host tokens (a lookup's), written into ids[n:]."""
+    if tokens:
+        ids[n : n + len(tokens)] = torch.tensor(tokens, dtype=ids.dtype, device=ids.device)
+    return Proposal(tokens=ids[n : n + len(tokens)], probs=None, source=source)
 
 
 class Drafter(ABC):
@@ -52,10 +62,20 @@ class Drafter(ABC):
 
     @abstractmethod
     def reset(self) -> None:
-        """Forget everything (a new conversation)."""
+        """Forget the conversation (a new one starts). What a drafter learned from earlier requests
+        may stay (the suffix index's history): `forget` drops that too."""
+
+    def forget(self) -> None:
+        """Forget everything, earlier requests included (a benchmark's runs must not see each other)."""
+        self.reset()
 
     def ensure_capacity(self, max_len: int) -> None:
         """Hold state for `max_len` positions (the engine's context); allocated once."""
+
+    @property
+    def tree_source(self) -> str:
+        """Who grows this drafter's token trees, for the statistics."""
+        return self.name
 
     def prefill(self, ids: torch.Tensor, n: int) -> None:
         """Catch up on the prompt ids[:n] once the verifiers have run it, inside the engine's timed
@@ -234,6 +254,9 @@ class NgramDrafter(Drafter):
     """
 
     name = "ngram"
+    # Its estimate of a match is the copy's length (prompt lookup assumes the copy goes on), not a
+    # frequency: a hybrid compares it with its min_match only (HybridDrafter).
+    estimates = False
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -262,7 +285,8 @@ class NgramDrafter(Drafter):
                     self.index[tuple(host_tokens[end - k + 1 : end + 1])] = end
         self.indexed = max(self.indexed, len(host_tokens) - 1)
 
-    def lookup(self, host_tokens: list[int], gamma: int) -> list[int]:
+    def match(self, host_tokens: list[int], gamma: int) -> Walk:
+        """What followed the latest earlier occurrence of the longest suffix found (up to gamma tokens)."""
         self._update(host_tokens)
         L = len(host_tokens)
         for k in range(self.max_ngram, self.min_ngram - 1, -1):
@@ -270,39 +294,68 @@ class NgramDrafter(Drafter):
                 continue
             end = self.index.get(tuple(host_tokens[L - k :]))
             if end is not None:
-                return host_tokens[end + 1 : end + 1 + gamma]
-        return []
+                found = host_tokens[end + 1 : end + 1 + gamma]
+                return Walk(found, [1.0] * len(found))
+        return Walk([], [])
 
     def propose(self, ids: torch.Tensor, n: int, gamma: int, params: SamplingParams, sampler: Sampler, host_tokens=None,
                 stop_below: float = 0.0) -> Proposal:
-        found = self.lookup(host_tokens, gamma)
-        if found:
-            ids[n : n + len(found)] = torch.tensor(found, dtype=ids.dtype, device=ids.device)
-        return Proposal(tokens=ids[n : n + len(found)], probs=None)
+        return lookup_proposal(ids, n, self.match(host_tokens, gamma).tokens, self.name)
 
 
 class HybridDrafter(Drafter):
-    """Prompt lookup when the context repeats itself, the draft model otherwise.
+    """A lookup (prompt lookup, or the suffix index) where the text repeats, the draft model otherwise.
 
-    The choice depends only on the committed context, so each proposal still comes from a
-    well-defined distribution (one-hot for lookup) and the acceptance rule stays exact. The
-    model's cache simply lags while lookup proposes, and catches up on its next call.
+    Each step the lookup proposes when the tokens it expects accepted (`Walk.expected`) reach
+    `min_match`, and, for a lookup that estimates from frequencies (`estimates`: the suffix index),
+    also what the model's own proposals have been keeping on average (a decayed mean, learned from
+    the rollback after each of its proposals): by expected accepted length per step. The choice
+    depends only on the committed context and earlier steps, so each proposal still comes from a
+    well-defined distribution (one-hot for a lookup) and the acceptance rule stays exact. The model's
+    cache simply lags while the lookup proposes, and catches up on its next call.
     """
 
     name = "hybrid"
+    DECAY = 0.95  # weight of the past in the model's mean kept tokens, per proposal of the model
 
-    def __init__(self, model_drafter: ChainDrafter, ngram: NgramDrafter | None = None, min_match: int = 2):
+    def __init__(self, model_drafter: ChainDrafter, lookup: Drafter | None = None, min_match: int = 2):
         self.model_drafter = model_drafter
-        self.ngram = ngram or NgramDrafter()
+        self.lookup = lookup or NgramDrafter()
         self.min_match = min_match
+        self._forget_model()
+
+    def _forget_model(self) -> None:
+        self.kept_sum = 0.0  # decayed sums over the model's proposals: tokens kept, proposals
+        self.kept_count = 0.0
+        self.pending: tuple[int, int] | None = None  # (position, tokens) of the model's last proposal
+
+    @property
+    def model_kept(self) -> float:
+        """Drafted tokens the model's proposals kept on average (0 before any was verified)."""
+        return self.kept_sum / self.kept_count if self.kept_count else 0.0
+
+    def _lookup_wins(self, walk: Walk) -> bool:
+        bar = max(self.min_match, self.model_kept) if self.lookup.estimates else self.min_match
+        return len(walk.tokens) > 0 and walk.expected >= bar
 
     def reset(self) -> None:
         self.model_drafter.reset()
-        self.ngram.reset()
+        self.lookup.reset()
+        self.pending = None
+
+    def forget(self) -> None:
+        self.model_drafter.forget()
+        self.lookup.forget()
+        self._forget_model()
 
     def rollback(self, n: int) -> None:
+        if self.pending is not None:  # the first rollback after a model proposal says what it kept
+            start, drafted = self.pending
+            self.pending = None
+            self.kept_sum = self.DECAY * self.kept_sum + min(max(n - start, 0), drafted)
+            self.kept_count = self.DECAY * self.kept_count + 1
         self.model_drafter.rollback(n)
-        self.ngram.rollback(n)
+        self.lookup.rollback(n)
 
     def weights_identity(self) -> str | None:
         return self.model_drafter.weights_identity()
@@ -315,6 +368,7 @@ class HybridDrafter(Drafter):
 
     def prefill(self, ids: torch.Tensor, n: int) -> None:
         self.model_drafter.prefill(ids, n)
+        self.lookup.prefill(ids, n)
 
     def set_short_rows(self, rows) -> None:
         self.model_drafter.set_short_rows(rows)
@@ -336,18 +390,28 @@ class HybridDrafter(Drafter):
     def supports_tree(self) -> bool:
         return self.model_drafter.supports_tree
 
+    @property
+    def tree_source(self) -> str:
+        return self.model_drafter.name
+
     def propose_tree(self, ids, n, shape, params, sampler, host_tokens=None) -> TokenTree | None:
-        """The model's tree, unless prompt lookup proposes this step (None: the chain step asks it)."""
-        if len(self.ngram.lookup(host_tokens, shape.depth)) >= self.min_match:
+        """The model's tree, unless the lookup proposes this step (None: the chain step asks it)."""
+        if self._lookup_wins(self.lookup.match(host_tokens, shape.depth)):
             return None
-        return self.model_drafter.propose_tree(ids, n, shape, params, sampler, host_tokens)
+        tree = self.model_drafter.propose_tree(ids, n, shape, params, sampler, host_tokens)
+        if tree is not None:
+            self.pending = (n, tree.max_depth)
+        return tree
 
     def warm_up_tree(self, shape: TreeShape) -> float:
         return self.model_drafter.warm_up_tree(shape)
 
     def propose(self, ids, n, gamma, params, sampler, host_tokens=None, stop_below: float = 0.0) -> Proposal:
-        found = self.ngram.lookup(host_tokens, gamma)
-        if len(found) >= self.min_match:
-            ids[n : n + len(found)] = torch.tensor(found, dtype=ids.dtype, device=ids.device)
-            return Proposal(tokens=ids[n : n + len(found)], probs=None)
-        return self.model_drafter.propose(ids, n, gamma, params, sampler, host_tokens, stop_below=stop_below)
+        walk = self.lookup.match(host_tokens, gamma)
+        if self._lookup_wins(walk):
+            return lookup_proposal(ids, n, walk.tokens, self.lookup.name)
+        proposal = self.model_drafter.propose(ids, n, gamma, params, sampler, host_tokens, stop_below=stop_below)
+        proposal.source = proposal.source or self.model_drafter.name
+        if proposal.tokens.shape[0]:
+            self.pending = (n, proposal.tokens.shape[0])
+        return proposal

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 TIERS = ("accept", "slim", "full", "bonus")
 NOT_MEASURED = "not measured"
+NO_DRAFT = "none"  # RunStats.draft_sources: the drafter was asked and proposed nothing
 
 
 def format_fidelity(value: float | None, spec: str = ".4f") -> str:
@@ -28,6 +29,10 @@ class RunStats:
     position_attempts: list[int] = field(default_factory=list)  # per block position j: drafted
     position_accepts: list[int] = field(default_factory=list)  # per block position j: kept
     tier_counts: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})
+    # Per step that asked the drafter for a block: who proposed it (Proposal.source: 'model', 'feature',
+    # 'ngram', 'suffix', ...), or NO_DRAFT when nothing was proposed (the step ran plain). The steps
+    # not counted here are the plain steps the draft policy chose (or a last step with one token left).
+    draft_sources: dict[str, int] = field(default_factory=dict)
     time_prefill: float = 0.0
     time_draft: float = 0.0
     time_slim: float = 0.0
@@ -35,6 +40,15 @@ class RunStats:
     time_total: float = 0.0
     time_first_token: float | None = None  # from the call to its first new token: prefill and the first step
     fidelity: float | None = None  # lossy modes: fraction of tokens equal to the target's greedy choice
+
+    def record_source(self, source: str) -> None:
+        self.draft_sources[source] = self.draft_sources.get(source, 0) + 1
+
+    @property
+    def policy_plain_steps(self) -> int:
+        """Steps that asked no draft: the draft policy's plain steps (and a last step with one token
+        left); every step in ar."""
+        return self.steps - sum(self.draft_sources.values())
 
     def record_block(self, drafted: int, kept: int) -> None:
         while len(self.position_attempts) < drafted:
@@ -87,6 +101,8 @@ class RunStats:
             setattr(self, lst_name, [a + b for a, b in zip(mine, theirs)])
         for k, v in other.tier_counts.items():
             self.tier_counts[k] = self.tier_counts.get(k, 0) + v
+        for k, v in other.draft_sources.items():
+            self.draft_sources[k] = self.draft_sources.get(k, 0) + v
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -97,5 +113,6 @@ class RunStats:
             acceptance_by_position=self.acceptance_by_position,
             tier_shares=self.tier_shares,
             target_passes_per_token=(self.target_passes / self.new_tokens if self.new_tokens else 0.0),
+            policy_plain_steps=self.policy_plain_steps,
         )
         return d

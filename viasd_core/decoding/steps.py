@@ -33,7 +33,7 @@ from viasd_core.decoding.grammar import Constraint
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.router import Thresholds, slim_confidence, unsure_to_full, walk_block
 from viasd_core.decoding.sampling import Sampler, SamplingParams, greedy_accept, prefix_length, process_logits, speculative_sample
-from viasd_core.decoding.stats import RunStats
+from viasd_core.decoding.stats import NO_DRAFT, RunStats
 from viasd_core.decoding.tree import TreeShape, accept_path
 
 
@@ -142,6 +142,7 @@ def _draft(eng: Decoder, run: Run, g: int) -> Proposal | None:
                                    stop_below=run.stop_below)
     eng.host_reads += proposal.reads
     run.stats.time_draft += eng.clock() - t
+    run.stats.record_source((proposal.source or eng.drafter.name) if proposal.tokens.shape[0] else NO_DRAFT)
     return proposal if proposal.tokens.shape[0] else None
 
 
@@ -261,6 +262,7 @@ def tree_step(eng: Decoder, run: Run, g: int) -> StepResult:
     run.stats.time_draft += eng.clock() - t
     if tree is None:
         return speculative_step(eng, run, g)
+    run.stats.record_source(eng.drafter.tree_source)
     stats, D = run.stats, tree.max_depth
     # 3. verify: one target pass over the root and every node
     t = eng.clock()
