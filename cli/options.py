@@ -30,7 +30,7 @@ ModelOpt = Annotated[
 ]
 DraftOpt = Annotated[
     Optional[str],
-    typer.Option("--draft", "-d", help="Draft: a model reference (as --model; a hub id at its main revision), 'ngram' (prompt lookup), REF+ngram (lookup where the text repeats, the model elsewhere), or 'auto' (the best draft in the cache for the target: a published head, then a draft model, then ngram; --verbose says which and why)."),
+    typer.Option("--draft", "-d", help="Draft: a model reference (as --model; a hub id at its main revision), 'ngram' (prompt lookup), 'suffix' (a suffix index over this conversation and earlier requests: drafts that remember), REF+ngram or REF+suffix (that lookup where the text repeats, the model elsewhere), or 'auto' (the best draft in the cache for the target: a published head, then a draft model, then ngram; --verbose says which and why)."),
 ]
 RevisionOpt = Annotated[Optional[str], typer.Option("--revision", help="Hub revision (branch, tag or commit) of the target.")]
 DtypeOpt = Annotated[

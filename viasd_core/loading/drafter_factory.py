@@ -1,5 +1,6 @@
-"""Builds the drafter a session asks for (`load_drafter`): prompt lookup, a draft model, an EAGLE-3
-head, or a model with prompt lookup beside it (REF+ngram), each behind decoding.drafters.Drafter.
+"""Builds the drafter a session asks for (`load_drafter`): prompt lookup (`ngram`), the suffix index
+that remembers earlier requests (`suffix`), a draft model, an EAGLE-3 head, or a model with a lookup
+beside it (REF+ngram, REF+suffix), each behind decoding.drafters.Drafter.
 `--draft auto` picks the best draft here for the target (draft_choice.py)."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from viasd_core.decoding.drafters import ChainDrafter, HybridDrafter, ModelDrafter, NgramDrafter
+from viasd_core.decoding.suffix_drafter import SuffixDrafter
 from viasd_core.decoding.feature_drafter import FeatureDrafter
 from viasd_core.decoding.weight_format import WeightFormat
 from viasd_core.decoding.model import FastModel
@@ -23,6 +25,8 @@ EMBEDDED_DRAFT = "embedded:smollm2-135m-draft"  # the distilled 2-layer draft mo
 HEAD_FORMAT = WeightFormat.parse("int8")
 EMBEDDED_HEAD = "embedded:smollm2-135m-eagle3"  # the EAGLE-3 head trained by viasd (the default)
 HYBRID_SUFFIX = "+ngram"  # REF+ngram: prompt lookup where the context repeats, the model draft elsewhere
+# The model-free drafts, by --draft name, and REF+NAME: that lookup beside the model draft REF
+LOOKUPS = {"ngram": NgramDrafter, "suffix": SuffixDrafter}
 _EMBEDDED_DRAFT_ALIASES = {EMBEDDED_DRAFT, "smollm2-135m-draft"}
 _EMBEDDED_HEAD_ALIASES = {EMBEDDED_HEAD, "smollm2-135m-eagle3"}
 
@@ -43,17 +47,18 @@ def draft_choice(opts: ModelOptions, target: Loaded) -> DraftChoice:
 def load_drafter(opts: ModelOptions, target: Loaded, target_fast: FastModel, progress=None):
     """The drafter for the options: (drafter or None, draft id, Loaded or None)."""
     ref = draft_ref(opts, target)
-    if ref.endswith(HYBRID_SUFFIX) and ref != HYBRID_SUFFIX:
-        drafter, draft_id, draft = load_drafter(ModelOptions(**{**opts.__dict__, "draft": ref[: -len(HYBRID_SUFFIX)]}),
-                                                target, target_fast, progress)
+    base, plus, lookup = ref.rpartition("+")
+    if plus and base and lookup in LOOKUPS:
+        drafter, draft_id, draft = load_drafter(ModelOptions(**{**opts.__dict__, "draft": base}), target, target_fast,
+                                                progress)
         if not isinstance(drafter, ChainDrafter):
-            raise UsageError(f"'{ref}': the {HYBRID_SUFFIX} suffix goes after a draft model")
-        return HybridDrafter(drafter), draft_id + HYBRID_SUFFIX, draft
+            raise UsageError(f"'{ref}': the +{lookup} suffix goes after a draft model")
+        return HybridDrafter(drafter, LOOKUPS[lookup]()), f"{draft_id}+{lookup}", draft
     vocab = target_fast.shape.vocab_size
     if ref == "none":
         return None, "none", None
-    if ref == "ngram":
-        return NgramDrafter(), "ngram", None
+    if ref in LOOKUPS:
+        return LOOKUPS[ref](), ref, None
     if ref in _EMBEDDED_DRAFT_ALIASES:
         from viasd_core.loading.draft_model import embedded_draft_dir, load_draft
 
