@@ -93,6 +93,31 @@ def print_summary(summary: dict, breakdown: bool) -> None:
         console.print(bt)
         console.print("other = routing, acceptance, bookkeeping and host syncs outside the timed phases; "
                       "transformers methods expose no phase times.")
+        print_acceptance(summary, console)
+
+
+def _shares_text(shares: dict[str, float]) -> str:
+    return " ".join(f"{k} {v * 100:.0f}%" for k, v in sorted(shares.items(), key=lambda kv: -kv[1]) if v > 0) or "-"
+
+
+def print_acceptance(summary: dict, console) -> None:
+    """--breakdown's second table: per method and category, acceptance by block position, tokens per
+    target pass and what the steps were (plain: no draft asked; none: nothing proposed; else the source)."""
+    from rich.table import Table
+
+    at = Table(title="Where the tokens are lost (our engine's drafting methods)", title_justify="left")
+    for col in ("method", "category", "steps", "tok/pass", "accept by position", "steps by kind"):
+        at.add_column(col, justify="right" if col in ("steps", "tok/pass") else "left")
+    for m, s in summary["methods"].items():
+        a = s.get("acceptance_breakdown")
+        if not a or a["all"]["step_counts"]["plain"] == a["all"]["steps"]:  # none, or never asked a draft (ar)
+            continue
+        for cat, b in [("all", a["all"]), *a["by_category"].items()]:
+            at.add_row(m, cat, str(b["steps"]), _fmt(b["tokens_per_target_pass"]),
+                       " ".join(f"{x:.2f}" for x in b["acceptance_by_position"][:8]) or "-", _shares_text(b["step_shares"]))
+    console.print(at)
+    console.print("accept by position = of the blocks that reached a position, the share that kept it; steps by kind: "
+                  "plain = the draft policy asked no draft, none = the draft proposed nothing, else who drafted.")
 
 
 def print_projection(summary: dict) -> None:
@@ -135,7 +160,7 @@ def bench(
     seed: Annotated[int, typer.Option("--seed", help="Seed set before every run (greedy decoding: for reproducibility only).")] = 0,
     raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
     out: Annotated[Optional[str], typer.Option("--out", "-o", help="Folder for results.jsonl, summary.json and the PNG plots.")] = None,
-    breakdown: Annotated[bool, typer.Option("--breakdown", help="Also print where step time goes: prefill, draft, slim, verify, other.")] = False,
+    breakdown: Annotated[bool, typer.Option("--breakdown", help="Also print where step time goes (prefill, draft, slim, verify, other) and, per category, acceptance by block position, tokens per target pass and the share of steps plain or drafted by each source (in the JSON always: acceptance_breakdown).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary JSON on stdout instead of the table.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress or loading messages on stderr.")] = False,
     synthetic: Annotated[Optional[str], typer.Option("--synthetic", help="PROJECTION on random weights of a real shape: tiny, llama-3-8b, qwen2.5-7b, vicuna-7b.")] = None,

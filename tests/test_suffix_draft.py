@@ -182,3 +182,53 @@ def test_steps_are_counted_by_kind_and_sum_to_the_steps(monkeypatch):
     assert s.position_attempts[0] == s.draft_sources["suffix"]  # every proposing step drafted position 0
     ar = engine_with(target, None).generate(prompt, GenerationConfig(mode="ar", max_new_tokens=NEW)).stats
     assert ar.policy_plain_steps == ar.steps == NEW and ar.draft_sources == {}
+
+
+# ---------------------------------------------------------------------- --draft and viasd bench --breakdown
+def test_draft_names_select_the_suffix_index_alone_and_beside_a_model(tiny_dirs, viasd_home):
+    from viasd_core.loading.options import ModelOptions
+    from viasd_core.session import build_session
+
+    alone = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft="suffix"), mode="sd")
+    assert isinstance(alone.engine.drafter, SuffixDrafter) and alone.draft_id == "suffix"
+    beside = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=f"{tiny_dirs['draft']}+suffix"), mode="sd")
+    d = beside.engine.drafter
+    assert isinstance(d, HybridDrafter) and isinstance(d.lookup, SuffixDrafter) and isinstance(d.model_drafter, ModelDrafter)
+    assert beside.draft_id.endswith("+suffix")
+
+
+def test_bench_breakdown_per_category_counts_sum_to_the_steps(tiny_dirs, viasd_home, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from viasd_cli.app import get_app
+
+    prompts = tmp_path / "spec.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in (
+        {"question_id": 1, "category": "writing", "turns": ["w1 w2 w3 w4 w1 w2 w3 w4 w1 w2"]},
+        {"question_id": 2, "category": "coding", "turns": ["w9 w8 w7 w9 w8 w7 w9"]})))
+    out = tmp_path / "run"
+    r = CliRunner().invoke(get_app(), ["bench", "-m", str(tiny_dirs["target"]), "-d", f"{tiny_dirs['draft']}+suffix",
+                                       "--prompts", str(prompts), "-n", "12", "--device", "cpu", "--methods",
+                                       "ar,hf,sd", "--breakdown", "--out", str(out), "-q"])
+    assert r.exit_code == 0, r.stderr
+    assert "Where the tokens are lost" in r.stdout and "Where the time goes" in r.stdout
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    methods = json.loads((out / "summary.json").read_text())["methods"]
+    assert methods["hf"]["acceptance_breakdown"] is None  # transformers' runs say nothing of their steps
+    sd = methods["sd"]["acceptance_breakdown"]
+    assert set(sd["by_category"]) == {"writing", "coding"}
+    for cat, b in [("all", sd["all"]), *sd["by_category"].items()]:
+        rs = [x for x in rows if x["method"] == "sd" and cat in ("all", x["category"])]
+        assert b["steps"] == sum(x["steps"] for x in rs) == sum(b["step_counts"].values()), cat
+        assert sum(b["step_shares"].values()) == pytest.approx(1.0)
+        assert set(b["step_counts"]) <= {"plain", NO_DRAFT, "model", "suffix"}
+        drafted = b["steps"] - b["step_counts"]["plain"] - b["step_counts"][NO_DRAFT]
+        assert b["position_attempts"][0] == drafted  # every block that was proposed drafted position 0
+        assert b["tokens_per_target_pass"] == pytest.approx(sum(x["new_tokens"] for x in rs) / sum(x["target_passes"] for x in rs))
+        assert b["acceptance_by_position"] == pytest.approx([a / t for a, t in zip(b["position_accepts"], b["position_attempts"])])
+        assert b["accepted_share_by_position"][0] == pytest.approx(b["position_accepts"][0] / b["steps"])
+    assert sd["all"]["step_counts"].get("model", 0) > 0  # the model drafted where the index had nothing
+    ar = methods["ar"]["acceptance_breakdown"]["all"]
+    assert ar["step_counts"] == {"plain": ar["steps"], NO_DRAFT: 0} and ar["position_attempts"] == []

@@ -37,6 +37,7 @@ from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.decoding.draft_policy import UNMEASURED_START
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.decoding.fidelity import fidelity
+from viasd_core.loading.drafter_factory import LOOKUPS
 from viasd_core.loading.models import EMBEDDED_TARGET, eos_ids, pad_token_id
 from viasd_core.loading.prompts import Prompt, encode
 from viasd_core.session import Session, choose_first_block, choose_tree, thresholds_of
@@ -178,8 +179,8 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
         elif m == "hf-pld":
             runners[m] = HFRunner(target_hf, eos, config.max_new_tokens, pad, prompt_lookup=gamma)
         elif m == "hf-assisted":
-            if draft_id == "ngram":
-                runners[m] = Skip("the draft is prompt lookup ('ngram'), not a model: hf-pld is its transformers counterpart")
+            if draft_id in LOOKUPS:
+                runners[m] = Skip(f"the draft is a lookup ('{draft_id}'), not a model: hf-pld is its transformers counterpart")
                 continue
             try:
                 draft_hf = assistant_draft(session)
@@ -337,7 +338,8 @@ def status_row(method: str, status: str, reason: str) -> dict:
 
 ROW_FIELDS = ("method", "category", "prompt_id", "repeat", "status", "reason", "prompt_tokens", "new_tokens",
               "finish_reason", "wall_s", "ttft_s", "tokens_per_s", "target_passes", "steps", "accepted_lengths", "draft_tokens",
-              "position_attempts", "position_accepts", "tier_counts", "tier_shares", "fidelity", "times", "tokens")
+              "position_attempts", "position_accepts", "tier_counts", "tier_shares", "draft_sources", "policy_plain_steps",
+              "fidelity", "times", "tokens")
 
 
 def result_row(method: str, prompt: Prompt, repeat: int, ids: list[int], out: Output, wall: float, fid: float) -> dict:
@@ -349,7 +351,8 @@ def result_row(method: str, prompt: Prompt, repeat: int, ids: list[int], out: Ou
         "wall_s": wall, "ttft_s": None if s is None else s.time_first_token,  # transformers' runs: not measured
         "tokens_per_s": n / wall if wall > 0 else 0.0, "target_passes": out.target_passes,
         "steps": None, "accepted_lengths": out.accepted_lengths, "draft_tokens": None, "position_attempts": None,
-        "position_accepts": None, "tier_counts": None, "tier_shares": None, "fidelity": fid, "times": None,
+        "position_accepts": None, "tier_counts": None, "tier_shares": None, "draft_sources": None,
+        "policy_plain_steps": None, "fidelity": fid, "times": None,
         "tokens": list(out.tokens),
     }
     if s is not None:
@@ -359,5 +362,6 @@ def result_row(method: str, prompt: Prompt, repeat: int, ids: list[int], out: Ou
         phases["other"] = max(0.0, s.time_total - sum(phases.values()))
         row.update(steps=s.steps, draft_tokens=s.draft_tokens, position_attempts=list(s.position_attempts),
                    position_accepts=list(s.position_accepts), tier_counts=counts,
-                   tier_shares={t: (c / total if total else 0.0) for t, c in counts.items()}, times=phases)
+                   tier_shares={t: (c / total if total else 0.0) for t, c in counts.items()}, times=phases,
+                   draft_sources=dict(s.draft_sources), policy_plain_steps=s.policy_plain_steps)
     return row

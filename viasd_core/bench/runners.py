@@ -54,6 +54,8 @@ class EngineRunner:
 
     def reset(self) -> None:
         self.engine.reset()  # no prefix re-use between runs: every run prefills its prompt
+        if self.engine.drafter is not None:  # nor memory of earlier runs (the suffix index's history):
+            self.engine.drafter.forget()  # a repeat, or another method on the same prompt, would copy its answer
 
     def __call__(self, prompt_ids: list[int]) -> Output:
         gen = self.engine.generate(prompt_ids, self.config)

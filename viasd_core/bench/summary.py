@@ -6,7 +6,9 @@ from __future__ import annotations
 import statistics
 
 from viasd_core.bench.harness import PHASES
-from viasd_core.decoding.stats import TIERS
+from viasd_core.decoding.stats import NO_DRAFT, TIERS
+
+PLAIN = "plain"  # acceptance_breakdown's step_counts: steps that asked no draft (the draft policy's plain steps)
 
 
 def _mean(xs):
@@ -70,6 +72,7 @@ def summarize(rows: list[dict], statuses: dict[str, dict], peaks: dict[str, int]
             by_category={c: {"tokens_per_s_mean": cat_tps[m][c], "speedup_vs_ar": _ratio(cat_tps[m][c], cat_tps.get("ar", {}).get(c))}
                          for c in cats if cat_tps[m][c] is not None},
             breakdown=_breakdown([r for r in rs if r["times"] is not None]),
+            acceptance_breakdown=_acceptance_breakdown(rs, cats),
         )
         out[m] = entry
     return out
@@ -106,3 +109,37 @@ def _breakdown(rows: list[dict]) -> dict[str, dict] | None:
     new = sum(r["new_tokens"] for r in rows)
     return {p: {"share": total[p] / all_time if all_time else 0.0, "ms_per_token": 1000 * total[p] / new if new else 0.0}
             for p in PHASES}
+
+
+def _acceptance_breakdown(rows: list[dict], cats: list[str]) -> dict | None:
+    """Where the tokens are lost (our engine's runs): over all prompts and per category, acceptance by
+    block position, tokens per target pass, and what each step was: PLAIN (no draft asked), NO_DRAFT
+    (asked, nothing proposed) or the source that proposed its block. The step counts sum to the steps."""
+    rows = [r for r in rows if r.get("draft_sources") is not None]
+    if not rows:
+        return None
+    return {"all": _acceptance(rows),
+            "by_category": {c: _acceptance(cr) for c in cats if (cr := [r for r in rows if r["category"] == c])}}
+
+
+def _acceptance(rows: list[dict]) -> dict:
+    steps = sum(r["steps"] for r in rows)
+    passes = sum(r["target_passes"] for r in rows)
+    att = _sum_lists([r["position_attempts"] for r in rows])
+    acc = _sum_lists([r["position_accepts"] for r in rows])
+    counts = {PLAIN: sum(r["policy_plain_steps"] for r in rows)}
+    for r in rows:
+        for source, n in r["draft_sources"].items():
+            counts[source] = counts.get(source, 0) + n
+    counts.setdefault(NO_DRAFT, 0)
+    return {
+        "runs": len(rows), "steps": steps, "target_passes": passes,
+        "tokens_per_target_pass": sum(r["new_tokens"] for r in rows) / passes if passes else None,
+        "position_attempts": att, "position_accepts": acc,
+        # of the blocks that reached position j, the share that kept it
+        "acceptance_by_position": [a / t if t else 0.0 for a, t in zip(acc, att)],
+        # of all steps, the share whose block kept position j
+        "accepted_share_by_position": [a / steps if steps else 0.0 for a in acc],
+        "step_counts": counts,
+        "step_shares": {k: v / steps if steps else 0.0 for k, v in counts.items()},
+    }
