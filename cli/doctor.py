@@ -9,7 +9,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from viasd_core.frontends.doctor import FAIL, PASS, run_doctor
+from viasd_core.frontends.doctor import run_doctor
+from viasd_core.frontends.doctor_checks import FAIL, PASS
 from viasd_core.errors import UsageError
 from viasd_core.loading.prompts import default_prompts, encode
 from viasd_core.session import build_session

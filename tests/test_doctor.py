@@ -14,7 +14,8 @@ from viasd_core import compile_choice
 from viasd_core.decoding import attention, packed_cpu, short_products
 from viasd_kernels import cpu_build, cpu_int4_widen
 from viasd_core.decoding.engine import GenerationConfig
-from viasd_core.frontends.doctor import FAIL, PASS, SKIP, check_exact_mode, environment, run_doctor
+from viasd_core.frontends.doctor import environment, run_doctor
+from viasd_core.frontends.doctor_checks import FAIL, PASS, SKIP, check_exact_mode
 from viasd_core.loading.options import ModelOptions
 from viasd_core.session import build_session
 from test_format_choice import needs_torchao
@@ -152,7 +153,7 @@ def test_doctor_bad_option_is_one_line(tiny_dirs, viasd_home):
 # --- what "equal to ar" means per dtype ------------------------------------------------------
 
 def test_spacing_is_the_distance_between_neighbouring_numbers_of_the_dtype():
-    from viasd_core.frontends.doctor import spacing
+    from viasd_core.frontends.doctor_checks import spacing
 
     assert spacing(torch.bfloat16, 9.4) == 0.0625 and spacing(torch.bfloat16, -9.4) == 0.0625
     assert spacing(torch.bfloat16, 1.0) == 2**-7 and spacing(torch.bfloat16, 0.99) == 2**-8
@@ -164,7 +165,7 @@ def test_spacing_is_the_distance_between_neighbouring_numbers_of_the_dtype():
 
 
 def test_rounding_rule_on_synthetic_logits():
-    from viasd_core.frontends.doctor import RESOLUTION_FACTOR, judge_divergence
+    from viasd_core.frontends.doctor_checks import RESOLUTION_FACTOR, judge_divergence
 
     assert RESOLUTION_FACTOR == 8
     # Largest |logit| 26: a bf16 spacing of 0.125 there, so flips up to 8 x 0.125 = 1.0 are rounding.
@@ -272,7 +273,7 @@ class FakeNode:
 def test_cuda_graphs_recorded_counts_the_cuda_graph_trees(monkeypatch):
     from torch._inductor import cudagraph_trees
 
-    from viasd_core.frontends.doctor import cuda_graphs_recorded
+    from viasd_core.frontends.doctor_checks import cuda_graphs_recorded
 
     class Manager:
         roots = {"f": [FakeNode(FakeNode(), FakeNode(FakeNode()))], "g": [FakeNode()]}
@@ -332,7 +333,7 @@ def test_doctor_says_the_context_cap_on_one_stderr_line(tiny_dirs, viasd_home, m
 
 
 def test_compiled_against_eager_allows_rounding_only(tiny_dirs, viasd_home, monkeypatch):
-    from viasd_core.frontends.doctor import check_compiled_matches_eager, rounding_limit, spacing
+    from viasd_core.frontends.doctor_checks import check_compiled_matches_eager, rounding_limit, spacing
 
     session = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft="none", dtype="bfloat16",
                                          quant="none", max_context=64), mode="ar")
@@ -404,7 +405,7 @@ def width_dependent_head(session, near: float = 0.1):
 def test_doctor_is_strict_where_the_int_formats_promise_bit_exact_passes(tiny_dirs, viasd_home, monkeypatch):
     """int8/int4 on a CPU are promised bit-exact: a width-dependent product fails doctor, even where
     its flips are near-ties that bfloat16's rounding rule would have tolerated; the real code passes."""
-    from viasd_core.frontends.doctor import RESOLUTION_FACTOR, spacing
+    from viasd_core.frontends.doctor_checks import RESOLUTION_FACTOR, spacing
 
     args = ("-m", tiny_dirs["target"], "-d", tiny_dirs["draft"], "--quant", "int8", "--prompts", 3, "-n", 32,
             "--threads", 1, "--no-speed", "--json")
@@ -433,7 +434,7 @@ def test_doctor_is_strict_where_the_int_formats_promise_bit_exact_passes(tiny_di
 
 def test_doctor_says_which_promise_applies(tiny_dirs, viasd_home):
     from viasd_core.decoding.exactness import Promise
-    from viasd_core.frontends.doctor import exactness, promise_words, rounding_dtype
+    from viasd_core.frontends.doctor_checks import exactness, promise_words, rounding_dtype
 
     session = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=str(tiny_dirs["draft"]), quant="none"),
                             mode="sd")
@@ -453,7 +454,7 @@ def test_doctor_says_which_promise_applies(tiny_dirs, viasd_home):
 def test_doctor_reports_bitsandbytes_as_equal_up_to_rounding(tiny_dirs, viasd_home, quant):
     """bitsandbytes' CPU kernels round a row by its pass's width: promised up to rounding, not bit-exact,
     with near-ties judged at float16's resolution (the kernels compute in it)."""
-    from viasd_core.frontends.doctor import exactness, rounding_dtype
+    from viasd_core.frontends.doctor_checks import exactness, rounding_dtype
 
     session = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=str(tiny_dirs["draft"]), quant=quant),
                             mode="sd")
