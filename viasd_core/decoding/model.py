@@ -214,7 +214,7 @@ class FastModel(attention.CachedPositions, TreePasses):
 
     def compile(self, mode: str | None = "default", dynamic: bool = False) -> bool:
         """torch.compile the pass function (fullgraph, static shapes); False where it cannot apply.
-        `dynamic`: the pass's row count dynamic instead (an experiment: benchmarks/frozen_compile.py).
+        `dynamic`: the pass's row count dynamic instead (an experiment: benchmarks/experiments/frozen_compile.py).
 
         bitsandbytes layers are not traceable: quantized models stay eager. int8/int4 models stay
         eager on CPU: there inductor's graphs round a position differently with the pass's width
