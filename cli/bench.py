@@ -106,7 +106,7 @@ def print_acceptance(summary: dict, console) -> None:
     from rich.table import Table
 
     at = Table(title="Where the tokens are lost (our engine's drafting methods)", title_justify="left")
-    for col in ("method", "category", "steps", "tok/pass", "accept by position", "steps by kind"):
+    for col in ("method", "category", "steps", "tok/pass", "accept by position", "steps by kind", "kept by source"):
         at.add_column(col, justify="right" if col in ("steps", "tok/pass") else "left")
     for m, s in summary["methods"].items():
         a = s.get("acceptance_breakdown")
@@ -114,10 +114,12 @@ def print_acceptance(summary: dict, console) -> None:
             continue
         for cat, b in [("all", a["all"]), *a["by_category"].items()]:
             at.add_row(m, cat, str(b["steps"]), _fmt(b["tokens_per_target_pass"]),
-                       " ".join(f"{x:.2f}" for x in b["acceptance_by_position"][:8]) or "-", _shares_text(b["step_shares"]))
+                       " ".join(f"{x:.2f}" for x in b["acceptance_by_position"][:8]) or "-", _shares_text(b["step_shares"]),
+                       " ".join(f"{k} {v:.2f}" for k, v in b["acceptance_by_source"].items()) or "-")
     console.print(at)
     console.print("accept by position = of the blocks that reached a position, the share that kept it; steps by kind: "
-                  "plain = the draft policy asked no draft, none = the draft proposed nothing, else who drafted.")
+                  "plain = the draft policy asked no draft, none = the draft proposed nothing, else who drafted; "
+                  "kept by source = of the tokens each source drafted, the share the target kept.")
 
 
 def print_projection(summary: dict) -> None:

@@ -136,6 +136,10 @@ def test_hybrid_with_the_suffix_index_is_exact_and_chooses_by_expected_length():
     assert out.tokens == reference
     sources = out.stats.draft_sources
     assert sources.get("model", 0) > 0 and sources.get("suffix", 0) > 0
+    per_source = out.stats.source_tokens  # [drafted, kept] per source: together, every block position
+    assert set(per_source) == {"model", "suffix"}
+    assert [sum(v[i] for v in per_source.values()) for i in (0, 1)] == [sum(out.stats.position_attempts),
+                                                                         sum(out.stats.position_accepts)]
     # The model's kept tokens are learned from the rollback after each of its proposals; a suffix walk
     # proposes only where it expects at least as many (and min_match)
     hybrid.pending = (10, 4)
@@ -180,6 +184,7 @@ def test_steps_are_counted_by_kind_and_sum_to_the_steps(monkeypatch):
     assert s.policy_plain_steps - calls["n"] // 2 in (0, 1)
     assert set(s.draft_sources) == {"suffix", NO_DRAFT}  # the repeat is found, the first steps find nothing
     assert s.position_attempts[0] == s.draft_sources["suffix"]  # every proposing step drafted position 0
+    assert s.source_tokens == {"suffix": [sum(s.position_attempts), sum(s.position_accepts)]}
     ar = engine_with(target, None).generate(prompt, GenerationConfig(mode="ar", max_new_tokens=NEW)).stats
     assert ar.policy_plain_steps == ar.steps == NEW and ar.draft_sources == {}
 
@@ -229,6 +234,10 @@ def test_bench_breakdown_per_category_counts_sum_to_the_steps(tiny_dirs, viasd_h
         assert b["tokens_per_target_pass"] == pytest.approx(sum(x["new_tokens"] for x in rs) / sum(x["target_passes"] for x in rs))
         assert b["acceptance_by_position"] == pytest.approx([a / t for a, t in zip(b["position_accepts"], b["position_attempts"])])
         assert b["accepted_share_by_position"][0] == pytest.approx(b["position_accepts"][0] / b["steps"])
+        drafted_kept = [sum(v[i] for v in b["source_tokens"].values()) for i in (0, 1)]
+        assert drafted_kept == [sum(b["position_attempts"]), sum(b["position_accepts"])]
+        for source, (d, k) in b["source_tokens"].items():
+            assert b["acceptance_by_source"][source] == pytest.approx(k / d)
     assert sd["all"]["step_counts"].get("model", 0) > 0  # the model drafted where the index had nothing
     ar = methods["ar"]["acceptance_breakdown"]["all"]
     assert ar["step_counts"] == {"plain": ar["steps"], NO_DRAFT: 0} and ar["position_attempts"] == []

@@ -338,7 +338,7 @@ def status_row(method: str, status: str, reason: str) -> dict:
 
 ROW_FIELDS = ("method", "category", "prompt_id", "repeat", "status", "reason", "prompt_tokens", "new_tokens",
               "finish_reason", "wall_s", "ttft_s", "tokens_per_s", "target_passes", "steps", "accepted_lengths", "draft_tokens",
-              "position_attempts", "position_accepts", "tier_counts", "tier_shares", "draft_sources", "policy_plain_steps",
+              "position_attempts", "position_accepts", "tier_counts", "tier_shares", "draft_sources", "source_tokens", "policy_plain_steps",
               "fidelity", "times", "tokens")
 
 
@@ -352,7 +352,7 @@ def result_row(method: str, prompt: Prompt, repeat: int, ids: list[int], out: Ou
         "tokens_per_s": n / wall if wall > 0 else 0.0, "target_passes": out.target_passes,
         "steps": None, "accepted_lengths": out.accepted_lengths, "draft_tokens": None, "position_attempts": None,
         "position_accepts": None, "tier_counts": None, "tier_shares": None, "draft_sources": None,
-        "policy_plain_steps": None, "fidelity": fid, "times": None,
+        "source_tokens": None, "policy_plain_steps": None, "fidelity": fid, "times": None,
         "tokens": list(out.tokens),
     }
     if s is not None:
@@ -363,5 +363,6 @@ def result_row(method: str, prompt: Prompt, repeat: int, ids: list[int], out: Ou
         row.update(steps=s.steps, draft_tokens=s.draft_tokens, position_attempts=list(s.position_attempts),
                    position_accepts=list(s.position_accepts), tier_counts=counts,
                    tier_shares={t: (c / total if total else 0.0) for t, c in counts.items()}, times=phases,
-                   draft_sources=dict(s.draft_sources), policy_plain_steps=s.policy_plain_steps)
+                   draft_sources=dict(s.draft_sources), policy_plain_steps=s.policy_plain_steps,
+                   source_tokens={k: list(v) for k, v in s.source_tokens.items()})
     return row

@@ -132,6 +132,12 @@ def _acceptance(rows: list[dict]) -> dict:
         for source, n in r["draft_sources"].items():
             counts[source] = counts.get(source, 0) + n
     counts.setdefault(NO_DRAFT, 0)
+    by_source: dict[str, list[int]] = {}
+    for r in rows:
+        for source, (drafted, kept) in (r.get("source_tokens") or {}).items():
+            tokens = by_source.setdefault(source, [0, 0])
+            tokens[0] += drafted
+            tokens[1] += kept
     return {
         "runs": len(rows), "steps": steps, "target_passes": passes,
         "tokens_per_target_pass": sum(r["new_tokens"] for r in rows) / passes if passes else None,
@@ -142,4 +148,7 @@ def _acceptance(rows: list[dict]) -> dict:
         "accepted_share_by_position": [a / steps if steps else 0.0 for a in acc],
         "step_counts": counts,
         "step_shares": {k: v / steps if steps else 0.0 for k, v in counts.items()},
+        # per source: drafted tokens, kept tokens, and the share kept
+        "source_tokens": by_source,
+        "acceptance_by_source": {k: kept / drafted if drafted else 0.0 for k, (drafted, kept) in by_source.items()},
     }

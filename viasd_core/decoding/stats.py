@@ -33,6 +33,7 @@ class RunStats:
     # 'ngram', 'suffix', ...), or NO_DRAFT when nothing was proposed (the step ran plain). The steps
     # not counted here are the plain steps the draft policy chose (or a last step with one token left).
     draft_sources: dict[str, int] = field(default_factory=dict)
+    source_tokens: dict[str, list[int]] = field(default_factory=dict)  # per source: [drafted, kept] over its blocks
     time_prefill: float = 0.0
     time_draft: float = 0.0
     time_slim: float = 0.0
@@ -41,8 +42,13 @@ class RunStats:
     time_first_token: float | None = None  # from the call to its first new token: prefill and the first step
     fidelity: float | None = None  # lossy modes: fraction of tokens equal to the target's greedy choice
 
+    def __post_init__(self) -> None:
+        self._source: str | None = None  # the source of the step being recorded (not a field: not reported)
+
     def record_source(self, source: str) -> None:
+        """Who proposed this step's block (called before the step's record_block, which it labels)."""
         self.draft_sources[source] = self.draft_sources.get(source, 0) + 1
+        self._source = source
 
     @property
     def policy_plain_steps(self) -> int:
@@ -57,6 +63,11 @@ class RunStats:
         for j in range(drafted):
             self.position_attempts[j] += 1
             self.position_accepts[j] += int(j < kept)
+        if self._source is not None:
+            tokens = self.source_tokens.setdefault(self._source, [0, 0])
+            tokens[0] += drafted
+            tokens[1] += kept
+            self._source = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -103,6 +114,10 @@ class RunStats:
             self.tier_counts[k] = self.tier_counts.get(k, 0) + v
         for k, v in other.draft_sources.items():
             self.draft_sources[k] = self.draft_sources.get(k, 0) + v
+        for k, (drafted, kept) in other.source_tokens.items():
+            mine = self.source_tokens.setdefault(k, [0, 0])
+            mine[0] += drafted
+            mine[1] += kept
 
     def to_dict(self) -> dict:
         d = asdict(self)
