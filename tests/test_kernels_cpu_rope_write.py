@@ -128,6 +128,7 @@ def test_passes_are_bit_for_bit_with_and_without_the_kernel(build_dir, monkeypat
     monkeypatch.setattr(rw.RopeWriter, "_run", lambda self, *a: calls.append(1) or real(self, *a))
     with_kernel = every_kind_of_pass(fast, ids)
     assert calls or family == "qwen3"  # Qwen3's per-head norms keep the operators
-    monkeypatch.setattr(FastModel, "_rope_writer", staticmethod(lambda layer_cache: None))
+    fast.bind_kernels(rope_kernel=False)
+    assert all(k.writer is None for k in fast.cache.kernels)
     fast.reset()
     assert torch.equal(with_kernel, every_kind_of_pass(fast, ids))

@@ -14,7 +14,6 @@ from viasd_core.decoding import layer_calls as lc
 from viasd_core.decoding import short_products as sp
 from viasd_core.decoding import weight_formats as wf
 from viasd_core import paths
-from viasd_core.decoding import model as model_module
 from viasd_core.decoding.model import FastModel
 from viasd_kernels import cpu_packed_mm
 from viasd_core.decoding.norms import norm_call
@@ -60,7 +59,7 @@ def test_looked_up_calls_compute_what_module_calls_do(family, fmt, monkeypatch):
     fast.short_rows = sp.BLOCKED  # float32: every short pass through the blocked product
     looked_up = every_kind_of_pass(fast, ids)  # int4: short passes through the layer kernel where it binds
     fast._calls = [module_calls(layer, f, fast) for layer, f in zip(fast.layers, fast._fused)]
-    monkeypatch.setattr(model_module, "LAYER_KERNEL", False)  # the reference: every call one by one
+    fast.bind_kernels(layer_front=False)  # the reference: every call one by one
     assert torch.equal(looked_up, every_kind_of_pass(fast, ids))
 
 
@@ -74,28 +73,31 @@ def test_a_layer_front_in_one_call_computes_what_the_calls_one_by_one_do(family,
     ids = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(6))
     fast = FastModel(model, max_len=64)
     with_front = every_kind_of_pass(fast, ids)
-    bound = sum(1 for front in fast._fronts.values() if front)
+    bound = sum(1 for k in fast.cache.kernels if k.front is not None)
     if not cpu_packed_mm.available(paths.kernel_dir()):  # not built here: PyTorch's int4 kernels, no front
         assert bound == 0 and cpu_packed_mm.why_not(paths.kernel_dir())
         assert not os.environ.get("CI"), f"the packed products must build in CI: {cpu_packed_mm.why_not(paths.kernel_dir())}"
         return
     # not taken: Qwen2's q/k/v biases, Qwen3's per-head norms, Gemma's norm (another formula)
-    assert bound == (0 if family in ("qwen2", "qwen3", "gemma") else len(fast.layers)), (family, fast._fronts)
+    assert bound == (0 if family in ("qwen2", "qwen3", "gemma") else len(fast.layers)), (family, fast.cache.kernels)
     calls = []
     for ci in range(len(fast.layers)):  # the fronts bound above are the ones the passes below call
-        front = fast._fronts[ci]
+        front = fast.cache.kernels[ci].front
         if front:
             call = front.fn
             front.fn = lambda *a, call=call: calls.append(1) or call(*a)
     assert torch.equal(with_front, every_kind_of_pass(fast, ids))
     assert (len(calls) > 0) == (bound > 0)
-    if bound:  # a weight replaced: its front is bound again, to the new tensor
-        before = fast._fronts[0]
+    if bound:  # a weight replaced, the kernels bound again: the front reads the new tensor
+        before = fast.cache.kernels[0].front
         fused = fast._fused[0].qkv
         fused._buffers["qdata"] = fused._buffers["qdata"].clone()
+        fast.bind_kernels()
         assert torch.equal(with_front, every_kind_of_pass(fast, ids))
-        assert fast._fronts[0] is not before and fast._fronts[0].parts[2].weights[0] is fused._buffers["qdata"]
-    monkeypatch.setattr(model_module, "LAYER_KERNEL", False)
+        front = fast.cache.kernels[0].front
+        assert front is not before and front.parts[2].weights[0] is fused._buffers["qdata"]
+    fast.bind_kernels(layer_front=False)
+    assert all(k.front is None for k in fast.cache.kernels)
     assert torch.equal(with_front, every_kind_of_pass(fast, ids))
 
 

@@ -39,14 +39,13 @@ def main() -> None:
     kernel_norms = ([(c.input_norm, c.post_norm) for c in model._calls], model._final_norm)
     module_norms = ([(layer.input_layernorm.forward, layer.post_attention_layernorm.forward) for layer in model.layers],
                     model.norm.forward)
-    writer = FastModel._rope_writer
 
     def use(norm_kernel: bool, rope_kernel: bool) -> None:
         per_layer, final = kernel_norms if norm_kernel else module_norms
         model._calls = [c.__class__(**{**{f: getattr(c, f) for f in c.__slots__}, "input_norm": a, "post_norm": b})
                         for c, (a, b) in zip(model._calls, per_layer)]
         model._final_norm = final
-        FastModel._rope_writer = staticmethod(writer if rope_kernel else (lambda layer_cache: None))
+        model.bind_kernels(rope_kernel=rope_kernel)
 
     settings = {"both kernels": (True, True), "no norm kernel": (False, True), "no rope kernel": (True, False),
                 "neither": (False, False)}

@@ -52,7 +52,6 @@ class LayerCache(torch.nn.Module):
         shape = (1, n_kv_heads, length, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.writer = None  # viasd_kernels.cpu_rope_write bound to these buffers (FastModel._rope_writer; False: none)
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Write k, v [1, kv_heads, T, head_dim] at positions input_pos [T]; returns the buffers."""

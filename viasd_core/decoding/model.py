@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -52,7 +53,6 @@ from viasd_core.decoding.norms import norm_call
 from viasd_core.decoding.weight_formats import PackedLinear, has_weight_format, widen_once
 
 PREFILL_CHUNK = 256  # longer passes run in chunks of this many positions (bounded memory)
-LAYER_KERNEL = True  # int4 CPU passes run a layer's front half in one C call (viasd_kernels.cpu_layer)
 
 
 class StaticCache(torch.nn.Module):
@@ -70,6 +70,18 @@ class StaticCache(torch.nn.Module):
         self.tables = len(tables)
         self.register_buffer("key_pos", torch.arange(length, device=device), persistent=False)
         self.register_buffer("features", None, persistent=False)  # [length, n * hidden] once features are captured
+
+
+@dataclass(frozen=True, slots=True)
+class LayerKernels:
+    """The C kernels an eager CPU pass calls for one layer, bound once to one cache's buffers and the
+    layer's weights (FastModel.bind_kernels): RoPE with the cache writes (viasd_kernels.cpu_rope_write)
+    and an int4 layer's front half in one call (viasd_kernels.cpu_layer); None: PyTorch's operators."""
+    writer: cpu_rope_write.RopeWriter | None = None
+    front: cpu_layer.LayerFront | None = None
+
+
+OPERATORS = LayerKernels()  # traced passes, devices other than the CPU: every call through operators
 
 
 class FastModel(attention.CachedPositions, TreePasses):
@@ -116,7 +128,9 @@ class FastModel(attention.CachedPositions, TreePasses):
         cpu_packed = self.weight_format and self.device.type == "cpu"
         self._fused = [fused(layer) if cpu_packed else None for layer in self.layers]
         self._calls = [layer_calls(layer, f, self) for layer, f in zip(self.layers, self._fused)]  # layer_calls.py
-        self._fronts: dict = {}  # run-layer -> its front half in one C call (False: the calls one by one)
+        self.layer_front = True  # bind_kernels' options: int4 layers' front half in one C call where it applies,
+        self.rope_kernel = True  # RoPE and the cache writes in one C call where it applies
+        self._operators = [OPERATORS] * len(self.layers)  # what a traced pass calls (`_traced_run`)
         self._final_norm = norm_call(self.norm)  # norms.py: one call on CPU
         # Float32 layers on CPU: which product short passes multiply through (short_products.ShortRows:
         # the weights read at the memory's speed). The blocked product for 1-row passes until a session
@@ -179,6 +193,7 @@ class FastModel(attention.CachedPositions, TreePasses):
         self.max_len = max_len
         self.seen = 0
         self._allocate_features()
+        self.bind_kernels()
         if self._compiled is not None:
             self.compile(self.compile_mode, self.compile_dynamic)
 
@@ -234,7 +249,7 @@ class FastModel(attention.CachedPositions, TreePasses):
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 1024)
         # The cache's buffers are inputs mutated in place, never outputs: the output check spares them.
-        self._compiled = graph_outputs.guard(torch.compile(self._run, fullgraph=True, dynamic=dynamic, mode=mode),
+        self._compiled = graph_outputs.guard(torch.compile(self._traced_run, fullgraph=True, dynamic=dynamic, mode=mode),
                                              static=list(self.cache.buffers()))
         return True
 
@@ -274,9 +289,14 @@ class FastModel(attention.CachedPositions, TreePasses):
         return sum(t.numel() * t.element_size() for c in self.cache.layers for t in (c.k, c.v))
 
     # ------------------------------------------------------------------ forward
+    def _traced_run(self, *args) -> torch.Tensor:
+        """`_run` as torch.compile traces it: every layer through PyTorch's operators (the class's
+        function: the graphs hold it, whatever a test or profiler puts on the instance)."""
+        return FastModel._run(self, *args, plan=self._operators)
+
     def _run(self, input_ids: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor, attn_len: int,
              masked: bool = True, by_row: bool = False, rope_pos: torch.Tensor | None = None,
-             key_mask: torch.Tensor | None = None) -> torch.Tensor:
+             key_mask: torch.Tensor | None = None, plan: list[LayerKernels] | None = None) -> torch.Tensor:
         """The pass: tokens `input_ids` [T] written at cache slots `input_pos` [T] (device); logits of `rows` [R].
 
         Attends over cache[:attn_len]; `masked=False` (a 1-token pass that may see every cached
@@ -290,9 +310,13 @@ class FastModel(attention.CachedPositions, TreePasses):
         the chunks' intermediates bound the memory, and an int8/int4 layer is widened once for all
         of its chunks (weight_formats.widen_once) instead of once a chunk. Each chunk attends and
         multiplies exactly as a pass of its own positions would (`_chunks`).
+
+        `plan`: the C kernels each layer calls (default: the ones bound to the cache, `bind_kernels`);
+        nothing in the pass decides a kernel.
         """
         T = input_ids.shape[0]
         cache = self.cache
+        plan = cache.kernels if plan is None else plan
         x = self.embed(input_ids[None])  # [1, T, H]
         rope_pos = input_pos if rope_pos is None else rope_pos
         ropes = [(getattr(cache, "cos" + t).index_select(0, rope_pos),  # each table's rows [T, rotary dim]
@@ -315,10 +339,10 @@ class FastModel(attention.CachedPositions, TreePasses):
                 captured[slot] = x[0]
             cos, sin = ropes[self._rope_ix[ci]]
             if len(chunks) == 1:
-                x = self._layer(ci, x, input_pos, cos, sin, attn_len, masks[0], by_row, key_mask, kernels)
+                x = self._layer(ci, plan[ci], x, input_pos, cos, sin, attn_len, masks[0], by_row, key_mask, kernels)
                 continue
             with widen_once(self._products(ci), self.dtype):
-                x = torch.cat([self._layer(ci, x[:, lo:hi], input_pos[lo:hi], cos[lo:hi], sin[lo:hi], end, mask,
+                x = torch.cat([self._layer(ci, plan[ci], x[:, lo:hi], input_pos[lo:hi], cos[lo:hi], sin[lo:hi], end, mask,
                                            chunk_by_row, None, kernels)
                                for (lo, hi, end, _, chunk_by_row), mask in zip(chunks, masks)], dim=1)
         for slot in self._capture[len(self.layers)]:
@@ -334,26 +358,25 @@ class FastModel(attention.CachedPositions, TreePasses):
             logits[:, self.vocab_limit:] = float("-inf")
         return logits
 
-    def _layer(self, ci: int, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, end: int,
-               masks: dict, by_row: bool, key_mask: torch.Tensor | None, kernels: Path | None = None) -> torch.Tensor:
-        """Run-layer `ci` over the states x [1, T, H] of slots `pos` [T], attending over cache[:end]
-        (`kernels`: the C kernels' folder, looked up once a pass)."""
+    def _layer(self, ci: int, bound: LayerKernels, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, end: int, masks: dict, by_row: bool, key_mask: torch.Tensor | None,
+               kernels: Path | None = None) -> torch.Tensor:
+        """Run-layer `ci` over the states x [1, T, H] of slots `pos` [T], attending over cache[:end],
+        calling the C kernels `bound` to it (`kernels`: the C kernels' folder, looked up once a pass)."""
         s = self.shape
         T = x.shape[1]
         c = self._calls[ci]
-        if by_row and key_mask is None and self.device.type == "cpu" and (front := self._front(ci)) is not None:
+        if by_row and key_mask is None and bound.front is not None:
             # the calls up to the MLP's activation in one C call, bit for bit the calls below
-            x, gate_up = front(x, cos, sin, pos, end)
+            x, gate_up = bound.front(x, cos, sin, pos, end)
             gate, up = gate_up.split(c.gate_up_split, dim=-1)
             return c.down(c.act(gate) * up, x)  # x + down_proj(...)
         h = c.input_norm(x)
         layer_cache = self.cache.layers[ci]
         # On CPU, eager: RoPE and the cache writes in one call, bit for bit the operators below
-        # (viasd_kernels.cpu_rope_write; fused q/k/v read in place); the operators where it does not
-        # apply (Qwen3's per-head norms come first) or does not take these tensors
-        rotated = writer = None
-        if c.q_norm is None and self.device.type == "cpu" and not torch.compiler.is_compiling():
-            writer = self._rope_writer(layer_cache)
+        # (viasd_kernels.cpu_rope_write; fused q/k/v read in place); the operators where it is not
+        # bound (Qwen3's per-head norms come first) or does not take these tensors
+        rotated, writer = None, bound.writer
         if c.qkv is not None:
             qkv = c.qkv(h)
             rotated = None if writer is None else writer.fused(qkv, c.qkv_split, cos, sin, pos)
@@ -404,27 +427,35 @@ class FastModel(attention.CachedPositions, TreePasses):
             rope = "RoPE through operators (per-head norms come first)"
         elif self.cache is not None and self.cache.cos.shape[-1] != self.shape.head_dim:
             rope = "RoPE through operators (partial rotary)"
-        elif self.cache is not None and self._rope_writer(self.cache.layers[0]) is not None:
+        elif self.cache.kernels[0].writer is not None:
             rope = "RoPE and cache writes in one C call"
         else:
             rope = f"RoPE through operators ({cpu_rope_write.why_not() or 'the cache is not one the kernel takes'})"
-        front = self.cache is not None and self.layers and self._front(0)
+        front = self.cache.kernels[0].front is not None
         return f"{norm}; {rope}" + ("; an int4 layer's calls up to its MLP in one C call" if front else "")
 
-    def _front(self, ci: int) -> cpu_layer.LayerFront | None:
-        """Run-layer `ci`'s front half as one C call (viasd_kernels.cpu_layer: int4 layers with fused
-        q/k/v and gate/up without biases, their norms and RoPE through the CPU kernels), bound
-        once and again when the layer's cache or weights are replaced; None where it does not apply
-        (traced passes, LAYER_KERNEL off)."""
-        if not LAYER_KERNEL or torch.compiler.is_compiling():
-            return None
-        writer = self._rope_writer(self.cache.layers[ci])
-        front = self._fronts.get(ci)
-        if front is None or (front and (front.writer is not writer or any(
-                m._buffers["qdata"] is not b.weights[0] for m, b in zip(front.sources, front.parts[2:5])))):
-            front = self._bind_front(ci, writer) or False
-            self._fronts[ci] = front
-        return front or None
+    def bind_kernels(self, layer_front: bool | None = None, rope_kernel: bool | None = None) -> None:
+        """Bind the C kernels every layer's eager CPU passes call to the cache in use (`cache.kernels`,
+        one LayerKernels a layer): the plan a pass follows. Done when the cache is allocated; call it
+        again after replacing a layer's weights, or to set the options (`layer_front` False: an int4
+        layer's calls one by one; `rope_kernel` False: RoPE and the cache writes through operators,
+        and so no layer front either: the tests' and benchmarks' references). A cache swapped in
+        keeps the kernels bound to it."""
+        if layer_front is not None:
+            self.layer_front = bool(layer_front)
+        if rope_kernel is not None:
+            self.rope_kernel = bool(rope_kernel)
+        self.cache.kernels = [self._bind_layer(ci) for ci in range(len(self.layers))]
+
+    def _bind_layer(self, ci: int) -> LayerKernels:
+        if self.device.type != "cpu":
+            return OPERATORS
+        writer = None
+        if self.rope_kernel and self._calls[ci].q_norm is None:  # Qwen3's per-head norms come first: operators
+            layer_cache = self.cache.layers[ci]
+            writer = cpu_rope_write.bind(layer_cache.k, layer_cache.v, build_dir=paths.kernel_dir())
+        front = self._bind_front(ci, writer) if self.layer_front else None
+        return LayerKernels(writer, front)
 
     def _bind_front(self, ci: int, writer) -> cpu_layer.LayerFront | None:
         c, fused = self._calls[ci], self._fused[ci]
@@ -439,19 +470,7 @@ class FastModel(attention.CachedPositions, TreePasses):
             return None
         front = cpu_layer.bind(getattr(c.input_norm, "kernel", None), getattr(c.post_norm, "kernel", None), *bound,
                                writer, self.shape.n_heads, c.scaling, self.windows[ci], build_dir=paths.kernel_dir())
-        if front is not None:
-            front.sources = products  # checked at every call: a replaced weight binds the front again
         return front
-
-    @staticmethod
-    def _rope_writer(layer_cache: attention.LayerCache) -> cpu_rope_write.RopeWriter | None:
-        """The RoPE-and-cache-write kernel bound to `layer_cache`'s buffers (bound again if they were
-        replaced), or None where it does not run."""
-        writer = layer_cache.writer
-        if writer is None or (writer and writer.caches[0] is not layer_cache._buffers["k"]):
-            writer = cpu_rope_write.bind(layer_cache.k, layer_cache.v, build_dir=paths.kernel_dir()) or False
-            layer_cache.writer = writer
-        return writer or None
 
     def _products(self, ci: int) -> list[torch.nn.Module]:
         """The linear layers run-layer `ci`'s pass calls (its fused projections where it has them)."""

@@ -37,7 +37,7 @@ from viasd_core.frontends.serve_cache import PrefixReuse, reusable
 DEFAULT_SLOTS = 4  # --slots' default where memory allows (llama-server's and the issue's load test's)
 MEMORY_SHARE = 0.5  # the extra slots may take at most this share of the memory free after loading
 
-_MODEL = ("cache", "seen", "_fronts")  # a FastModel's state (its int4 layer calls are bound to its cache)
+_MODEL = ("cache", "seen")  # a FastModel's state (its C kernels are bound to its cache: cache.kernels)
 _HEAD = ("cache", "seen")  # an EAGLE head's
 _HOST = {NgramDrafter: ("index", "indexed", "tokens"), FeatureDrafter: ("fed", "_hidden")}
 
@@ -178,8 +178,8 @@ class SlotPool:
                 if "cache" in attrs:
                     obj.cache = _fresh(obj.cache)
                     obj.seen = 0
-                if "_fronts" in attrs:
-                    obj._fronts = {}
+                if isinstance(obj, FastModel):
+                    obj.bind_kernels()  # the C kernels bound to the new cache's buffers
             for d in self.drafters:
                 d.reset()
             slot.ids = torch.zeros_like(eng.ids)
