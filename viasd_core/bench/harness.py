@@ -268,6 +268,7 @@ def run_bench(session: Session, prompts: list[Prompt], config: BenchConfig,
     config.validate()
     device = session.engine.device
     encoded = [(p, encode(session.tokenizer, p.text, raw=config.raw)) for p in prompts]
+    made = runners is None
     runners = runners if runners is not None else make_runners(session, config)
     statuses: dict[str, dict] = {}
     peaks: dict[str, int] = {}
@@ -326,6 +327,9 @@ def run_bench(session: Session, prompts: list[Prompt], config: BenchConfig,
         statuses[method] = {"status": "ok", "reason": None}
         if device.type != "cuda":
             peaks[method] = peak_memory_bytes(device)  # the process's high-water mark (meta.peak_memory)
+    if made:  # the runners made here end here (llama.cpp's process)
+        for runner in runners.values():
+            getattr(runner, "close", lambda: None)()
     rows = [row for method in config.methods for row in method_rows[method]]
     return BenchResult(rows, statuses, peaks)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from viasd_core.bench import llama_cpp_proc
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.errors import ViasdError
 
@@ -188,13 +189,14 @@ class LlamaCppRunner:
     """llama.cpp (llama-cpp-python) on a GGUF file, greedy, on the CPU with torch's thread count:
     what a person running a model on a CPU would otherwise use. Fed the same prompt token ids
     (the GGUF's vocabulary is the target's); its output is scored against the target like any
-    other method's (fidelity)."""
+    other method's (fidelity). In a process of its own unless `own_process` is False
+    (llama_cpp_proc.py says why)."""
 
-    def __init__(self, gguf: str, eos: set[int], max_new_tokens: int, n_ctx: int, n_threads: int):
-        import llama_cpp
-
-        self.llm = llama_cpp.Llama(model_path=gguf, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
-                                   n_gpu_layers=0, verbose=False)
+    def __init__(self, gguf: str, eos: set[int], max_new_tokens: int, n_ctx: int, n_threads: int,
+                 own_process: bool = True):
+        kwargs = dict(model_path=gguf, n_ctx=n_ctx, n_threads=n_threads, n_threads_batch=n_threads,
+                      n_gpu_layers=0, verbose=False)
+        self.llm = (llama_cpp_proc.OwnProcess if own_process else llama_cpp_proc.InProcess)(kwargs)
         self.eos = eos
         self.max_new_tokens = max_new_tokens
 
@@ -202,16 +204,11 @@ class LlamaCppRunner:
         self.llm.reset()
 
     def __call__(self, prompt_ids: list[int]) -> Output:
-        tokens: list[int] = []
-        finish = "length"
-        for tok in self.llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
-            tokens.append(int(tok))
-            if tok in self.eos:
-                finish = "eos"
-                break
-            if len(tokens) >= self.max_new_tokens:
-                break
+        tokens, finish = self.llm.greedy(prompt_ids, self.eos, self.max_new_tokens)
         return Output(tokens, finish, len(tokens), [1] * len(tokens))
+
+    def close(self) -> None:
+        self.llm.close()
 
 
 def llama_cpp_runner(target_ref: str, eos: set[int], max_new_tokens: int, n_ctx: int):
