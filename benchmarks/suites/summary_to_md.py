@@ -66,7 +66,15 @@ PERFORMANCE = [
         ("cpu-avx2-bench-int4-summary.json", "int4", "avx2-cpu-bf16-products"),
         ("cpu-avx2-bench-none-summary.json", "float32", "avx2-cpu-bf16-products"),
     ]),
-    ("Intel Xeon, AVX-512F without BF16", "not measured for speed: only exactness, on the Sapphire Rapids machine capped with `VIASD_MAX_CPU_ISA=avx512` (docs/exactness.md; the machine was loaded, no speed read)", []),
+    ("Intel Xeon (Sapphire Rapids), AVX-512 BF16 + AMX, 2026-11-28", "2 cores, 24 GiB, torch 2.13.0+cpu, 2 threads, 8 prompts x 48 tokens", [
+        ("cpu-xeon-spr-cap-native-fp32-ar-hf-summary.json", "float32 (`--quant none`), the machine's own class", "instruction-set-classes-capped"),
+    ]),
+    ("AVX-512F/VNNI without BF16 (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx512`)", "2 cores, 24 GiB, torch 2.13.0+cpu, 2 threads, 8 prompts x 48 tokens; no native machine of this kind measured", [
+        ("cpu-xeon-spr-cap-avx512-fp32-ar-hf-summary.json", "float32 (`--quant none`)", "instruction-set-classes-capped"),
+    ]),
+    ("AVX2+FMA (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx2`)", "2 cores, 24 GiB, torch 2.13.0+cpu, 2 threads, 8 prompts x 48 tokens; the native AVX2 EPYC's figures are in its own table above", [
+        ("cpu-xeon-spr-cap-avx2-fp32-ar-hf-summary.json", "float32 (`--quant none`)", "instruction-set-classes-capped"),
+    ]),
     ("GPU (any)", "not measured: no GPU was lent to any session that measured", []),
 ]
 
@@ -74,6 +82,9 @@ PERFORMANCE = [
 PREFILL = [
     ("AMD EPYC (Zen 5), AVX-512 BF16", "cpu-epyc-avx512bf16-prefill-packed.json", "fp32-onednn-packed-on-policy-head"),
     ("AMD EPYC, AVX2 only (no AVX-512, no BF16)", "cpu-avx2-prefill-768-after.json", "avx2-cpu-bf16-products"),
+    ("Intel Xeon (Sapphire Rapids), AVX-512 BF16 + AMX, 2026-11-28", "cpu-xeon-spr-cap-native-prefill-768.json", "instruction-set-classes-capped"),
+    ("AVX-512F/VNNI without BF16 (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx512`)", "cpu-xeon-spr-cap-avx512-prefill-768.json", "instruction-set-classes-capped"),
+    ("AVX2+FMA (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx2`)", "cpu-xeon-spr-cap-avx2-prefill-768.json", "instruction-set-classes-capped"),
 ]
 
 
