@@ -119,7 +119,8 @@ def test_family_check_is_the_engines(viasd_home, prompt_file, tmp_path):
     # SmolLM3: Llama-shaped layers, but viasd cannot run it: no draft is made for it
     smollm3 = save_tiny_model_dir(tmp_path / "smollm3", family="smollm3", n_layers=2)
     one_line_error(run("--target", smollm3, "--out", tmp_path / "d", "--prompts", prompt_file, "--steps", "1"), 1,
-                   "model family 'smollm3' is not supported yet (supported: llama, mistral, qwen2, qwen3, gemma)")
+                   "model family 'smollm3' is not supported yet (supported: llama, mistral, qwen2, qwen3, gemma, gemma2, "
+                   "gemma3_text, phi3, qwen3_moe)")
     # Qwen2 runs in viasd, but its attention biases do not fit a Llama draft layer
     qwen2 = save_tiny_model_dir(tmp_path / "qwen2", family="qwen2", n_layers=2)
     one_line_error(run("--target", qwen2, "--out", tmp_path / "d", "--prompts", prompt_file, "--steps", "1"), 1,
