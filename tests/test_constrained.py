@@ -10,7 +10,8 @@ import torch
 
 from conftest import tiny_model
 from grammar_tiny import EOS, IM_END, VOCAB, byte_tokenizer
-from viasd_core.decoding.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from viasd_core.decoding.drafters import ModelDrafter, NgramDrafter
+from viasd_core.decoding.hybrid_drafter import HybridDrafter
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.decoding.grammar import Grammar
 from viasd_core.decoding.model import FastModel

@@ -141,7 +141,7 @@ def test_budget_and_stats_are_consistent():
 
 
 def test_hybrid_draft_is_exact_and_uses_both_sources():
-    from viasd_core.decoding.drafters import HybridDrafter
+    from viasd_core.decoding.hybrid_drafter import HybridDrafter
 
     target = tiny_model("llama", seed=17)
     draft = tiny_model("llama", n_layers=1, seed=96)

@@ -13,7 +13,7 @@ import torch
 from conftest import FAMILIES, TinyTokenizer, tiny_model
 from viasd_core.training import eagle_train
 from viasd_core.training.shared import cosine_lr
-from viasd_core.decoding.drafters import HybridDrafter
+from viasd_core.decoding.hybrid_drafter import HybridDrafter
 from viasd_core.decoding import engine as engine_module
 from viasd_core.decoding.draft_policy import DraftPolicy
 from viasd_core.decoding.engine import Engine, GenerationConfig

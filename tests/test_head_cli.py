@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from viasd_core.decoding.drafters import HybridDrafter
+from viasd_core.decoding.hybrid_drafter import HybridDrafter
 from viasd_core.decoding.feature_drafter import FeatureDrafter
 from viasd_core.training import eagle_train
 

@@ -9,7 +9,8 @@ import torch
 
 from conftest import TinyTokenizer, tiny_model
 from viasd_core.decoding.draft_policy import DraftPolicy
-from viasd_core.decoding.drafters import HybridDrafter, ModelDrafter, NgramDrafter
+from viasd_core.decoding.drafters import ModelDrafter, NgramDrafter
+from viasd_core.decoding.hybrid_drafter import HybridDrafter
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.stats import NO_DRAFT

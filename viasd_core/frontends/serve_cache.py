@@ -37,7 +37,8 @@ prefill does not make).
 
 from __future__ import annotations
 
-from viasd_core.decoding.drafters import HybridDrafter, ModelDrafter
+from viasd_core.decoding.drafters import ModelDrafter
+from viasd_core.decoding.hybrid_drafter import HybridDrafter
 from viasd_core.decoding.engine import Engine
 from viasd_core.decoding.model import PREFILL_CHUNK, FastModel
 from viasd_core.decoding.pass_widths import PASS_WIDTHS

@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 
 from viasd_core.decoding.attention import LayerCache
-from viasd_core.decoding.drafters import Drafter, HybridDrafter, ModelDrafter, NgramDrafter
+from viasd_core.decoding.drafters import Drafter, ModelDrafter, NgramDrafter
+from viasd_core.decoding.hybrid_drafter import HybridDrafter
 from viasd_core.decoding.engine import Engine
 from viasd_core.decoding.feature_drafter import FeatureDrafter
 from viasd_core.decoding.model import FastModel, StaticCache

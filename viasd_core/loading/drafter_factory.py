@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from viasd_core.decoding.drafters import ChainDrafter, HybridDrafter, ModelDrafter, NgramDrafter
+from viasd_core.decoding.drafters import ChainDrafter, ModelDrafter, NgramDrafter
+from viasd_core.decoding.hybrid_drafter import HybridDrafter
 from viasd_core.decoding.suffix_drafter import SuffixDrafter
 from viasd_core.decoding.feature_drafter import FeatureDrafter
 from viasd_core.decoding.weight_format import WeightFormat
