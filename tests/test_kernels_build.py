@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_kernels_cpu_int4_widen import case, pack
+from int4_cases import case, pack
 from viasd_kernels import (cpu_build, cpu_int4_widen as cw, cpu_packed_mm as pm, cpu_rms_norm as rn,
                            cpu_rope_write as rw, cpu_row_attention as ra)
 

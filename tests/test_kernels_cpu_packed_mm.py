@@ -21,7 +21,7 @@ import os
 import pytest
 import torch
 from row_checks import rows_alone_equal
-from test_kernels_cpu_int4_widen import case, pack
+from int4_cases import case, pack
 from viasd_kernels import cpu_build, cpu_packed_mm as pm
 
 from viasd_core.decoding import packed_cpu, packed_torch, weight_formats as wf
