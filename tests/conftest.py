@@ -5,6 +5,7 @@ Fast, deterministic, no files, no network.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -44,6 +45,9 @@ def _fresh_dynamo_caches():
     if "torch._dynamo" in sys.modules:
         torch._dynamo.reset()
 
+
+# tests of the int8/int4 formats need torchao (installed with the quant extra, as CI does)
+needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
 
 VOCAB = 256
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma")

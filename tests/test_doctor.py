@@ -18,7 +18,7 @@ from viasd_core.frontends.doctor import environment, run_doctor
 from viasd_core.frontends.doctor_checks import FAIL, PASS, SKIP, check_exact_mode
 from viasd_core.loading.options import ModelOptions
 from viasd_core.session import build_session
-from test_format_choice import needs_torchao
+from conftest import needs_torchao
 
 
 def doctor(*args):

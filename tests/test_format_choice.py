@@ -6,7 +6,6 @@ import importlib.util
 import json
 import math
 
-import pytest
 import torch
 
 from viasd_core.loading import format_choice
@@ -14,7 +13,7 @@ from viasd_core.decoding.weight_format import INT4, INT8, NONE
 from viasd_core.loading.format_choice import TIE, choose_format, pick
 from viasd_core.loading.models import forget_format, resolve_format
 
-needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
+from conftest import needs_torchao
 CPU = torch.device("cpu")
 CANDIDATES = (NONE, INT8, INT4)
 

@@ -15,12 +15,12 @@ A kernel that does not build fails them under CI.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 import torch
 from row_checks import rows_alone_equal
+from conftest import needs_torchao
 from int4_cases import case, pack
 from viasd_kernels import cpu_build, cpu_packed_mm as pm
 
@@ -250,7 +250,6 @@ def test_no_compiler_means_no_kernel_and_a_reason(tmp_path, monkeypatch):
     assert pm.bind_int4(qdata, 32, sz, 64, build_dir=folder) is None
 
 
-needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
 
 
 @needs_torchao

@@ -16,7 +16,6 @@ parameters a model, 4 GB in float32 (tied embeddings), one model at a time.
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import pytest
 import torch
@@ -28,7 +27,7 @@ from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.router import Thresholds
 from viasd_core.loading.synthetic import SHAPES
 
-needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
+from conftest import needs_torchao
 
 # The real sizes (bench's synthetic shapes); Llama 3.1 is Llama 3 with llama3 RoPE scaling and a longer context.
 GEOMETRY = {

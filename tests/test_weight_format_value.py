@@ -7,7 +7,6 @@ padding) runs on CPU with only the final bit-interleaving replaced, and the stan
 activation narrower than the packed weight, as `_weight_int4pack_mm` does.
 """
 
-import importlib.util
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from viasd_core.decoding.weight_format import (AUTO, BITSANDBYTES, BNB_4BIT, BNB
                                                TORCHAO, WeightFormat)
 from viasd_core.errors import UsageError
 
-needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
+from conftest import needs_torchao
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
 
