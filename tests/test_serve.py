@@ -9,7 +9,7 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from test_serve_support import N, assert_clean_log, client, generate_texts, metric_samples, raw, running, session, total  # noqa: F401
+from serve_support import N, assert_clean_log, client, generate_texts, metric_samples, raw, running, session, total  # noqa: F401
 from viasd_cli.app import get_app
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.errors import ViasdError

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from grammar_tiny import save_byte_model_dir
-from test_serve_support import client, raw, running
+from serve_support import client, raw, running
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.loading.options import ModelOptions
 from viasd_core.session import build_session

@@ -7,7 +7,7 @@ import re
 
 from typer.testing import CliRunner
 
-from test_serve_support import client, raw, running, session  # noqa: F401
+from serve_support import client, raw, running, session  # noqa: F401
 from viasd_cli.app import get_app
 from viasd_cli.serve import UNTIL_CONTEXT_END
 from viasd_core.decoding.engine import GenerationConfig

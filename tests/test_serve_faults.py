@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 
-from test_serve_support import (assert_clean_log, client, generate_texts, metric_samples, raw, running, session,  # noqa: F401
+from serve_support import (assert_clean_log, client, generate_texts, metric_samples, raw, running, session,  # noqa: F401
                                 slow_target, total)
 from viasd_core.decoding.engine import GenerationConfig
 

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from conftest import CHAT_TEMPLATE
-from test_serve_support import N, client, raw, running, session  # noqa: F401
+from serve_support import N, client, raw, running, session  # noqa: F401
 from viasd_core.decoding.engine import GenerationConfig
 
 CHAT = "/v1/chat/completions"

@@ -6,7 +6,7 @@ conversation still re-uses the previous prompt's whole prefill chunks (serve_cac
 import pytest
 import torch
 
-from test_serve_support import raw, running
+from serve_support import raw, running
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.decoding.model import PREFILL_CHUNK
 from viasd_core.frontends.serve_cache import prefill_boundary

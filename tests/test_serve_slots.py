@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from test_serve_support import raw, running, session, slow_target  # noqa: F401 (fixture)
+from serve_support import raw, running, session, slow_target  # noqa: F401 (fixture)
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.decoding.model import PREFILL_CHUNK
 from viasd_core.frontends.serve_slots import SlotPool

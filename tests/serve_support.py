@@ -1,6 +1,6 @@
 """What the `viasd serve` tests share: a tiny session, a server run in a thread on a free
 loopback port, raw HTTP for what the openai client will not send, and `viasd generate` as the
-reference answer. (No tests here.)"""
+reference answer. (No tests here: the name keeps pytest from collecting it.)"""
 
 from __future__ import annotations
 
