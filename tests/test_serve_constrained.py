@@ -1,5 +1,6 @@
 """Constrained output through `viasd serve` and the official openai client: JSON answers validate
-against their schemas, vendor grammars hold, a tool call makes the round trip in OpenAI's shape."""
+against their schemas, vendor grammars hold, a tool call makes the round trip in OpenAI's shape,
+streamed tool calls accumulate (in the client) to the non-streamed answer's."""
 
 import json
 import re
@@ -90,7 +91,6 @@ def test_a_tool_call_round_trip(byte_session, viasd_home):
     ({"guided_regex": "a("}, None),
     ({"guided_json": SCHEMA, "guided_regex": "a+"}, "guided_regex"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream"),
     ({"tools": [{"type": "function"}]}, "tools"),
     ({"guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),
 ])
@@ -118,3 +118,80 @@ def test_the_tool_convention_is_the_templates():
     assert json.loads(parse_tool_calls('{"name": "weather", "parameters": {"days": 3}}', llama)[1][0]["function"]
                       ["arguments"]) == {"days": 3}
     assert parse_tool_calls('{"name": "other", "parameters": {}}', llama) == ('{"name": "other", "parameters": {}}', [])
+
+
+def _same_answer(streamed, whole) -> None:
+    """A stream the openai client accumulated equals the non-streamed answer (the call ids aside)."""
+    s, w = streamed.choices[0], whole.choices[0]
+    assert s.finish_reason == w.finish_reason
+    assert (s.message.content or None) == w.message.content
+    got = [(c.type, c.function.name, c.function.arguments) for c in s.message.tool_calls or []]
+    assert got == [(c.type, c.function.name, c.function.arguments) for c in w.message.tool_calls or []]
+    assert all(c.id.startswith("call_") for c in s.message.tool_calls or [])
+
+
+def test_streamed_tool_calls_accumulate_to_the_non_streamed_answer(byte_session, viasd_home):
+    with serve(byte_session) as (base, _):
+        c = client(base)
+        cases = [dict(tool_choice={"type": "function", "function": {"name": "weather"}}, parallel_tool_calls=False),
+                 dict(tool_choice="required"),  # parallel: one call or more
+                 dict(tool_choice="auto"), dict(tool_choice="none")]  # free text (the tiny model writes no call)
+        for case in cases:
+            args = dict(model="target", messages=USER, tools=[WEATHER, CLOCK], max_tokens=150, **case)
+            whole = c.chat.completions.create(**args)
+            with c.chat.completions.stream(**args) as stream:
+                events = list(stream)
+                streamed = stream.get_final_completion()
+            _same_answer(streamed, whole)
+            if case["tool_choice"] in ("auto", "none"):
+                continue
+            assert whole.choices[0].finish_reason == "tool_calls"
+            # OpenAI's delta shape: index, id, type and name first, then the arguments' text
+            deltas = [d for e in events if e.type == "chunk" for d in e.chunk.choices[0].delta.tool_calls or []]
+            first = deltas[0]
+            assert first.index == 0 and first.id.startswith("call_") and first.type == "function"
+            assert first.function.name == whole.choices[0].message.tool_calls[0].function.name
+            assert "".join(d.function.arguments or "" for d in deltas if d.index == 0) == \
+                whole.choices[0].message.tool_calls[0].function.arguments
+            assert not [e for e in events if e.type == "content.delta" and "<tool_call>" in e.delta]
+
+
+QWEN_CALL = '<tool_call>\n{"name": "weather", "arguments": {"city": "Rome", "days": 2}}\n</tool_call>'
+
+
+@pytest.mark.parametrize("style, text", [
+    ("qwen", "ok " + QWEN_CALL + "\n" + QWEN_CALL.replace("Rome", "Paris")),  # content, two calls
+    ("qwen", "  \n" + QWEN_CALL + " trailing"),  # blank content: null
+    ("qwen", "a <tool_cal but no call, then <tool_call> unclosed"),  # no call: all of it is content
+    ("qwen", "x <tool_call>\n{\"name\": \"nope\", \"arguments\": {}}\n</tool_call>"),  # unknown tool: content
+    ("qwen", "plain text < with <b>tags</b>  "),
+    ("json", ' {"name": "weather", "arguments": {"city": "Paris"}}'),
+    ("json", '{"name": "weather", "arguments": '),  # broken JSON: content
+    ("json", "  words, then {\"name\": \"weather\"}"),
+    ("mistral", '[TOOL_CALLS][{"name": "weather", "arguments": {"days": 1}}, {"name": "weather", "arguments": {}}]'),
+])
+def test_held_calls_stream_the_parse_of_the_whole_answer(style, text):
+    """Any split of an answer into pieces: the content sent piece by piece and at the end is the
+    non-streamed content, a prefix of it goes out before the end, and the calls are the same."""
+    from viasd_core.frontends.serve_tools import HeldCalls, Tools, parse_tool_calls
+
+    tools = Tools((WEATHER,), ("weather",), style, True)
+    content, calls = parse_tool_calls(text, tools)
+    strip = [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    for cuts in [list(range(1, len(text))), [len(text) // 3, len(text) // 2], []]:
+        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+        held, sent = HeldCalls(tools), ""
+        for piece in pieces:
+            sent += held.feed(piece)
+            assert (content or "").startswith(sent) if calls else text.startswith(sent)
+            assert "<tool_call>" not in sent or not calls
+        rest, got = held.finish(text, parse=True)
+        assert sent + rest == (content or "")
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in got] == strip
+    if style == "qwen" and "<tool_call>" not in text and "<" not in text[-12:]:
+        held = HeldCalls(tools)
+        assert held.feed(text) == text.rstrip()  # no call possible: the text goes out as it comes
+    cut = HeldCalls(tools)  # an answer cut at max_tokens: all of it is content, as non-streamed
+    sent = cut.feed(text)
+    rest, got = cut.finish(text, parse=False)
+    assert sent + rest == text and got == []

@@ -138,7 +138,9 @@ def create_app(session: Session, served: ServedModel, settings: ServeSettings) -
             while True:
                 kind, payload = await worker.next_event(job)
                 if kind == "text":
-                    yield reply.text_chunk(payload)
+                    chunk = reply.text_chunk(payload)
+                    if chunk is not None:
+                        yield chunk
                 elif kind == "done":
                     for chunk in reply.last_chunks(payload, job.request.draft, job.request.include_usage):
                         yield chunk

@@ -9,7 +9,13 @@ token counts in `usage` and the request's speculative statistics in the extensio
 `fidelity` is measured (one teacher-forced target pass) in viasd mode when the server runs with
 --fidelity, null elsewhere. `seed` is the sampling seed the request ran with (send it back as
 `seed` to repeat a sampled answer), null when none was set. The finish
-reason is OpenAI's: 'stop' (end of text or a stop string) or 'length'.
+reason is OpenAI's: 'stop' (end of text or a stop string), 'length', or 'tool_calls' (the answer
+parsed as tool calls).
+
+A streamed answer whose tool calls are parsed holds back its text from the point a call could
+start (serve_tools.HeldCalls); when it ends, each call goes out in OpenAI's delta shape, two chunks
+per call: `{"index", "id", "type": "function", "function": {"name", "arguments": ""}}`, then
+`{"index", "function": {"arguments": "<the whole JSON text>"}}`.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import time
 import uuid
 
 from viasd_core.decoding.engine import Generation
-from viasd_core.frontends.serve_tools import Tools, parse_tool_calls
+from viasd_core.frontends.serve_tools import HeldCalls, Tools, parse_tool_calls
 
 EXTENSION = "viasd"
 OBJECTS = {"chat": ("chat.completion", "chat.completion.chunk", "chatcmpl-"),
@@ -62,6 +68,7 @@ class Reply:
         self.object, self.chunk_object, prefix = OBJECTS[kind]
         self.id = prefix + uuid.uuid4().hex
         self.created = int(time.time())
+        self.held = HeldCalls(tools) if kind == "chat" and tools is not None and tools.parse else None
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -75,7 +82,7 @@ class Reply:
 
     def whole(self, gen: Generation, draft: str) -> dict:
         choice = self._choice(gen.text, finish_reason(gen), True)
-        if self.tools is not None and self.tools.parse and gen.finish_reason in ("eos", "stop"):
+        if self.held is not None and _ended(gen):
             content, calls = parse_tool_calls(gen.text, self.tools)
             if calls:
                 choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
@@ -91,16 +98,42 @@ class Reply:
                                                               "logprobs": None, "finish_reason": None}]}
         return sse(body)
 
-    def text_chunk(self, text: str) -> str:
+    def text_chunk(self, text: str) -> str | None:
+        """The chunk for a streamed piece of text (None: held back, as a tool call may start here)."""
+        if self.held is not None:
+            text = self.held.feed(text)
+            if not text:
+                return None
         return sse({**self._head(self.chunk_object), "choices": [self._choice(text, None, False)]})
 
+    def _delta_chunk(self, delta: dict) -> str:
+        return sse({**self._head(self.chunk_object), "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                                  "finish_reason": None}]})
+
     def last_chunks(self, gen: Generation, draft: str, include_usage: bool) -> list[str]:
-        """The chunk with the finish reason and the statistics, the usage chunk if asked, [DONE]."""
-        out = [sse({**self._head(self.chunk_object), "choices": [self._choice(None, finish_reason(gen), False)],
-                    EXTENSION: statistics(gen, draft, self.seed)})]
+        """What was held back (content, or the tool calls' deltas), the chunk with the finish reason
+        and the statistics, the usage chunk if asked, [DONE]."""
+        out, finish = [], finish_reason(gen)
+        if self.held is not None:
+            rest, calls = self.held.finish(gen.text, _ended(gen))
+            if rest:
+                out.append(self._delta_chunk({"content": rest}))
+            for i, call in enumerate(calls):
+                fn = call["function"]
+                out.append(self._delta_chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                                              "function": {"name": fn["name"], "arguments": ""}}]}))
+                out.append(self._delta_chunk({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]}))
+            finish = "tool_calls" if calls else finish
+        out.append(sse({**self._head(self.chunk_object), "choices": [self._choice(None, finish, False)],
+                        EXTENSION: statistics(gen, draft, self.seed)}))
         if include_usage:
             out.append(sse({**self._head(self.chunk_object), "choices": [], "usage": usage(gen)}))
         return out + [DONE]
+
+
+def _ended(gen: Generation) -> bool:
+    """The answer ended by itself: only such an answer's text is read as tool calls."""
+    return gen.finish_reason in ("eos", "stop")
 
 
 DONE = "data: [DONE]\n\n"

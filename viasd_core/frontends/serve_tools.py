@@ -153,12 +153,13 @@ def request_output(body: dict, kind: str, style: str) -> tuple[Grammar | None, T
         if parallel is not None and not isinstance(parallel, bool):
             raise bad_request("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
         grammar = _call_grammar(tools, required, parallel is not False)
-    if tools is not None and tools.parse and body.get("stream"):
-        raise bad_request("streamed tool calls are not served yet: ask with stream false, or tool_choice 'none'", "stream")
     return grammar, tools
 
 
 # ---------------------------------------------------------------------- parsing
+QWEN_START = "<tool_call>"
+
+
 def _call(obj, tools: Tools) -> dict | None:
     if not isinstance(obj, dict) or obj.get("name") not in tools.names:
         return None
@@ -176,7 +177,7 @@ def parse_tool_calls(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
     """(content, tool calls) from an answer in the model's convention; no calls when any is malformed."""
     objects, content = [], text
     if tools.style == "qwen":
-        found = list(re.finditer(r"<tool_call>\s*(.*?)\s*</tool_call>", text, re.DOTALL))
+        found = list(re.finditer(QWEN_START + r"\s*(.*?)\s*</tool_call>", text, re.DOTALL))
         if not found:
             return text, []
         content = text[: found[0].start()]
@@ -196,4 +197,45 @@ def parse_tool_calls(text: str, tools: Tools) -> tuple[str | None, list[dict]]:
     calls = [_call(obj, tools) for obj in objects]
     if not calls or None in calls:
         return text, []
-    return content.strip() or None, calls
+    return content.rstrip() or None, calls
+
+
+class HeldCalls:
+    """A streamed chat answer's content when tool calls are parsed from it, as vLLM's streaming
+    tool parsers do: text goes out as content until a call could start, and from there it is held
+    back. At the end `parse_tool_calls` reads the whole answer (the non-streamed rule, once): its
+    calls go out as `tool_calls` deltas, or, when it finds none, the held text as content. Where a
+    call can start: qwen, at `<tool_call>` (a possible start of it at the end, and whitespace before
+    it, wait for the next piece); the other styles, at an answer whose first non-blank character is
+    `{` or `[` (leading blanks wait). What went out is always a prefix of the content the
+    non-streamed answer has."""
+
+    def __init__(self, tools: Tools):
+        self.tools = tools
+        self.text = ""  # the answer's text so far
+        self.sent = 0  # characters of it sent as content
+
+    def feed(self, piece: str) -> str:
+        """The content that may go out now ('' if none)."""
+        self.text += piece
+        if self.tools.style == "qwen":
+            start = self.text.find(QWEN_START)
+            if start < 0:
+                start = len(self.text) - next((n for n in range(len(QWEN_START) - 1, 0, -1)
+                                               if self.text.endswith(QWEN_START[:n])), 0)
+            end = len(self.text[:start].rstrip())
+        else:
+            head = self.text.lstrip()
+            end = 0 if not head or head[0] in "{[" else len(self.text)
+        if end <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def finish(self, text: str, parse: bool) -> tuple[str, list[dict]]:
+        """(the rest of the content, the calls) for the whole answer `text`; `parse`: it ended by
+        itself (an answer cut at max_tokens is content, as non-streamed)."""
+        content, calls = parse_tool_calls(text, self.tools) if parse else (text, [])
+        content = content or ""
+        rest, self.sent = content[self.sent:], len(content)
+        return rest, calls
