@@ -49,6 +49,7 @@ MaxNewOpt = Annotated[int, typer.Option("--max-new-tokens", "-n", help="Largest 
 TempOpt = Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy (default); > 0 samples.")]
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens when sampling (0 = off).")]
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1] (1 = off).")]
+MinPOpt = Annotated[float, typer.Option("--min-p", help="When sampling, drop tokens less likely than this fraction of the most likely one, in [0, 1] (0 = off).")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling (reproducible runs).")]
 StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")]
 ProfileOpt = Annotated[Optional[str], typer.Option("--profile", help="Calibration profile file (default: the one saved for this pair).")]
@@ -115,7 +116,7 @@ def generation_options(max_new_tokens: int):
         {"mode": (ModeOpt, "sd"), "gamma": (GammaOpt, None), "adaptive": (AdaptiveOpt, True),
          "min_confidence": (MinConfidenceOpt, GenerationConfig.min_confidence),
          "max_new_tokens": (MaxNewOpt, max_new_tokens), "temperature": (TempOpt, 0.0), "top_k": (TopKOpt, 0),
-         "top_p": (TopPOpt, 1.0), "seed": (SeedOpt, None), "stop": (StopOpt, None)},
+         "top_p": (TopPOpt, 1.0), "min_p": (MinPOpt, 0.0), "seed": (SeedOpt, None), "stop": (StopOpt, None)},
         "config", _generation_config,
     )
 

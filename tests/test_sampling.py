@@ -88,6 +88,34 @@ def test_process_logits_top_k_top_p_temperature():
     torch.testing.assert_close(p, (logits / 0.5).softmax(-1))
 
 
+def test_process_logits_min_p():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    full = logits.softmax(-1)[0]  # [0.644, 0.237, 0.087, 0.032]
+    # min_p = 0.2: the threshold is 0.2 * 0.644 = 0.129, so the last two go
+    p = process_logits(logits, SamplingParams(temperature=1.0, min_p=0.2))
+    assert (p[0, 2:] == 0).all()
+    torch.testing.assert_close(p[0, :2], full[:2] / full[:2].sum())
+    # min_p = 1: only the most likely token; 0: off
+    assert process_logits(logits, SamplingParams(temperature=1.0, min_p=1.0))[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(process_logits(logits, SamplingParams(temperature=1.0, min_p=0.0)), full[None])
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [(1.0, 0, 1.0, 0.1), (0.7, 50, 0.9, 0.05), (1.5, 0, 0.8, 0.3)])
+def test_process_logits_equals_transformers_warpers(temperature, top_k, top_p, min_p):
+    """The whole chain, min-p last, against transformers' own warpers in their order."""
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3)) * 3
+    scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    scores = MinPLogitsWarper(min_p)(None, TopPLogitsWarper(top_p)(None, scores))
+    ours = process_logits(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+    torch.testing.assert_close(ours, scores.softmax(-1))
+    assert ((ours > 0).sum(-1) < 300).all()  # the filters did drop tokens
+
+
 def _tv(a, b):
     return 0.5 * (a - b).abs().sum().item()
 
@@ -119,10 +147,11 @@ def test_monte_carlo_output_follows_target_distribution(gamma):
     assert distances[-1] < distances[0]
 
 
-def test_sampling_engine_follows_the_target_distribution():
+@pytest.mark.parametrize("filters", [{"top_k": 20}, {"min_p": 0.03}])
+def test_sampling_engine_follows_the_target_distribution(filters):
     """The engine end to end (draft sampling, processed probabilities, acceptance, bonus and the
     next step): over many seeds, the first two emitted tokens follow the target's distributions
-    (temperature and top-k applied), not the draft's; a seed reproduces a run."""
+    (temperature and top-k, or min-p, applied), not the draft's; a seed reproduces a run."""
     from conftest import TinyTokenizer, tiny_model
     from viasd_core.decoding.drafters import ModelDrafter
     from viasd_core.decoding.engine import Engine, GenerationConfig
@@ -130,7 +159,7 @@ def test_sampling_engine_follows_the_target_distribution():
 
     target = tiny_model("llama", n_layers=2, seed=21)
     prompt = [5, 6, 7]
-    params = SamplingParams(temperature=1.0, top_k=20)
+    params = SamplingParams(temperature=1.0, **filters)
 
     def target_probs(ids):
         with torch.no_grad():
@@ -150,7 +179,7 @@ def test_sampling_engine_follows_the_target_distribution():
 
     def run(seed, new=3):
         return eng.generate(prompt, GenerationConfig(mode="sd", max_new_tokens=new, gamma=2, adaptive=False,
-                                                     temperature=1.0, top_k=20, seed=seed))
+                                                     temperature=1.0, seed=seed, **filters))
 
     n = 1000
     first_counts, second_counts = torch.zeros(256), torch.zeros(256)
@@ -167,7 +196,8 @@ def test_sampling_engine_follows_the_target_distribution():
     assert _tv(first_counts / n, draft_first) > 0.4
     assert _tv(second_counts / n, second_expected) < 0.2
     assert _tv(second_counts / n, first_expected) > 0.5  # not the first position's distribution again
-    assert (first_counts[first_expected == 0] == 0).all()  # top-k: nothing outside the target's 20 tokens
+    assert (first_expected == 0).sum() > 100  # the filter drops most of the 256 tokens
+    assert (first_counts[first_expected == 0] == 0).all()  # nothing outside the tokens the filter keeps
 
     long_a, long_b = run(7, 12).tokens, run(8, 12).tokens
     assert run(7, 12).tokens == long_a and long_a != long_b
@@ -195,3 +225,27 @@ def test_monte_carlo_positions_past_the_limit_are_no_proposals(limit):
     argmax = torch.tensor([3, 4, 5, 6])
     _, n = greedy_accept(argmax[:3], argmax, lim)
     assert int(n) == limit
+
+
+def test_generate_min_p_reaches_the_sampler(tiny_dirs, viasd_home):
+    """`viasd generate --min-p 1` keeps only the most likely token: a sampled run prints the greedy
+    answer; out of range it is a one-line usage error before any model loads."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from viasd_cli.app import get_app
+
+    def run(*args):
+        argv = ["generate", "w1 w2 w3", "-m", str(tiny_dirs["target"]), "-d", str(tiny_dirs["draft"]), "-n", "8",
+                "--json", "-q", *args]
+        return CliRunner().invoke(get_app(), argv)
+
+    greedy = json.loads(run().stdout)["text"]
+    for seed in ("1", "2"):
+        r = run("-t", "1.5", "--seed", seed, "--min-p", "1")
+        assert r.exit_code == 0, r.stderr
+        assert json.loads(r.stdout)["text"] == greedy
+    assert {json.loads(run("-t", "1.5", "--seed", s).stdout)["text"] for s in ("1", "2", "3")} != {greedy}
+    r = run("--min-p", "1.5")
+    assert r.exit_code == 2 and "min-p must be in [0, 1]" in r.stderr and r.stderr.count("\n") == 1, r.stderr

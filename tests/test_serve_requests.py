@@ -95,11 +95,27 @@ def test_seeds_per_request(session, viasd_home):  # noqa: F811
         assert client(base).chat.completions.create(**chat_args()).model_extra["viasd"]["seed"] is None
 
 
+def test_min_p_reaches_the_sampler(session, viasd_home):  # noqa: F811
+    """min_p 1 keeps only the most likely token: a sampled answer is then the greedy one, in ar and
+    in sd (draft and target filtered alike); without it the sampled answers differ from greedy."""
+    with running(session, GenerationConfig(mode="sd", max_new_tokens=N, adaptive=False)) as (base, _):
+        c = client(base)
+        greedy = c.chat.completions.create(**chat_args()).choices[0].message.content
+        for mode in ("ar", "sd"):
+            for seed in (1, 2):
+                args = chat_args(temperature=1.5, seed=seed)
+                kept = c.chat.completions.create(**args, extra_body={"mode": mode, "min_p": 1.0})
+                assert kept.choices[0].message.content == greedy, (mode, seed)
+        free = {c.chat.completions.create(**chat_args(temperature=1.5, seed=s)).choices[0].message.content
+                for s in (1, 2, 3)}
+        assert free != {greedy}
+
+
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 REFUSED = [  # (path, fields over a good body, param, code)
-    (CHAT, {"min_p": 0.1, "temperature": 1.0}, "min_p", None),  # no min-p filter in the sampler
     (CHAT, {"min_p": 1.5}, "min_p", None),
-    (CHAT, {"repetition_penalty": 1.1}, "repetition_penalty", None),
+    (CHAT, {"repetition_penalty": 1.1}, "repetition_penalty", None),  # per-position histories: not passed yet
+    (CHAT, {"min_p": "0.1"}, "min_p", None),
     (CHAT, {"presence_penalty": 0.5}, "presence_penalty", None),
     (CHAT, {"ignore_eos": True}, "ignore_eos", None),
     (CHAT, {"reasoning_effort": "low"}, "reasoning_effort", None),

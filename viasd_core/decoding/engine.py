@@ -52,6 +52,7 @@ class GenerationConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     thresholds: Thresholds | None = None  # viasd mode
@@ -79,6 +80,8 @@ class GenerationConfig:
             raise UsageError(f"temperature must be >= 0 (got {self.temperature}); 0 means greedy")
         if not 0 < self.top_p <= 1:
             raise UsageError(f"top-p must be in (0, 1] (got {self.top_p})")
+        if not 0 <= self.min_p <= 1:
+            raise UsageError(f"min-p must be in [0, 1] (got {self.min_p}); 0 turns it off")
         if self.top_k < 0:
             raise UsageError(f"top-k must be >= 0 (got {self.top_k}); 0 turns it off")
         if not 0 <= self.min_confidence < 1:
@@ -97,7 +100,7 @@ class GenerationConfig:
 
     @property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p)
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p)
 
 
 @dataclass

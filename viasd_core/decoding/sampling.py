@@ -16,6 +16,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
 
     @property
     def greedy(self) -> bool:
@@ -23,10 +24,12 @@ class SamplingParams:
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, top-k and top-p applied to logits [N, V]; returns probabilities [N, V] in fp32.
+    """Temperature, top-k, top-p and min-p applied to logits [N, V]; returns probabilities [N, V] in fp32.
 
     The same function is applied to draft and target logits, so both models sample from
-    the distributions the acceptance rule compares.
+    the distributions the acceptance rule compares. min-p (vLLM's and transformers' rule, last, as
+    transformers orders it): a token is dropped when its probability, after the filters before it,
+    is below min_p times the most likely token's (which is always kept).
     """
     logits = logits.float() / max(params.temperature, 1e-6)
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
@@ -40,7 +43,11 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         drop_sorted = mass_before >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(dim=-1)
+    probs = logits.softmax(dim=-1)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
 
 
 class Sampler:

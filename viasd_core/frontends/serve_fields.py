@@ -43,7 +43,10 @@ NEUTRAL = {  # name -> (is it neutral?, the neutral value as the message says it
     "suffix": (_absent_or(""), "''"),
     "presence_penalty": (_absent_or(0, 0.0), "0"),
     "frequency_penalty": (_absent_or(0, 0.0), "0"),
-    "repetition_penalty": (_absent_or(1, 1.0), "1"),
+    "repetition_penalty": (_absent_or(1, 1.0), "1 (the penalty depends on each position's own history: exact "
+                                               "in speculative modes only if every verified row gets the committed "
+                                               "tokens plus the draft tokens before it, which the decoding steps do "
+                                               "not pass to the sampler yet)"),
     "length_penalty": (_absent_or(1, 1.0), "1"),
     "use_beam_search": (_absent_or(False), "false"),
     "logit_bias": (_empty, "{}"),

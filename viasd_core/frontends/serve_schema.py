@@ -166,13 +166,10 @@ def _common(body: dict, served: ServedModel, kind: str, messages, prompt) -> Gen
         base, mode=mode, max_new_tokens=_int(body, limit, base.max_new_tokens, lo=1),
         temperature=_number(body, "temperature", base.temperature, 0.0, 2.0),
         top_p=_number(body, "top_p", base.top_p, 0.0, 1.0, lo_open=True),
-        top_k=_int(body, "top_k", base.top_k, lo=0), seed=_int(body, "seed", None, lo=-(2**63), hi=2**64 - 1),
+        top_k=_int(body, "top_k", base.top_k, lo=0), min_p=_number(body, "min_p", base.min_p, 0.0, 1.0), seed=_int(body, "seed", None, lo=-(2**63), hi=2**64 - 1),
         stop=_stops(body, base.stop), thresholds=served.thresholds,
     )
     config.grammar, tools = request_output(body, kind, served.tool_style)
-    if _number(body, "min_p", 0.0, 0.0, 1.0) > 0 and config.temperature > 0:
-        raise bad_request("'min_p' is honoured under greedy decoding only (the greedy token always passes it): "
-                          "the sampler has no min-p filter yet, so leave it out or at 0 when sampling", "min_p")
     try:
         config.validate()  # the engine's own rules (viasd is greedy-only, ...)
     except UsageError as e:
