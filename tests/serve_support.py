@@ -1,4 +1,5 @@
-"""What the `viasd serve` tests share: a tiny session, a server run in a thread on a free
+"""What the `viasd serve` tests share: a tiny session (and one of the byte-level model, which can spell
+JSON and tool calls), a server run in a thread on a free
 loopback port, raw HTTP for what the openai client will not send, and `viasd generate` as the
 reference answer. (No tests here: the name keeps pytest from collecting it.)"""
 
@@ -29,6 +30,18 @@ def session(tiny_dirs, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VIASD_HOME", str(tmp_path_factory.mktemp("viasd_home")))
         yield build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=str(tiny_dirs["draft"])), mode="sd")
+
+
+@pytest.fixture(scope="module")
+def byte_session(tmp_path_factory):
+    """The same with the byte-level tiny pair of grammar_tiny (a Qwen-style tool template)."""
+    from grammar_tiny import save_byte_model_dir
+
+    base = tmp_path_factory.mktemp("byte_models")
+    target, draft = save_byte_model_dir(base / "target", seed=51), save_byte_model_dir(base / "draft", n_layers=1, seed=52)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VIASD_HOME", str(tmp_path_factory.mktemp("viasd_home")))
+        yield build_session(ModelOptions(model=str(target), draft=str(draft)), mode="sd")
 
 
 @contextlib.contextmanager

@@ -9,11 +9,8 @@ import jsonschema
 import openai
 import pytest
 
-from grammar_tiny import save_byte_model_dir
-from serve_support import client, raw, running
+from serve_support import byte_session, client, raw, running  # noqa: F401 (fixture)
 from viasd_core.decoding.engine import GenerationConfig
-from viasd_core.loading.options import ModelOptions
-from viasd_core.session import build_session
 
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -25,15 +22,6 @@ WEATHER = {"type": "function", "function": {"name": "weather", "description": "t
 CLOCK = {"type": "function", "function": {"name": "clock", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def byte_session(tmp_path_factory):
-    base = tmp_path_factory.mktemp("byte_models")
-    target, draft = save_byte_model_dir(base / "target", seed=51), save_byte_model_dir(base / "draft", n_layers=1, seed=52)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VIASD_HOME", str(tmp_path_factory.mktemp("viasd_home")))
-        yield build_session(ModelOptions(model=str(target), draft=str(draft)), mode="sd")
 
 
 def serve(byte_session):
