@@ -36,11 +36,11 @@ def test_parse_every_spelling(text, fmt, backend, bits, packed):
 
 
 def test_a_bad_spelling_is_one_line_naming_the_choices():
-    assert NAMES == ("none", "int8", "int4", "8bit", "4bit")
+    assert NAMES == ("none", "int8", "int4", "gguf", "8bit", "4bit")
     for bad in ("int3", "", "auto", "fp8"):
         with pytest.raises(UsageError) as e:
             WeightFormat.parse(bad)
-        assert e.value.message == f"unknown quantization '{bad}': use none, int8, int4 (torchao) or 8bit, 4bit (bitsandbytes)"
+        assert e.value.message == f"unknown quantization '{bad}': use none, int8, int4, gguf (torchao) or 8bit, 4bit (bitsandbytes)"
     with pytest.raises(UsageError, match=r"^unknown quantization 'x': use auto, none, int8"):
         WeightFormat.parse("x", also=(AUTO,))
 

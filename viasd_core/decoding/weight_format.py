@@ -1,7 +1,8 @@
 """The weight format a model runs at: one value, parsed once from `--quant` / `--draft-quant`.
 
 Two libraries sit side by side behind it. torchao's weight-only formats are packed by viasd
-itself (weight_formats.py: `int8`, `int4`); bitsandbytes' are applied by transformers while the
+itself (weight_formats.py: `int8`, `int4`; `gguf` from a GGUF file's own 4-bit blocks,
+loading/gguf_blocks.py); bitsandbytes' are applied by transformers while the
 weights load (`8bit` LLM.int8, `4bit` NF4); `none` keeps the model's floating-point weights. Code
 asks the value (`fmt.packed`, `fmt.bits`, `fmt.backend`) instead of comparing spellings; the
 spelling (`fmt.name`, also `str(fmt)`) is what profiles and bench files store, so the files
@@ -29,6 +30,7 @@ class WeightFormat:
     bits: int | None  # bits a weight; None: floating point
     display: str  # what doctor and --verbose print
     cuda_capability: tuple[int, int] | None = None  # the oldest GPU whose kernels run it; None: any
+    from_file: bool = False  # packed from a GGUF file's own blocks (loading/gguf_blocks.py): GGUF models only
 
     @property
     def packed(self) -> bool:
@@ -74,8 +76,11 @@ NONE = WeightFormat("none", FLOAT, None, "none (the model's floating-point weigh
 INT8 = WeightFormat("int8", TORCHAO, 8, "int8 weight-only, one scale a row (torchao)")
 INT4 = WeightFormat("int4", TORCHAO, 4, "int4 weight-only in groups of 32, int8 output head (torchao)",
                     cuda_capability=(8, 0))  # tinygemm's CUDA kernel: bfloat16 tensor cores
+GGUF = WeightFormat("gguf", TORCHAO, 4, "a GGUF file's own Q4_0/Q4_1/Q4_K blocks as int4 in groups of 32, other "
+                    "linear layers int8 per row", cuda_capability=(8, 0), from_file=True)
 BNB_8BIT = WeightFormat("8bit", BITSANDBYTES, 8, "8-bit LLM.int8 (bitsandbytes)")
 BNB_4BIT = WeightFormat("4bit", BITSANDBYTES, 4, "4-bit NF4 (bitsandbytes)")
-ALL = (NONE, INT8, INT4, BNB_8BIT, BNB_4BIT)
+ALL = (NONE, INT8, INT4, GGUF, BNB_8BIT, BNB_4BIT)
 NAMES = tuple(f.name for f in ALL)
-PACKED = tuple(sorted((f for f in ALL if f.packed), key=lambda f: -f.bits))  # from the most precise down
+# packed from any model's float weights (slim views' twins), from the most precise down
+PACKED = tuple(sorted((f for f in ALL if f.packed and not f.from_file), key=lambda f: -f.bits))

@@ -132,6 +132,28 @@ def _pack(linear: torch.nn.Linear, kind: str, dtype: torch.dtype | None = None,
                         cpu_layout=layout.__name__ == "Int4OpaqueTensor", packed_kernel=packed_kernel)
 
 
+def int4_from_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias: torch.Tensor | None,
+                    packed_kernel: bool = PACKED_KERNEL) -> PackedLinear:
+    """An int4 layer over codes chosen elsewhere (a GGUF file's blocks: loading/gguf_blocks.py), laid
+    out as `_pack` lays out torchao's on the codes' device: codes [N, K] (0..15), scale and zero
+    [N, K / INT4_GROUP] in the activations' dtype, each weight applied as tinygemm applies any:
+    (q - 8) * scale + zero. On CUDA padded as torchao pads (int4_packed_shape: code 8, scale and
+    zero 0, so the padding weighs nothing)."""
+    n, k = codes.shape
+    codes = codes.to(torch.int32)
+    if codes.device.type == "cuda":
+        pn, pk = int4_packed_shape(n, k, codes.device)
+        codes = torch.nn.functional.pad(codes, (0, pk - k, 0, pn - n), value=8)
+        scale, zero = (torch.nn.functional.pad(t, (0, (pk - k) // INT4_GROUP, 0, pn - n)) for t in (scale, zero))
+        qdata = torch.ops.aten._convert_weight_to_int4pack(
+            (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous(), 8)  # torchao's inner_k_tiles
+    else:
+        qdata = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+    scale_and_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [K / group, N, 2]
+    return PackedLinear("int4", qdata, scale_and_zero, n, k, INT4_GROUP, bias, cpu_layout=codes.device.type != "cuda",
+                        packed_kernel=packed_kernel)
+
+
 def _int4_layout(device: torch.device):
     """torchao's int4 tensor for tinygemm's kernel on `device`: tile-packed on CUDA, opaque on CPU."""
     if device.type == "cuda":
@@ -145,12 +167,13 @@ def _kind(model: torch.nn.Module, name: str, module: torch.nn.Module, fmt: Weigh
     """How `fmt` packs `module` (named `name` in `model`): int8, int4, or None (left as it is).
 
     The rule of the module doc: int4 layers with an int8 output head; a layer whose input width is
-    not a multiple of the int4 group stays in floating point."""
+    not a multiple of the int4 group stays in floating point. `gguf`: the layers its file's blocks
+    did not pack (loading/gguf_blocks.py) int8."""
     if not isinstance(module, torch.nn.Linear):
         return None
     head_module = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     head = module is head_module if head_module is not None else name.split(".")[-1] == "lm_head"
-    kind = "int8" if fmt.bits == 8 or head else "int4"
+    kind = "int8" if fmt.bits == 8 or head or fmt.from_file else "int4"
     return None if kind == "int4" and module.in_features % INT4_GROUP else kind
 
 

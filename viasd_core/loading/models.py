@@ -267,6 +267,10 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
         quant = WeightFormat.parse(quant, also=(AUTO,))  # a misspelt --quant fails before any download
     if isinstance(quant, WeightFormat) and quant.packed:
         activation_dtype(quant, dtype, dev)  # and a format this device cannot run (int4 on an old GPU)
+    if isinstance(quant, WeightFormat) and quant.from_file:
+        from viasd_core.loading.gguf_blocks import gguf_source
+
+        gguf_source(ref)  # --quant gguf on a model that is no GGUF file: refused before it loads
     folder, model_id = resolve_ref(ref, revision, progress)
     embedded = folder == _embedded_dir()  # also where `ref` is the embedded model's own GGUF file
     fmt, reason = resolve_format(quant, EMBEDDED_TARGET if embedded else ref, dev, dtype, progress)
@@ -283,6 +287,10 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
         if "device_map" not in kwargs:
             model.to(dev)
         model.eval()
+        if fmt.from_file:  # the file's own 4-bit blocks first; apply_weight_format packs the rest
+            from viasd_core.loading.gguf_blocks import apply_gguf_blocks, gguf_source
+
+            reason += f": {apply_gguf_blocks(model, gguf_source(ref), torch_dtype).summary()}"
         if fmt.packed:
             apply_weight_format(model, fmt)
     if device is None and dev.type == "cpu" and progress is not None:
