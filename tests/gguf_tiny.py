@@ -1,6 +1,8 @@
 """A tiny Llama written as a GGUF file, the way llama.cpp's converter lays one out (tensor names, Q/K
 rows permuted for its RoPE, a GPT-2 byte-level tokenizer, a chat template), with float32 tensors so
-that what viasd converts back can be compared with the model it came from, value for value."""
+that what viasd converts back can be compared with the model it came from, value for value; or with
+the decoder's linear layers in a block type (Q4_0, Q4_1, Q8_0 through gguf.quants; Q4_K through
+`quantize_q4_k`, which gguf.quants does not write)."""
 
 from __future__ import annotations
 
@@ -37,13 +39,47 @@ def _permute(weights: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weights.shape))
 
 
-def write_tiny_gguf(path: Path, seed: int = 7, n_layers: int = 2):
-    """Write a tiny random Llama as a GGUF file at `path`; returns the transformers model it holds."""
+def quantize_q4_k(weights: np.ndarray) -> np.ndarray:
+    """weights [n, k] (k a multiple of 256) as Q4_K bytes [n, k / 256 * 144]: per sub-block of 32 a
+    6-bit scale and min (gguf.quants.Q4_K.get_scale_min's layout, inverted), codes by rounding. Not
+    llama.cpp's search for the best scales: any valid blocks serve the tests."""
+    n, k = weights.shape
+    w = weights.astype(np.float32).reshape(-1, 8, 32)
+    lo = np.minimum(w.min(-1), 0.0)  # w = d * sc * q - dmin * mn with mn >= 0
+    span = np.maximum(w.max(-1) - lo, 1e-8) / 15
+    d = (span.max(-1) / 63).astype(np.float16)
+    dmin = np.maximum((-lo).max(-1) / 63, 1e-8).astype(np.float16)  # mins: -lo >= 0
+    sc = np.clip(np.round(span / d.astype(np.float32)[:, None]), 1, 63).astype(np.uint8)
+    mn = np.clip(np.round(-lo / dmin.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    scale = d.astype(np.float32)[:, None] * sc
+    offset = dmin.astype(np.float32)[:, None] * mn
+    q = np.clip(np.round((w + offset[..., None]) / scale[..., None]), 0, 15).astype(np.uint8)
+    packed_scales = np.concatenate([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+                                    (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4)], axis=-1)
+    q = q.reshape(-1, 4, 2, 32)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)  # chunk c: sub-block 2c low, 2c + 1 high
+    blocks = np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), packed_scales, qs], axis=-1)
+    return blocks.reshape(n, -1)
+
+
+def quantize(weights: np.ndarray, qtype) -> np.ndarray:
+    """`weights` [n, k] as the bytes of block type `qtype` (a gguf.GGMLQuantizationType)."""
+    import gguf
+
+    if qtype == gguf.GGMLQuantizationType.Q4_K:
+        return quantize_q4_k(weights)
+    return gguf.quants.quantize(weights.astype(np.float32), qtype)
+
+
+def write_tiny_gguf(path: Path, seed: int = 7, n_layers: int = 2, qtype=None, **extra):
+    """Write a tiny random Llama as a GGUF file at `path`; returns the transformers model it holds.
+    `qtype` (a gguf.GGMLQuantizationType): the decoder's linear layers in that block type (the
+    model returned keeps the float weights they were quantized from); `extra`: config fields."""
     import gguf
     from conftest import tiny_model
 
     vocab = len(tokens())
-    model = tiny_model("llama", n_layers=n_layers, seed=seed, vocab=vocab)
+    model = tiny_model("llama", n_layers=n_layers, seed=seed, vocab=vocab, **extra)
     cfg = model.config
     n_head, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -88,7 +124,11 @@ def write_tiny_gguf(path: Path, seed: int = 7, n_layers: int = 2):
                 weights = _permute(weights, n_head)
             elif short == "attn_k":
                 weights = _permute(weights, n_kv)
-            writer.add_tensor(f"blk.{i}.{short}.weight", np.ascontiguousarray(weights))
+            weights = np.ascontiguousarray(weights)
+            if qtype is None or short.endswith("norm"):
+                writer.add_tensor(f"blk.{i}.{short}.weight", weights)
+            else:
+                writer.add_tensor(f"blk.{i}.{short}.weight", quantize(weights, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
