@@ -3,7 +3,8 @@ folder in viasd's cache, and loaded from there like any other model folder.
 
 The conversion dequantizes the file's quantized blocks (Q4_0, Q4_1, Q8_0, K-quants...) to float32:
 the weights viasd runs are the GGUF's values, not its block layout (`--quant` then applies to the
-float weights as it does for any folder). Tokenizer and chat template come from the file.
+float weights as it does for any folder; `--quant gguf` instead packs the file's own 4-bit blocks
+from the file: gguf_blocks.py). Tokenizer and chat template come from the file.
 
 One conversion per file: the folder's name carries the file's name and a key of its resolved path,
 size and modification time (a file replaced in place is converted again), and the transformers
