@@ -265,10 +265,10 @@ def test_a_packed_layer_takes_the_kernel_for_short_passes_only(kernels, monkeypa
     packed = wf._pack(layer, kind)
     bound = packed._short_product(packed.qdata, packed.scale)
     assert isinstance(bound, pm.Bound)
-    calls = []
+    calls, added = [], []  # rows of each call; rows of the calls handed the residual
     real = pm.Bound.__call__
-    monkeypatch.setattr(pm.Bound, "__call__",
-                        lambda self, x, *r: calls.append(x.numel() // x.shape[-1]) or real(self, x, *r))
+    monkeypatch.setattr(pm.Bound, "__call__", lambda self, x, *r: calls.append(x.numel() // x.shape[-1])
+                        or (r and r[0] is not None and added.append(x.numel() // x.shape[-1])) or real(self, x, *r))
     torch.manual_seed(0)
     for rows in (1, 6, 16, 17, 40):
         x = torch.randn(rows, 576).to(torch.bfloat16)
@@ -284,15 +284,18 @@ def test_a_packed_layer_takes_the_kernel_for_short_passes_only(kernels, monkeypa
         residual = torch.randn(rows, 192).to(torch.bfloat16)
         assert torch.equal(packed.add_to(x, residual), residual + got), rows  # a bias: PyTorch adds both
     # without a bias the short passes add the residual inside the kernel's call, bit for bit
+    assert added == []
     packed.bias = None
+    packed.bind()  # the layer's calls bound again without a bias
     for rows in (1, 6, 40):
         x, residual = torch.randn(1, rows, 576).to(torch.bfloat16), torch.randn(1, rows, 192).to(torch.bfloat16)
-        calls.clear()
+        calls.clear(), added.clear()
         assert torch.equal(packed.add_to(x, residual), residual + packed(x)), rows
         assert calls == ([rows, rows] if rows <= pm.MAX_ROWS else []), rows
+        assert added == ([rows] if rows <= pm.MAX_ROWS else []), rows
     packed.bind(packed_kernel=False)
     x = torch.randn(6, 576).to(torch.bfloat16)
-    reference = packed_torch._int4_mm(x, packed.qdata, packed.group, packed.scale) if kind == "int4" else \
+    reference = packed_torch._int4_mm_cpu(x, packed.qdata, packed.group, packed.scale) if kind == "int4" else \
         packed_torch._int8_mm_reference(x, packed.qdata, packed.scale)
     assert torch.equal(packed(x), reference)
 
@@ -302,7 +305,7 @@ def test_a_packed_layer_takes_the_kernel_for_short_passes_only(kernels, monkeypa
 def test_greedy_sd_equals_ar_through_the_kernel(kernels, monkeypatch, fmt):
     """A tiny llama whose projections the kernel takes: every verify block runs through it, and
     greedy sd / exact give ar's tokens."""
-    from test_weight_formats import engine, greedy_modes_equal_ar, quantized
+    from format_cases import engine, greedy_modes_equal_ar, quantized
 
     way, build_dir = kernels
     if way == "avx512":

@@ -18,7 +18,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import viasd_kernels as vk
-from test_kernels_fallback import pretend_cuda_without_a_c_compiler
+from fallback_cases import pretend_cuda_without_a_c_compiler
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
@@ -173,6 +173,7 @@ def test_packed_int8_layers_on_cuda_call_the_kernel_without_a_weight_copy(fused,
     assert isinstance(layer, PackedLinear) and layer.kind == "int8"
     x = torch.randn(2, 3, 192, dtype=torch.bfloat16, device=DEVICE)
     pretend_gpu(monkeypatch)
+    layer.bind(packed_kernel=False)  # its products chosen again, as on a GPU: no CPU product, the CUDA int8 matmul
     with WeightCopies(layer.qdata.numel()) as ops:
         got = layer(x)
     assert ops.copies == []

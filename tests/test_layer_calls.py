@@ -58,8 +58,8 @@ def test_looked_up_calls_compute_what_module_calls_do(family, fmt, monkeypatch):
     fast = FastModel(model, max_len=64)
     fast.short_rows = sp.BLOCKED  # float32: every short pass through the blocked product
     looked_up = every_kind_of_pass(fast, ids)  # int4: short passes through the layer kernel where it binds
-    fast._calls = [module_calls(layer, f, fast) for layer, f in zip(fast.layers, fast._fused)]
-    fast.bind_kernels(layer_front=False)  # the reference: every call one by one
+    fast.bind_kernels(layer_front=False)  # the reference: every call one by one,
+    fast._calls = [module_calls(layer, f, fast) for layer, f in zip(fast.layers, fast._fused)]  # looked up at each call
     assert torch.equal(looked_up, every_kind_of_pass(fast, ids))
 
 
@@ -104,7 +104,7 @@ def test_a_layer_front_in_one_call_computes_what_the_calls_one_by_one_do(family,
 def test_float_products_read_the_models_short_rows_at_each_call(monkeypatch):
     fast = FastModel(tiny_model("llama", seed=5, **SHAPE), max_len=64)
     seen = []
-    monkeypatch.setattr(lc, "linear", lambda x, layer, up_to: seen.append(up_to) or layer(x))
+    monkeypatch.setattr(lc, "eager_linear", lambda x, layer, up_to, takes: seen.append(up_to) or layer(x))
     ids = torch.randint(3, 256, (8,), generator=torch.Generator().manual_seed(6))
     for rows in (sp.PLAIN, sp.BLOCKED):
         fast.short_rows = rows  # a session measures and sets it after the model is built

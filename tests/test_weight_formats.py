@@ -11,9 +11,8 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import FAMILIES, TinyTokenizer, tiny_model
-from viasd_core.decoding.drafters import ModelDrafter
-from viasd_core.decoding.engine import Engine, GenerationConfig
+from conftest import FAMILIES, tiny_model
+from format_cases import engine, greedy_modes_equal_ar, quantized
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.weight_format import WeightFormat
@@ -34,12 +33,6 @@ def reference_weight(w: torch.Tensor, fmt: str) -> torch.Tensor:
     scale = (hi - lo).clamp(min=1e-6) / 15
     q = ((g - lo) / scale).round().clamp(0, 15)
     return (q * scale + lo).reshape(w.shape)
-
-
-def quantized(family="llama", fmt="int4", seed=5, n_layers=4):
-    model = tiny_model(family, n_layers=n_layers, seed=seed).to(torch.bfloat16)
-    apply_weight_format(model, WeightFormat.parse(fmt))
-    return model
 
 
 def pack_one(fmt, n_in=128, n_out=96, seed=0):
@@ -71,10 +64,10 @@ def check_dense_prefill_rows(monkeypatch, packed, name: str, weight: torch.Tenso
     rounding). Returns the row counts the kernel ran (it is wrapped to count them)."""
     from viasd_core.decoding import packed_linear, packed_torch
 
-    packed.bind(packed_kernel=False)  # PyTorch's kernels (viasd_kernels' own: test_kernels_cpu_packed_mm)
     kernel_rows = []
     reference = getattr(packed_torch, name)
     monkeypatch.setattr(packed_torch, name, lambda x, *a: kernel_rows.append(x.shape[0]) or reference(x, *a))
+    packed.bind(packed_kernel=False)  # PyTorch's kernels, the counted one (viasd_kernels' own: test_kernels_cpu_packed_mm)
     torch.manual_seed(3)
     for rows in (1, 6, 16, 17, 40, 256):
         x = torch.randn(rows, weight.shape[1], dtype=torch.bfloat16)
@@ -129,14 +122,14 @@ def test_cpu_int4_prefill_rows_read_the_packed_layout_back_and_take_one_dense_pr
 
     packed, _ = pack_one("int4", n_in=256, n_out=192)
     eye = torch.eye(256, dtype=torch.bfloat16)
-    kernel_weight = packed_torch._int4_mm(eye, packed.qdata, packed.group, packed.scale).T  # [192, 256]
+    kernel_weight = packed_torch._int4_mm_cpu(eye, packed.qdata, packed.group, packed.scale).T  # [192, 256]
     dense = packed_cpu._int4_dense_cpu(packed.qdata, packed.group, packed.scale, torch.float32)
     assert dense is not None and torch.equal(dense.to(torch.bfloat16), kernel_weight)
     args = (packed.qdata, packed.group, packed.scale)
-    assert check_dense_prefill_rows(monkeypatch, packed, "_int4_mm", kernel_weight, *args) == [1, 6, 16]
+    assert check_dense_prefill_rows(monkeypatch, packed, "_int4_mm_cpu", kernel_weight, *args) == [1, 6, 16]
     kernel_rows = []
-    reference = packed_torch._int4_mm
-    monkeypatch.setattr(packed_torch, "_int4_mm", lambda x, *a: kernel_rows.append(x.shape[0]) or reference(x, *a))
+    reference = packed_torch._int4_mm_cpu
+    monkeypatch.setattr(packed_torch, "_int4_mm_cpu", lambda x, *a: kernel_rows.append(x.shape[0]) or reference(x, *a))
     odd, _ = pack_one("int4", n_in=64, n_out=80)  # 80 rows: a partial block of 64
     assert packed_cpu._int4_dense_cpu(odd.qdata, odd.group, odd.scale, torch.bfloat16) is None
     x = torch.randn(40, 64, dtype=torch.bfloat16)
@@ -243,24 +236,6 @@ def test_eager_pass_is_batch_invariant(fmt):
     for width in (3, 5, 1, 2, 3):
         blocks.append(fm.forward(ids[fm.seen : fm.seen + width], fm.seen, width))
     assert torch.equal(torch.cat(blocks), one)
-
-
-def engine(model, slim_layers=(0, 1, 3)):
-    return Engine(FastModel(model, max_len=256), TinyTokenizer(),
-                  drafter=ModelDrafter(FastModel(model, layer_ids=[0, 1, 3], max_len=256, name="draft"), 256),
-                  slim=FastModel(model, layer_ids=list(slim_layers), max_len=256, name="slim"))
-
-
-def greedy_modes_equal_ar(eng, prompt, new=40):
-    eng.reset()
-    ar = eng.generate(prompt, GenerationConfig(mode="ar", max_new_tokens=new))
-    for mode in ("sd", "exact"):
-        for gamma in (1, 4):
-            eng.reset()
-            out = eng.generate(prompt, GenerationConfig(mode=mode, max_new_tokens=new, gamma=gamma, adaptive=False))
-            assert out.tokens == ar.tokens, (mode, gamma)
-            assert out.stats.draft_tokens > 0 and out.stats.acceptance_rate > 0, (mode, gamma)
-    return ar
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -45,11 +45,11 @@ from viasd_core.decoding.families import (SUPPORTED_FAMILIES, ModelShape, check_
                                           model_shape, rope_tables, softcap, window)
 from viasd_core.decoding.rope import apply_rope, signed_sin
 from viasd_core.decoding.pass_widths import PASS_WIDTHS, pass_width
-from viasd_core.decoding.short_products import DEFAULT, ShortRows, linear
+from viasd_core.decoding.short_products import DEFAULT, ShortRows
 from viasd_core.decoding.tree_pass import TreePasses
 from viasd_core.decoding.fused_projections import fused
-from viasd_core.decoding.layer_calls import layer_calls
-from viasd_core.decoding.norms import norm_call
+from viasd_core.decoding.layer_calls import Call, LayerCalls, layer_calls, product
+from viasd_core.decoding.norms import norm_calls
 from viasd_core.decoding.weight_formats import PackedLinear, has_weight_format, widen_once
 
 PREFILL_CHUNK = 256  # longer passes run in chunks of this many positions (bounded memory)
@@ -82,6 +82,17 @@ class LayerKernels:
 
 
 OPERATORS = LayerKernels()  # traced passes, devices other than the CPU: every call through operators
+
+
+@dataclass(frozen=True, slots=True)
+class PassCalls:
+    """The calls a pass makes around its C kernels, decided once (FastModel.bind_kernels): each
+    layer's (layer_calls.py), the final norm's and the output head's. A model holds one set for its
+    eager passes and one for its traced passes (PyTorch's operators only); the pass is handed the
+    set it runs, and no call asks which it is in."""
+    layers: list[LayerCalls]
+    final_norm: Call
+    head: Call
 
 
 class FastModel(attention.CachedPositions, TreePasses):
@@ -127,11 +138,9 @@ class FastModel(attention.CachedPositions, TreePasses):
         # int8/int4 on CPU: q/k/v and gate/up as one product each (fused_projections.py)
         cpu_packed = self.weight_format and self.device.type == "cpu"
         self._fused = [fused(layer) if cpu_packed else None for layer in self.layers]
-        self._calls = [layer_calls(layer, f, self) for layer, f in zip(self.layers, self._fused)]  # layer_calls.py
         self.layer_front = True  # bind_kernels' options: int4 layers' front half in one C call where it applies,
         self.rope_kernel = True  # RoPE and the cache writes in one C call where it applies
-        self._operators = [OPERATORS] * len(self.layers)  # what a traced pass calls (`_traced_run`)
-        self._final_norm = norm_call(self.norm)  # norms.py: one call on CPU
+        self._operators = [OPERATORS] * len(self.layers)  # the C kernels a traced pass calls: none (`_traced_run`)
         # Float32 layers on CPU: which product short passes multiply through (short_products.ShortRows:
         # the weights read at the memory's speed). The blocked product for 1-row passes until a session
         # measures it (choose_rows); PLAIN: every product through the layers themselves (F.linear).
@@ -290,13 +299,15 @@ class FastModel(attention.CachedPositions, TreePasses):
 
     # ------------------------------------------------------------------ forward
     def _traced_run(self, *args) -> torch.Tensor:
-        """`_run` as torch.compile traces it: every layer through PyTorch's operators (the class's
-        function: the graphs hold it, whatever a test or profiler puts on the instance)."""
-        return FastModel._run(self, *args, plan=self._operators)
+        """`_run` as torch.compile traces it: every layer through PyTorch's operators, the calls
+        bound for traced passes (the class's function: the graphs hold it, whatever a test or
+        profiler puts on the instance)."""
+        return FastModel._run(self, *args, plan=self._operators, calls=self._traced_calls)
 
     def _run(self, input_ids: torch.Tensor, input_pos: torch.Tensor, rows: torch.Tensor, attn_len: int,
              masked: bool = True, by_row: bool = False, rope_pos: torch.Tensor | None = None,
-             key_mask: torch.Tensor | None = None, plan: list[LayerKernels] | None = None) -> torch.Tensor:
+             key_mask: torch.Tensor | None = None, plan: list[LayerKernels] | None = None,
+             calls: PassCalls | None = None) -> torch.Tensor:
         """The pass: tokens `input_ids` [T] written at cache slots `input_pos` [T] (device); logits of `rows` [R].
 
         Attends over cache[:attn_len]; `masked=False` (a 1-token pass that may see every cached
@@ -311,12 +322,17 @@ class FastModel(attention.CachedPositions, TreePasses):
         of its chunks (weight_formats.widen_once) instead of once a chunk. Each chunk attends and
         multiplies exactly as a pass of its own positions would (`_chunks`).
 
-        `plan`: the C kernels each layer calls (default: the ones bound to the cache, `bind_kernels`);
-        nothing in the pass decides a kernel.
+        `plan`: the C kernels each layer calls (default: the ones bound to the cache, `bind_kernels`),
+        and `calls` the calls around them (default: the eager passes' `_calls`, `_final_norm` and
+        `_head`); nothing in the pass decides a kernel, and no call asks whether it is traced.
         """
         T = input_ids.shape[0]
         cache = self.cache
         plan = cache.kernels if plan is None else plan
+        if calls is None:
+            layer_calls_, final_norm, head = self._calls, self._final_norm, self._head
+        else:
+            layer_calls_, final_norm, head = calls.layers, calls.final_norm, calls.head
         x = self.embed(input_ids[None])  # [1, T, H]
         rope_pos = input_pos if rope_pos is None else rope_pos
         ropes = [(getattr(cache, "cos" + t).index_select(0, rope_pos),  # each table's rows [T, rotary dim]
@@ -339,18 +355,19 @@ class FastModel(attention.CachedPositions, TreePasses):
                 captured[slot] = x[0]
             cos, sin = ropes[self._rope_ix[ci]]
             if len(chunks) == 1:
-                x = self._layer(ci, plan[ci], x, input_pos, cos, sin, attn_len, masks[0], by_row, key_mask, kernels)
+                x = self._layer(ci, plan[ci], layer_calls_[ci], x, input_pos, cos, sin, attn_len, masks[0], by_row,
+                                key_mask, kernels)
                 continue
             with widen_once(self._products(ci), self.dtype):
-                x = torch.cat([self._layer(ci, plan[ci], x[:, lo:hi], input_pos[lo:hi], cos[lo:hi], sin[lo:hi], end, mask,
+                x = torch.cat([self._layer(ci, plan[ci], layer_calls_[ci], x[:, lo:hi], input_pos[lo:hi], cos[lo:hi], sin[lo:hi], end, mask,
                                            chunk_by_row, None, kernels)
                                for (lo, hi, end, _, chunk_by_row), mask in zip(chunks, masks)], dim=1)
         for slot in self._capture[len(self.layers)]:
             captured[slot] = x[0]
         if captured:
             cache.features[input_pos] = torch.cat(captured, dim=-1)  # [T, n * H]
-        h = self._final_norm(x[0].index_select(0, rows))
-        logits = linear(h, self.lm_head, self.pass_rows)
+        h = final_norm(x[0].index_select(0, rows))
+        logits = head(h)
         if self.final_softcap is not None:
             logits = softcap(logits, self.final_softcap)
         logits = logits.float()
@@ -358,14 +375,14 @@ class FastModel(attention.CachedPositions, TreePasses):
             logits[:, self.vocab_limit:] = float("-inf")
         return logits
 
-    def _layer(self, ci: int, bound: LayerKernels, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
+    def _layer(self, ci: int, bound: LayerKernels, c: LayerCalls, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, end: int, masks: dict, by_row: bool, key_mask: torch.Tensor | None,
                kernels: Path | None = None) -> torch.Tensor:
         """Run-layer `ci` over the states x [1, T, H] of slots `pos` [T], attending over cache[:end],
-        calling the C kernels `bound` to it (`kernels`: the C kernels' folder, looked up once a pass)."""
+        calling the C kernels `bound` to it and the calls `c` (`kernels`: the C kernels' folder, looked
+        up once a pass)."""
         s = self.shape
         T = x.shape[1]
-        c = self._calls[ci]
         if by_row and key_mask is None and bound.front is not None:
             # the calls up to the MLP's activation in one C call, bit for bit the calls below
             x, gate_up = bound.front(x, cos, sin, pos, end)
@@ -435,16 +452,25 @@ class FastModel(attention.CachedPositions, TreePasses):
         return f"{norm}; {rope}" + ("; an int4 layer's calls up to its MLP in one C call" if front else "")
 
     def bind_kernels(self, layer_front: bool | None = None, rope_kernel: bool | None = None) -> None:
-        """Bind the C kernels every layer's eager CPU passes call to the cache in use (`cache.kernels`,
-        one LayerKernels a layer): the plan a pass follows. Done when the cache is allocated; call it
-        again after replacing a layer's weights, or to set the options (`layer_front` False: an int4
-        layer's calls one by one; `rope_kernel` False: RoPE and the cache writes through operators,
-        and so no layer front either: the tests' and benchmarks' references). A cache swapped in
-        keeps the kernels bound to it."""
+        """Bind the calls of every pass, once: each layer's, the final norm's and the head's, for
+        eager passes (`_calls`, `_final_norm`, `_head`: the C kernels where they apply) and for
+        traced ones (`_traced_calls`: PyTorch's operators), and the C kernels every layer's eager
+        CPU passes call to the cache in use (`cache.kernels`, one LayerKernels a layer): the plan a
+        pass follows. Done when the cache is allocated; call it again after replacing a layer's
+        weights, or to set the options (`layer_front` False: an int4 layer's calls one by one;
+        `rope_kernel` False: RoPE and the cache writes through operators, and so no layer front
+        either: the tests' and benchmarks' references). A cache swapped in keeps the kernels bound
+        to it."""
         if layer_front is not None:
             self.layer_front = bool(layer_front)
         if rope_kernel is not None:
             self.rope_kernel = bool(rope_kernel)
+        pairs = list(zip(self.layers, self._fused))
+        self._calls = [layer_calls(layer, f, self) for layer, f in pairs]  # layer_calls.py
+        self._final_norm = norm_calls(self.norm).eager  # norms.py: one call on CPU
+        self._head = product(self.lm_head, self)
+        self._traced_calls = PassCalls([layer_calls(layer, f, self, traced=True) for layer, f in pairs],
+                                       self.norm.forward, product(self.lm_head, self, traced=True))
         self.cache.kernels = [self._bind_layer(ci) for ci in range(len(self.layers))]
 
     def _bind_layer(self, ci: int) -> LayerKernels:
@@ -468,7 +494,8 @@ class FastModel(attention.CachedPositions, TreePasses):
         bound = [m._short_product(m._buffers["qdata"], m._buffers["scale"]) for m in products]
         if any(b is None or b.n != m.out_features for b, m in zip(bound, products)):
             return None
-        front = cpu_layer.bind(getattr(c.input_norm, "kernel", None), getattr(c.post_norm, "kernel", None), *bound,
+        norms = [call if isinstance(call, cpu_rms_norm.Norm) else None for call in (c.input_norm, c.post_norm)]
+        front = cpu_layer.bind(*norms, *bound,
                                writer, self.shape.n_heads, c.scaling, self.windows[ci], build_dir=paths.kernel_dir())
         return front
 

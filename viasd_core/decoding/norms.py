@@ -2,18 +2,20 @@
 module computes.
 
 A decoder layer calls its RMSNorm twice a pass, and transformers' runs eight PyTorch operators a
-call: about 1 ms of a 7 ms 1-token int4 SmolLM2 pass on a 2-core AMD EPYC. `norm_call(module)`
-returns the callable the pass uses instead of `module.forward`: viasd_kernels.cpu_rms_norm bound to
-the module's weight where the module is a CPU RMSNorm whose output the kernel reproduces on a probe
+call: about 1 ms of a 7 ms 1-token int4 SmolLM2 pass on a 2-core AMD EPYC. `norm_calls(module)`
+decides once what a pass calls instead of `module.forward`: viasd_kernels.cpu_rms_norm bound to the
+module's weight where the module is a CPU RMSNorm whose output the kernel reproduces on a probe
 (within a rounding step: the kernel sums the squares in its own order), else the module's own
-forward (other norms, such as Gemma's `1 + weight`, other devices, a kernel that cannot be built).
-Traced passes (torch.compile), inputs of another dtype and inputs that need gradients (the kernel
-has no backward) call the module, as does a module whose weight was replaced after the call was made.
+forward (other norms, such as Gemma's `1 + weight`, other devices, a kernel that cannot be built);
+traced passes call the module. FastModel's passes call one or the other as their plan says (no call
+asks which). `norm_call(module)` is the one call for callers that bind nothing (the EAGLE head): it
+calls the module inside torch.compile's tracing, for inputs of another dtype and inputs that need
+gradients (the kernel has no backward), and once the module's weight was replaced after the call was made.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 from viasd_kernels import cpu_rms_norm
@@ -36,23 +38,48 @@ def _agrees(module: torch.nn.Module, norm: cpu_rms_norm.Norm) -> bool:
     return want.shape == got.shape and bool(((got.float() - want.float()).abs() <= step * want.float().abs()).all())
 
 
-def norm_call(module: torch.nn.Module) -> Call:
-    """`module`'s norm as the pass calls it (see the module doc)."""
-    params = module._parameters
-    weight = params.get("weight")
+class NormCalls(NamedTuple):
+    """A norm's calls, decided once (`norm_calls`): `eager` what an eager pass calls (the kernel
+    bound to the module's weight, `kernel`, where it computes what the module does, else the
+    module's forward), `traced` what a traced pass calls (the module's forward)."""
+
+    eager: Call
+    traced: Call
+    kernel: cpu_rms_norm.Norm | None
+
+
+def norm_calls(module: torch.nn.Module) -> NormCalls:
+    """`module`'s norm as passes call it (see the module doc), decided now from its weight. The
+    kernel takes inputs of its weight's dtype that need no gradient; a pass that binds these calls
+    (FastModel: its eager passes run under inference mode, in the model's dtype) binds them again
+    when a weight is replaced (FastModel.bind_kernels)."""
+    forward = module.forward
+    weight = module._parameters.get("weight")
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     if weight is None or not isinstance(eps, float):
-        return module.forward
+        return NormCalls(forward, forward, None)
     norm = cpu_rms_norm.bind(weight.detach(), eps, build_dir=paths.kernel_dir())
     if norm is None or not _agrees(module, norm):
-        return module.forward
-    dtype, forward = norm.dtype, module.forward
+        return NormCalls(forward, forward, None)
+    return NormCalls(norm, forward, norm)
+
+
+def norm_call(module: torch.nn.Module) -> Call:
+    """`module`'s norm for callers that bind nothing (the EAGLE head, in drafting and in training):
+    `norm_calls`' eager call, except inside torch.compile's tracing, for inputs of another dtype or
+    that need gradients (the kernel has no backward), and once the module's weight was replaced
+    after the call was made: then the module's forward."""
+    calls = norm_calls(module)
+    if calls.kernel is None:
+        return calls.traced
+    params, weight = module._parameters, module._parameters["weight"]
+    kernel, forward, dtype = calls.kernel, calls.traced, calls.kernel.dtype
 
     def call(x: torch.Tensor) -> torch.Tensor:
         if (x.dtype is not dtype or params["weight"] is not weight or x.requires_grad
                 or torch.compiler.is_compiling()):
             return forward(x)
-        return norm(x)
+        return kernel(x)
 
-    call.kernel = norm  # the bound kernel, for a pass that calls it from C (viasd_kernels.cpu_layer)
+    call.kernel = kernel  # the bound kernel
     return call

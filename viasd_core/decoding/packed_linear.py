@@ -19,6 +19,9 @@ from viasd_core.decoding import packed_cpu, packed_torch
 from viasd_core.decoding.packed_cpu import PACKED_KERNEL, bind_rows, bind_short, dense_dtype
 
 DENSE_PREFILL_ROWS = 17  # on CPU, a pass of this many rows or more (a prefill chunk) takes one dense product
+NO_DENSE_ROWS = 2**62  # off the CPU: no pass takes the dense product
+# what `bind` sets from the layer's tensors (made again when a layer is unpickled)
+BOUND = ("_eager", "_eager_add", "_traced", "_traced_add", "_mm", "_kernel_rows", "_dense_rows", "_short_numel")
 
 
 class PackedLinear(torch.nn.Module):
@@ -71,6 +74,7 @@ class PackedLinear(torch.nn.Module):
             int4_cpu = self.kind == "int4" and self.cpu_layout
             self._short = bind_short(self.kind, qdata, self._scales(scale) if int4_cpu else scale, self.group,
                                      self.cpu_layout, self.packed_kernel)
+        self._bind_calls()
 
     def set_packed(self, qdata: torch.Tensor, scale: torch.Tensor, rows_of: tuple[PackedLinear, int] | None = None):
         """Holds `qdata` and `scale` from now on (with `rows_of`, (fused layer, first row): they view
@@ -88,7 +92,8 @@ class PackedLinear(torch.nn.Module):
         return module
 
     def __getstate__(self):
-        return {**super().__getstate__(), "_short": None}  # a bound kernel holds C functions: bound on arrival
+        # a bound kernel holds C functions, and the bound calls this layer's methods: bound on arrival
+        return {k: v for k, v in super().__getstate__().items() if k not in BOUND} | {"_short": None}
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -117,50 +122,102 @@ class PackedLinear(torch.nn.Module):
         kernels are built for few rows (tinygemm streams the whole weight again for every 4 rows),
         and a 768-token prefill of SmolLM2 took 1546 ms through PyTorch's int8 kernel against
         1064 ms this way (docs/experiments/int8-prefill-dense-product.md). The weight is the one `widen_once` holds
-        (a prefill's chunks share it) or widened for this call."""
-        return self._product(x, None)
+        (a prefill's chunks share it) or widened for this call.
+
+        The calls `bind` chose: `_eager` (what an eager pass calls: FastModel's layer calls call it
+        directly) or, inside torch.compile's tracing, `_traced` (PyTorch's operators: viasd_kernels'
+        CPU products are C calls). This entry is for callers that follow no plan (transformers'
+        forward, the EAGLE head's step)."""
+        return (self._traced if torch.compiler.is_compiling() else self._eager)(x)
 
     def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`residual + self(x)`, bit for bit: in the short products' own call where they run (the
-        residual added as each output is stored: a pass's residual adds without an operator each)."""
-        return self._product(x, residual)
+        residual added as each output is stored: a pass's residual adds without an operator each).
+        `_eager_add` or, traced, `_traced_add`, as `forward`."""
+        return (self._traced_add if torch.compiler.is_compiling() else self._eager_add)(x, residual)
 
-    def _product(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        # Called 4 times a layer in every pass: buffers and parameters are read from their dicts
-        # (nn.Module.__getattr__ costs ~0.7 us a name), and nothing is done that a pass does not need.
-        qdata, scale = self._buffers["qdata"], self._buffers["scale"]
-        bias = self._parameters.get("bias")
-        if (x.dtype == torch.bfloat16 and not x.is_cuda and x.numel() <= self.in_features * cpu_packed_mm.MAX_ROWS
-                and not torch.compiler.is_compiling() and (short := self._short) is not None):
-            x = x.contiguous()
-            if (residual is not None and bias is None and short.n == self.out_features
-                    and residual.dtype == torch.bfloat16 and residual.is_contiguous()
-                    and residual.shape == (*x.shape[:-1], short.n)):
-                return short(x, residual)
-            y = short(x)  # [..., N]: a pass's product without reshapes (~2 us of its ~8)
-            if short.n != self.out_features:
-                y = y[..., : self.out_features]
-            y = y if bias is None else y + bias
-            return y if residual is None else residual + y
+    # ------------------------------------------------------------------ the calls `bind` chooses from
+    def _bind_calls(self) -> None:
+        """Decides, once, what a pass calls: `_traced`/`_traced_add` (PyTorch's kernels for the
+        weight's device and layout, and on a CPU a prefill's dense product) and `_eager`/`_eager_add`
+        (the short product bound to the weight first where `_short` is one, else the same as traced),
+        so that no call tests the compile state, the device or the dtype."""
+        qdata = self._buffers["qdata"]
+        if self.kind == "int8":
+            self._mm, self._kernel_rows = packed_torch.int8_mm_for(qdata), self._int8_rows
+        else:
+            self._mm, self._kernel_rows = packed_torch.int4_mm_for(self.cpu_layout), self._int4_rows
+        self._dense_rows = DENSE_PREFILL_ROWS if qdata.is_cpu else NO_DENSE_ROWS
+        self._traced, self._traced_add = self._operators, self._operators_add
+        short = self._short
+        if short is None:
+            self._eager, self._eager_add = self._operators, self._operators_add
+            return
+        self._short_numel = self.in_features * cpu_packed_mm.MAX_ROWS
+        if short.n == self.out_features and self._parameters.get("bias") is None:
+            self._eager, self._eager_add = self._short_whole, self._short_whole_add
+        else:
+            self._eager, self._eager_add = self._short_trimmed, self._short_trimmed_add
+
+    def _operators(self, x: torch.Tensor) -> torch.Tensor:
+        """The product through PyTorch's operators, at any number of rows: a pass of `_dense_rows`
+        rows or more (a CPU prefill chunk) one dense product over the widened weight where it has
+        one, else the format's kernel (`_kernel_rows`)."""
         x2 = x.reshape(-1, self.in_features)
         dense = None
-        if x2.shape[0] >= DENSE_PREFILL_ROWS and qdata.is_cpu:
+        if x2.shape[0] >= self._dense_rows:
             dense = self.held if self.holding else self.widened(dense_dtype(x2.dtype))
         if dense is not None:
             y = torch.nn.functional.linear(x2.to(dense.dtype), dense).to(x2.dtype)
-        elif self.kind == "int8":
-            y = packed_torch._int8_mm(x2.contiguous(), qdata, scale)
         else:
-            if self.packed_in != self.in_features:  # CUDA's tile layout: zero columns up to the packed width
-                x2 = torch.nn.functional.pad(x2, (0, self.packed_in - self.in_features))
-            y = packed_torch._int4_mm(x2.contiguous(), qdata, self.group,
-                                      self._scales(scale))  # tinygemm reads them as contiguous
+            y = self._kernel_rows(x2)
         if y.shape[1] != self.out_features:
             y = y[:, : self.out_features]  # tinygemm pads the output width
+        bias = self._parameters.get("bias")
         if bias is not None:
             y = y + bias
-        y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if residual is None else residual + y
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _operators_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual + self._operators(x)
+
+    def _int8_rows(self, x2: torch.Tensor) -> torch.Tensor:
+        return self._mm(x2.contiguous(), self._buffers["qdata"], self._buffers["scale"])
+
+    def _int4_rows(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.packed_in != self.in_features:  # CUDA's tile layout: zero columns up to the packed width
+            x2 = torch.nn.functional.pad(x2, (0, self.packed_in - self.in_features))
+        return self._mm(x2.contiguous(), self._buffers["qdata"], self.group,
+                        self._scales(self._buffers["scale"]))  # tinygemm reads them as contiguous
+
+    # Called 4 times a layer in every eager CPU pass: nothing is done that a pass does not need
+    # (nn.Module.__getattr__ costs ~0.7 us a name: buffers and parameters are read from their dicts).
+    def _short_whole(self, x: torch.Tensor) -> torch.Tensor:
+        """The short product bound to the weight (its outputs the layer's, no bias): `_operators` for longer passes."""
+        if x.numel() > self._short_numel:
+            return self._operators(x)
+        return self._short(x.contiguous())  # [..., N]: a pass's product without reshapes (~2 us of its ~8)
+
+    def _short_whole_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if x.numel() > self._short_numel:
+            return residual + self._operators(x)
+        x = x.contiguous()
+        if residual.is_contiguous() and residual.shape == (*x.shape[:-1], self.out_features):
+            return self._short(x, residual)  # the add inside the kernel's call
+        return residual + self._short(x)
+
+    def _short_trimmed(self, x: torch.Tensor) -> torch.Tensor:
+        """The short product bound to a weight whose outputs are padded past the layer's, or with a bias."""
+        if x.numel() > self._short_numel:
+            return self._operators(x)
+        y = self._short(x.contiguous())
+        if self._short.n != self.out_features:
+            y = y[..., : self.out_features]
+        bias = self._parameters.get("bias")
+        return y if bias is None else y + bias
+
+    def _short_trimmed_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return residual + self._short_trimmed(x)
 
     def _scales(self, scale: torch.Tensor) -> torch.Tensor:
         """int4's scales as the kernels read them, contiguous: a layer fused with others (fuse_rows)

@@ -168,37 +168,21 @@ def by_row(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _invariant_linear(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+def _invariant_linear(x: torch.Tensor, layer: torch.nn.Module, kernel: bool) -> torch.Tensor:
     """A short pass's product, each row as it would be alone: a float nn.Linear through the kernel
-    (float32) or one row at a time; any other layer (an int8/int4 PackedLinear, whose kernels compute
-    each row alike at any row count) is called as it is."""
+    (`kernel`: the layer is a float32 CPU nn.Linear, which it may take) or one row at a time; any
+    other layer (an int8/int4 PackedLinear, whose kernels compute each row alike at any row count)
+    is called as it is."""
     if type(layer) is not torch.nn.Linear:
         return layer(x)
-    if (x.dtype == torch.float32 and layer.weight.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not (torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad))):
+    if kernel and not (torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad)):
         bound = invariant_product(layer)
         if bound is not None:
             return bound(x.contiguous())
     return by_row(x, layer)
 
 
-def linear(x: torch.Tensor, layer: torch.nn.Module, up_to: ShortRows | int = BLOCKED) -> torch.Tensor:
-    """`layer(x)` for x [..., in]; through the product `up_to` gives a pass of x's rows where the
-    layer takes it (the packed one only outside autograd and torch.compile's tracing)."""
-    rows = x.numel() // x.shape[-1]
-    way = _short_rows(up_to).way(rows)
-    if way == "invariant":
-        if not torch.compiler.is_compiling():
-            return _invariant_linear(x, layer)
-        way = _short_rows(up_to)._replace(invariant=False).way(rows)  # traced: graphs round by width anyway
-    # torch.compile's tracing first: it cannot trace into `packs` (torch.backends.mkldnn is skipped)
-    if way == "packed" and not torch.compiler.is_compiling() and packs(layer) and not (
-            torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad)):
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed_weight(layer), layer.bias,
-                                               "none", [], "")
-        return y.reshape(*x.shape[:-1], layer.out_features)
-    if way != "blocked" or not applies(layer):
-        return layer(x)
+def _blocked(x: torch.Tensor, layer: torch.nn.Linear, rows: int) -> torch.Tensor:
     w = layer.weight  # [N, K]
     n, k = w.shape
     x2 = x.reshape(rows, k)
@@ -207,12 +191,73 @@ def linear(x: torch.Tensor, layer: torch.nn.Module, up_to: ShortRows | int = BLO
     return y if layer.bias is None else y + layer.bias
 
 
+def _cpu_float32(layer: torch.nn.Module) -> bool:
+    return (type(layer) is torch.nn.Linear and layer.weight.device.type == "cpu"
+            and layer.weight.dtype == torch.float32)
+
+
+def eager_linear(x: torch.Tensor, layer: torch.nn.Module, up_to: ShortRows, takes) -> torch.Tensor:
+    """`layer(x)` in an eager pass, through the product `up_to` gives a pass of x's rows where the
+    layer takes it: `takes(way)` says whether it does ("blocked": `applies`, "packed": `packs`,
+    "invariant": the row-invariant kernel may, a float32 CPU nn.Linear), decided from the layer's
+    weight, not from x (whose dtype and device are the layer's). The packed product only outside
+    autograd."""
+    rows = x.numel() // x.shape[-1]
+    way = up_to.way(rows)
+    if way == "plain":
+        return layer(x)
+    if way == "invariant":
+        return _invariant_linear(x, layer, takes("invariant"))
+    if way == "packed":
+        if takes("packed") and not (torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad)):
+            y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed_weight(layer), layer.bias,
+                                                   "none", [], "")
+            return y.reshape(*x.shape[:-1], layer.out_features)
+        return layer(x)
+    return _blocked(x, layer, rows) if takes("blocked") else layer(x)
+
+
+def traced_linear(x: torch.Tensor, layer: torch.nn.Module, up_to: ShortRows) -> torch.Tensor:
+    """`layer(x)` as torch.compile traces it: the blocked product where `up_to` gives it a pass of
+    x's rows and the layer takes it, else the layer (the packed product's oneDNN calls and the
+    row-invariant kernel do not trace; a graph rounds by its width anyway, so `invariant` is ignored)."""
+    rows = x.numel() // x.shape[-1]
+    if up_to._replace(invariant=False).way(rows) == "blocked" and applies(layer):
+        return _blocked(x, layer, rows)
+    return layer(x)
+
+
+TAKES = {"blocked": applies, "packed": packs, "invariant": _cpu_float32}
+
+
+def takes_of(layer: torch.nn.Module):
+    """`eager_linear`'s `takes` for `layer`, decided now from its weight (a model binds its products
+    once: layer_calls.product)."""
+    return {way: bool(test(layer)) for way, test in TAKES.items()}.__getitem__
+
+
+def linear(x: torch.Tensor, layer: torch.nn.Module, up_to: ShortRows | int = BLOCKED) -> torch.Tensor:
+    """`layer(x)` for x [..., in]; through the product `up_to` gives a pass of x's rows where the
+    layer takes it: `eager_linear`, or inside torch.compile's tracing `traced_linear`. For callers
+    that bind nothing (the EAGLE head, the model's tests): what the layer takes is looked at at the
+    call, only for the way the pass takes. FastModel binds its products once instead (layer_calls)."""
+    up_to = _short_rows(up_to)
+    if torch.compiler.is_compiling():
+        return traced_linear(x, layer, up_to)
+    return eager_linear(x, layer, up_to, lambda way: TAKES[way](layer))
+
+
 def mlp(x: torch.Tensor, module: torch.nn.Module, up_to: ShortRows | int = BLOCKED) -> torch.Tensor:
     """The gated MLP `module` (gate_proj, up_proj, down_proj, act_fn) applied to x, over `linear`."""
-    if _short_rows(up_to) == PLAIN or not all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+    if _short_rows(up_to) == PLAIN or not gated(module):
         return module(x)
     return linear(module.act_fn(linear(x, module.gate_proj, up_to)) * linear(x, module.up_proj, up_to),
                   module.down_proj, up_to)
+
+
+def gated(module: torch.nn.Module) -> bool:
+    """Whether `module` is a gated MLP (gate_proj, up_proj, down_proj, act_fn)."""
+    return all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn"))
 
 
 WAYS = {"blocked": BLOCKED, "packed": PACKED, "plain": PLAIN}
