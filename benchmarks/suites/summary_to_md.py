@@ -75,7 +75,13 @@ PERFORMANCE = [
     ("AVX2+FMA (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx2`)", "2 cores, 24 GiB, torch 2.13.0+cpu, 2 threads, 8 prompts x 48 tokens; the native AVX2 EPYC's figures are in its own table above", [
         ("cpu-xeon-spr-cap-avx2-fp32-ar-hf-summary.json", "float32 (`--quant none`)", "instruction-set-classes-capped"),
     ]),
-    ("GPU (any)", "not measured: no GPU was lent to any session that measured", []),
+]
+
+# GPU runs of benchmarks/suites/cuda_check.py: (machine kind, files, record). Random weights of real
+# shapes: the speeds are real, acceptance is not measured there.
+GPU = [
+    ("NVIDIA H200, 2026-11-28", ["cuda-h200-20261128/cuda_check.json", "cuda-h200-20261128/cuda_check_more.json"],
+     "cuda-h200-first-run"),
 ]
 
 # (machine kind, prefill file, record)
@@ -164,7 +170,67 @@ def performance() -> str:
             out.append("")
         if not pre:
             out += ["Prefill: no prefill run of this machine kind in docs/results/ (TTFT above where the run measured it).", ""]
+    for kind, files, record in GPU:
+        out += gpu_section(kind, files, record)
     return "\n".join(out).rstrip() + "\n"
+
+
+def gpu_section(kind: str, files: list[str], record: str) -> list[str]:
+    """`ar` tokens/s on a GPU from cuda_check.py's JSON files: viasd eager and compiled (CUDA graphs)
+    against transformers' `generate()` (default cache, and static cache compiled) of the same run."""
+    runs = [json.load(open(RESULTS + f)) for f in files]
+    env = runs[0]["env"]
+    out = [f"## {kind}", "", f"{env['gpu']}, torch {env['torch']}, transformers {env['transformers']}; random weights of "
+           "real shapes, bfloat16, batch 1, greedy `ar`, 64-token prompt, 128 new tokens (`benchmarks/suites/cuda_check.py`, "
+           f"[{record}](experiments/{record}.md)). Speculation's acceptance is not measured on a GPU (no real model "
+           "could be carried to it); the pass costs below are what it would stand on.", "",
+           "| shape | weights | method | tok/s | x generate() | x generate() static+compiled |", "| --- | --- | --- | --- | --- | --- |"]
+    static = {}
+    for r in runs:
+        more = r.get("more") or {}
+        if "transformers_static_tok_s" in more:
+            static[more["shape"]] = more["transformers_static_tok_s"]
+    names = {"Llama-3-8B (shape)": "llama-3-8b", "Llama-3.2-1B (shape)": "llama-3.2-1b"}
+    rows = []
+    for r in runs:
+        for key in ("speed8b", "speed1b"):
+            sp = r.get(key)
+            if not sp or "shape" not in sp:
+                continue
+            hf, st = sp["transformers_generate_tok_s"], static.get(names[sp["shape"]])
+            rows.append((sp["shape"], "bf16", "transformers `generate()`", hf, hf, st))
+            if st:
+                rows.append((sp["shape"], "bf16", "transformers `generate()`, static cache, compiled", st, hf, st))
+            rows.append((sp["shape"], "bf16", "viasd `ar` eager", sp["viasd_ar_eager_tok_s"], hf, st))
+            if "viasd_ar_compiled_tok_s" in sp:
+                rows.append((sp["shape"], "bf16", "viasd `ar` compiled", sp["viasd_ar_compiled_tok_s"], hf, st))
+        more = r.get("more") or {}
+        if "int4_ar_compiled_tok_s" in more:
+            hf8 = next((x["transformers_generate_tok_s"] for x in (q.get("speed8b") for q in runs) if x and "shape" in x), None)
+            rows.append(("Llama-3-8B (shape)", "int4", "viasd `ar` eager", more["int4_ar_eager_tok_s"], hf8, static.get("llama-3-8b")))
+            rows.append(("Llama-3-8B (shape)", "int4", "viasd `ar` compiled", more["int4_ar_compiled_tok_s"], hf8, static.get("llama-3-8b")))
+    for shape, w, method, tps, hf, st in rows:
+        out.append(f"| {shape} | {w} | {method} | {tps:.1f} | {fmt(tps / hf if hf else None)} | {fmt(tps / st if st else None)} |")
+    out += ["", "Pass cost, ms, compiled, after 32 cached positions (rows: new tokens in the pass; 5 rows = a gamma-4 verify):", "",
+            "| shape | weights | 1 row | 5 rows | 5 rows / 1 row |", "| --- | --- | --- | --- | --- |"]
+    for r in runs:
+        for key in ("speed8b", "speed1b"):
+            sp = r.get(key) or {}
+            c = sp.get("compiled_pass_ms_by_rows")
+            if c:
+                out.append(f"| {sp['shape']} | bf16 | {c['1']} | {c['5']} | {c['5'] / c['1']:.2f} |")
+        more = r.get("more") or {}
+        c = more.get("int4_compiled_pass_ms_by_rows")
+        if c:
+            out.append(f"| Llama-3-8B (shape) | int4 | {c['1']} | {c['5']} | {c['5'] / c['1']:.2f} |")
+        if "one_layer_draft_compiled_pass_ms_by_rows" in more:
+            out += ["", f"A one-layer draft of the 8B's width with its full output head (an EAGLE-style head's cost): "
+                    f"{more['one_layer_draft_compiled_pass_ms_by_rows']['1']} ms a step, compiled."]
+    syncs = next((r["syncs"] for r in runs if isinstance(r.get("syncs"), dict) and "ar/compiled" in r["syncs"]), None)
+    if syncs:
+        out += ["", "Host synchronizations a step (torch.cuda's sync debug mode, tiny model, bf16): " +
+                ", ".join(f"{k} {v['syncs_per_step']}" for k, v in syncs.items()) + " (the one token read a step)."]
+    return out + [""]
 
 
 if __name__ == "__main__":
