@@ -178,7 +178,7 @@ class Chat:
             "draft": s.draft_id,
             "settings": {"mode": self.config.mode, "gamma": self.config.gamma, "adaptive": self.config.adaptive,
                          "temperature": self.config.temperature, "top_k": self.config.top_k, "top_p": self.config.top_p,
-                         "max_new_tokens": self.config.max_new_tokens, "seed": self.config.seed},
+                         "min_p": self.config.min_p, "max_new_tokens": self.config.max_new_tokens, "seed": self.config.seed},
             "profile_budget": self.budget(),
             "system": self.system,
             "messages": ([{"role": "system", "content": self.system}] if self.system else []) + list(self.messages),
