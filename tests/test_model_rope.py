@@ -2,7 +2,8 @@
 
 FastModel builds one cos/sin table for all positions, so it is exact only for RoPE types whose
 frequencies the sequence length does not change (default, linear, llama3, yarn: checked here on
-the installed transformers); dynamic and longrope are refused with a one-line error. Every
+the installed transformers); dynamic and longrope run up to the context where they are one table
+(tests/test_rope_lengths.py), and an EAGLE head refuses them in one line. Every
 feature runs on sequences past what it needs (past original_max_position_embeddings for the
 scaled types, past the window for Mistral), prefilled AND fed token by token through the cache.
 """
@@ -88,11 +89,18 @@ def test_supported_types_are_exactly_the_length_independent_ones(rope_type):
     assert static == (rope_type in STATIC_ROPE_TYPES)
 
 
-# ---------------------------------------------------------------------- refused types
+# ---------------------------------------------------------------------- length-dependent types
 @pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
-def test_length_dependent_rope_is_refused_in_one_line(rope_type):
-    with pytest.raises(ViasdError) as info:
-        FastModel(rope_model(rope_type), max_len=N)
+def test_length_dependent_rope_runs_up_to_its_original_context_only(rope_type):
+    from viasd_core.decoding.rope import check_rope
+
+    model = rope_model(rope_type, seed=3)
+    context = ORIGINAL if rope_type == "longrope" else 4 * ORIGINAL  # dynamic: max_position_embeddings
+    fast = assert_matches_transformers(model, n=context, prefill=context // 2)
+    assert fast.shape.max_positions == context  # dynamic's is the config's own: nothing to say
+    assert (f"'{rope_type}'" in fast.shape.positions_why) == (rope_type == "longrope")
+    with pytest.raises(ViasdError) as info:  # what an EAGLE head's config is held to
+        check_rope(model.config)
     message = info.value.message
     assert "\n" not in message
     assert f"'{rope_type}'" in message and "sequence length" in message
@@ -111,10 +119,9 @@ def saved_model_dir(folder, rope_parameters):
 
 
 @pytest.mark.parametrize("rope_parameters, expected", [
-    ({"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}, "RoPE type 'dynamic' is not supported"),
     ({"rope_type": "rotor", "rope_theta": 10000.0}, "RoPE type 'rotor' is not supported (viasd does not know it)"),
     ({"rope_type": "llama3", "rope_theta": 10000.0}, "could not load model"),  # keys missing: transformers' KeyError
-], ids=["dynamic", "unknown", "incomplete"])
+], ids=["unknown", "incomplete"])
 def test_loading_a_model_with_a_bad_rope_is_a_one_line_error(tmp_path, rope_parameters, expected):
     from viasd_core.loading.models import load_model
 

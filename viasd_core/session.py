@@ -8,13 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from viasd_core import cpu_isa
-from viasd_core.compile_choice import CompileChoice, resolve_compile
 from viasd_core.decoding import exactness
-from viasd_core.decoding.draft_policy import first_block
 from viasd_core.decoding.engine import Engine
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.loading.models import Loaded, eos_ids, forget_format, load_model
-from viasd_core.devices import free_memory_bytes
+from viasd_core.devices import free_memory_bytes, resolve_device, usable_cores
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.short_products import choose_rows
 from viasd_core.loading.drafter_factory import draft_choice, load_drafter
@@ -23,8 +21,14 @@ from viasd_core.loading.profile import Profile, find_profile
 from viasd_core.loading.vocab_rows import cap_vocab, token_rows, tokenizer_size
 from viasd_core.decoding.router import Thresholds
 from viasd_core.decoding.slim_view import TARGET_WEIGHTS, slim_verifier, twin_bytes
-from viasd_core.threads import ThreadChoice, resolve_threads, usable_cores
-from viasd_core.tree_choice import TreeChoice, measure_verify_curve, probe_prompts, resolve_tree
+from viasd_core.machine import first_block as first_blocks
+from viasd_core.machine import format as formats
+from viasd_core.machine import threads as threads_choice
+from viasd_core.machine import tree as tree_choice
+from viasd_core.machine.compile import DECISION as COMPILE, CompileChoice, resolve_compile
+from viasd_core.machine.profile import SHORT_ROWS, MachineProfile
+from viasd_core.machine.threads import ThreadChoice, resolve_threads
+from viasd_core.machine.tree import TreeChoice, measure_verify_curve, probe_prompts, resolve_tree
 
 @dataclass
 class Session:
@@ -34,17 +38,39 @@ class Session:
     draft: Loaded | None
     profile: Profile | None
     options: ModelOptions
+    machine: MachineProfile  # the machine decisions, in their order (machine/profile.py)
     compile_seconds: float | None = None  # time spent compiling at start-up (None: eager)
-    compile: CompileChoice | None = None  # --compile as resolved at start-up (compile_choice.py)
-    tree: TreeChoice | None = None  # sd's draft trees, once `choose_tree` resolved --tree
-    first_block: tuple[int, str] | None = None  # sd's first block and why, where the user gave no -g (`choose_first_block`)
-    threads: ThreadChoice | None = None  # --threads as resolved at start-up (threads.py)
-    short_rows_reason: str = ""  # why short float32 passes take the products they take (short_products.py)
     draft_reason: str = ""  # why this draft (--draft auto's choice: draft_choice.py), "" with none loaded
 
     @property
     def tokenizer(self):
         return self.target.tokenizer
+
+    @property
+    def threads(self) -> ThreadChoice | None:
+        """--threads as resolved at start-up (machine/threads.py)."""
+        return self.machine.result("threads")
+
+    @property
+    def short_rows_reason(self) -> str:
+        """Why short float32 passes take the products they take (decoding/short_products.py)."""
+        entry = self.machine.resolved.get("short-rows")
+        return entry.reason if entry else ""
+
+    @property
+    def compile(self) -> CompileChoice | None:
+        """--compile as resolved at start-up (machine/compile.py)."""
+        return self.machine.result("compile")
+
+    @property
+    def tree(self) -> TreeChoice | None:
+        """sd's draft trees, once `choose_tree` resolved --tree (machine/tree.py)."""
+        return self.machine.result("tree")
+
+    @property
+    def first_block(self) -> tuple[int, str] | None:
+        """sd's first block and why, where the user gave no -g (`choose_first_block`)."""
+        return self.machine.result("first-block")
 
     def first_block_record(self) -> dict | None:
         """sd's first block without -g and why, JSON-ready (bench's meta, doctor); None before chosen."""
@@ -52,26 +78,16 @@ class Session:
 
     def choices(self) -> list[tuple[str, str, str]]:
         """What the session chose where the user left it to viasd, and why: (setting, value, reason)
-        for the weight format, the draft, the CPU threads, the short-pass product, compilation, sd's draft
-        trees and first block (once chosen)."""
-        compiled = ", ".join(self.engine.compiled_models)
-        fmt = str(self.target.format)
-        out = [("weights", fmt, self.target.format_reason.removeprefix(f"{fmt}: "))]
+        for the machine decisions resolved so far, in their order (machine/profile.py: the weight format, the
+        CPU threads, the short-pass product, compilation, sd's draft trees and first block), the draft,
+        and the exactness and instruction set that follow from them."""
+        out = self.machine.choices()
         if self.draft_reason:
-            out.append(("draft", self.draft_id, self.draft_reason))
-        if self.threads is not None:
-            out.append(("threads", str(self.threads.threads), self.threads.reason))
-        out.append(("short passes", self.engine.target.pass_rows.describe(), self.short_rows_reason))
+            out.insert(1, ("draft", self.draft_id, self.draft_reason))
         promise = exactness.promise(self.engine.target)
         out.append(("exactness", "bit-exact" if promise.exact else "up to rounding", promise.why))
         if self.engine.target.device.type == "cpu":
             out.append(("instruction set", *cpu_isa.in_force()))
-        if self.compile is not None:
-            out.append(("compile", f"on ({compiled})" if compiled else "off", self.compile.reason))
-        if self.tree is not None:
-            out.append(("tree", f"{self.tree.shape.size} tokens" if self.tree.shape else "chains", self.tree.reason))
-        if self.first_block is not None:
-            out.append(("first block", f"{self.first_block[0]} drafts", self.first_block[1]))
         return out
 
 
@@ -79,12 +95,14 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
                   refresh: bool = False, long_lived: bool = False) -> Session:
     """The session for `opts` and `mode`. `refresh`: measure again what is measured once per machine
     and cached (`--quant auto`'s format, the short-pass product, `--compile auto`; `viasd doctor`).
-    `long_lived`: the session serves many requests (`viasd serve`; compile_choice.py)."""
+    `long_lived`: the session serves many requests (`viasd serve`; machine/compile.py)."""
     if refresh and str(opts.quant).strip().lower() == "auto":
         forget_format(opts.model, opts.device)
-    target = load_model(opts.model, dtype=opts.dtype, device=opts.device, revision=opts.revision,
-                        trust_remote_code=opts.trust_remote_code, allow_pickle=opts.allow_pickle,
-                        quant=opts.quant, progress=progress)
+    machine = MachineProfile(resolve_device(opts.device))
+    # the machine's decisions in their order (machine/profile.py): --quant auto's is made as the target loads
+    target = machine.resolve(formats.DECISION, lambda: load_model(
+        opts.model, dtype=opts.dtype, device=opts.device, revision=opts.revision, trust_remote_code=opts.trust_remote_code,
+        allow_pickle=opts.allow_pickle, quant=opts.quant, progress=progress), _format_shown)
     # --quant parsed once by load_model (`auto` resolved): the value and its reason are target.format,
     # target.format_reason; the options keep its spelling, the key of profiles
     opts = dataclasses.replace(opts, quant=target.quant)
@@ -105,20 +123,24 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
         profile, slim = pair_profile(target, draft_id, opts, target_fast, progress)
     engine = Engine(target_fast, target.tokenizer, drafter=drafter, slim=slim, eos_token_ids=eos_ids(target),
                     context_len=max_context)
-    session = Session(engine, target, draft_id, draft, profile, opts, draft_reason=draft_reason)
+    session = Session(engine, target, draft_id, draft, profile, opts, machine, draft_reason=draft_reason)
     # before compiling (inductor's CPU kernels keep the thread count they were built with) and before
     # --tree auto measures anything
-    session.threads = resolve_threads(opts.threads, engine.device, lambda repeats: sum(measure_verify_curve(
-        engine, widths=(1, 4), context=16, repeats=repeats).values()))
+    machine.resolve(threads_choice.DECISION, lambda: resolve_threads(opts.threads, engine.device, lambda repeats: sum(
+        measure_verify_curve(engine, widths=(1, 4), context=16, repeats=repeats).values())),
+        lambda chosen: (str(chosen.threads), chosen.reason))
     if progress and session.threads.busy:  # said when a busy machine made auto use fewer than its cores
         progress(f"CPU threads: {session.threads.threads} of {usable_cores()} ({session.threads.reason})")
     # at the thread count just chosen: the blocked float32 product pays with two threads and more
     rows_key = {"target": target.model_id, "draft": draft_id, "format": opts.quant,
                 "dtype": str(target_fast.dtype).replace("torch.", "")}
-    _, session.short_rows_reason = choose_rows(engine, rows_key, refresh)
+    machine.resolve(SHORT_ROWS, lambda: choose_rows(engine, rows_key, refresh),
+                    lambda chosen: (engine.target.pass_rows.describe(), chosen[1]))
     # a compiled pass attends over the whole cache: its cost depends on the context too
-    session.compile = apply_compile(engine, opts.compile, {**rows_key, "context": max_context}, measure=refresh,
-                                    long_lived=long_lived, progress=progress)
+    machine.resolve(COMPILE, lambda: apply_compile(engine, opts.compile, {**rows_key, "context": max_context},
+                                                   measure=refresh, long_lived=long_lived, progress=progress),
+                    lambda chosen: (f"on ({', '.join(engine.compiled_models)})" if engine.compiled_models else "off",
+                                    chosen.reason))
     if engine.compiled:
         if progress:
             progress("compiling the decoding graphs (torch.compile; cached for later runs)...")
@@ -129,27 +151,34 @@ def build_session(opts: ModelOptions, mode: str = "sd", progress=None, need_prof
 
 
 def choose_tree(session: Session, progress=None, refresh: bool = False) -> TreeChoice:
-    """Resolve --tree for the session's sd steps (measured and cached for `auto`: tree_choice.py)
+    """Resolve --tree for the session's sd steps (measured and cached for `auto`: machine/tree.py)
     and compile the tree's graphs when the engine is compiled."""
     key = {"target": session.target.model_id, "draft": session.draft_id, "format": session.options.quant,
            "dtype": str(session.engine.target.dtype).replace("torch.", ""), "compiled": session.engine.compiled,
            "threads": torch.get_num_threads()}
-    choice = resolve_tree(session.engine, probe_prompts(session.tokenizer), session.options.tree, key, progress, refresh)
+    choice = session.machine.resolve(tree_choice.DECISION, lambda: resolve_tree(
+        session.engine, probe_prompts(session.tokenizer), session.options.tree, key, progress, refresh),
+        lambda chosen: (f"{chosen.shape.size} tokens" if chosen.shape else "chains", chosen.reason))
     if choice.shape is not None and session.engine.compiled:
         session.engine.warm_up_tree(choice.shape)
-    session.tree = choice
     return choice
 
 
 def choose_first_block(session: Session, gamma_max: int, progress=None) -> int | None:
     """sd's first block (and floor) where the user gave no -g: the fastest chain of --tree auto's
-    probe on this machine (measured once and cached: `choose_tree`; draft_policy.first_block says
+    probe on this machine (measured once and cached: `choose_tree`; machine/first_block.py says
     the rule); None where nothing was measured (GenerationConfig's defaults then hold).
     `session.first_block` says which and why either way."""
     choice = session.tree or choose_tree(session, progress)
     best = choice.best_chain()
-    session.first_block = first_block(best, gamma_max)
-    return None if best is None else session.first_block[0]
+    start, _ = session.machine.resolve(first_blocks.DECISION, lambda: first_blocks.first_block(best, gamma_max),
+                                       lambda chosen: (f"{chosen[0]} drafts", chosen[1]))
+    return None if best is None else start
+
+
+def _format_shown(target: Loaded) -> tuple[str, str]:
+    fmt = str(target.format)
+    return fmt, target.format_reason.removeprefix(f"{fmt}: ")
 
 
 def pair_profile(target: Loaded, draft_id: str, opts: ModelOptions, target_fast: FastModel, progress=None):
@@ -187,7 +216,8 @@ def context_size(hf_model, requested: int | None, progress=None) -> int:
         if requested < 16:
             raise UsageError(f"--max-context must be at least 16, got {requested}")
         if requested > shape.max_positions:
-            raise UsageError(f"--max-context {requested} exceeds the model's context ({shape.max_positions} positions)")
+            why = f": {shape.positions_why}" if shape.positions_why else ""
+            raise UsageError(f"--max-context {requested} exceeds the model's context ({shape.max_positions} positions{why})")
         if requested * per_position > 0.9 * free:
             raise ViasdError(
                 f"KV caches for --max-context {requested} need {requested * per_position / 2**30:.1f} GiB but only "
@@ -206,7 +236,7 @@ def context_size(hf_model, requested: int | None, progress=None) -> int:
 
 def apply_compile(engine: Engine, choice: str, key: dict, measure: bool = False, long_lived: bool = False,
                   progress=None) -> CompileChoice:
-    """Decide --compile for the engine (compile_choice.py; `measure`: time this machine again) and
+    """Decide --compile for the engine (machine/compile.py; `measure`: time this machine again) and
     torch.compile its models' passes where the choice is on."""
     decided = resolve_compile(engine.target, choice, key, measure, long_lived, progress)
     if decided.on:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from viasd_core.errors import ViasdError
-from viasd_core.decoding.rope import check_rope
+from viasd_core.decoding.rope import check_rope, exact_positions, rope_types
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "qwen3_moe")
 CONFIG_WINDOW = ("mistral", "phi3")  # one sliding window from the config, for every layer
@@ -47,7 +47,8 @@ class ModelShape:
     head_dim: int
     hidden_size: int
     vocab_size: int
-    max_positions: int
+    max_positions: int  # the context viasd runs: the config's, or less where its RoPE changes past a point
+    positions_why: str = ""  # why max_positions is below the config's context ("" when it is not)
 
 
 def check_family(cfg) -> str:
@@ -64,7 +65,7 @@ def check_family(cfg) -> str:
     if getattr(cfg, "use_bidirectional_attention", False):
         raise ViasdError(f"this {family} model attends bidirectionally (an embedding model, not a decoder): "
                          "viasd decodes causal language models only")
-    check_rope(cfg)
+    check_rope(cfg, up_to_original=True)
     return family
 
 
@@ -74,6 +75,12 @@ def model_shape(hf_model) -> ModelShape:
     family = check_family(cfg)
     n_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    context = getattr(cfg, "max_position_embeddings", 4096)
+    limit, why = exact_positions(cfg), ""
+    if limit is not None and limit < context:
+        why = (f"its '{rope_types(cfg)[0]}' RoPE changes its frequencies past {limit} positions, "
+               "which one fixed table cannot follow")
+        context = limit
     return ModelShape(
         family=family,
         n_layers=cfg.num_hidden_layers,
@@ -82,7 +89,8 @@ def model_shape(hf_model) -> ModelShape:
         head_dim=head_dim,
         hidden_size=cfg.hidden_size,
         vocab_size=hf_model.get_output_embeddings().out_features,
-        max_positions=getattr(cfg, "max_position_embeddings", 4096),
+        max_positions=context,
+        positions_why=why,
     )
 
 
@@ -126,6 +134,9 @@ def rope_tables(hf_model, layer_ids: list[int], positions: torch.Tensor, dtype) 
     head (always even: transformers doubles its frequencies), and rope.apply_rope rotates that part."""
     rotary, cfg = hf_model.get_decoder().rotary_emb, hf_model.config
     dummy = torch.zeros(1, dtype=dtype, device=positions.device)
+    limit = exact_positions(cfg)
+    if limit is not None:  # rows past it are never run (the context stops there): keep the short table
+        positions = positions.clamp(max=limit - 1)
     with torch.no_grad():
         if "layer_type" not in inspect.signature(rotary.forward).parameters:
             cos, sin = rotary(dummy, positions[None])
