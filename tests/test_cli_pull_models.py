@@ -91,7 +91,7 @@ def test_pull_revision_is_passed_to_the_target(fake_hub, hub_env, model_files, o
 LLAMA, EAGLE3 = "meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"
 
 
-def eagle_head_files(hidden: int = 8, vocab: int = 64) -> dict[str, bytes]:
+def eagle_head_files(hidden: int = 8, vocab: int = 64, **config_extra) -> dict[str, bytes]:
     """A head repo as published: config.json and pytorch_model.bin only (no tokenizer, no safetensors)."""
     import io
 
@@ -99,7 +99,7 @@ def eagle_head_files(hidden: int = 8, vocab: int = 64) -> dict[str, bytes]:
 
     config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": hidden,
               "intermediate_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 1,
-              "rms_norm_eps": 1e-5, "vocab_size": vocab, "draft_vocab_size": 16}
+              "rms_norm_eps": 1e-5, "vocab_size": vocab, "draft_vocab_size": 16} | config_extra
     buf = io.BytesIO()
     torch.save({"fc.weight": torch.zeros(hidden, 3 * hidden)}, buf)
     return {"config.json": json.dumps(config).encode(), "pytorch_model.bin": buf.getvalue()}
@@ -128,6 +128,39 @@ def test_pull_eagle3_head_for_another_model_exits_1_naming_the_mismatch(fake_hub
     assert result.exit_code == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1 and "hidden size 16 does not match the target's 8" in errors[0]
+
+
+QWEN3, QWEN3_DRAFT, ANGELSLIM = "Qwen/Qwen3-8B", "Qwen/Qwen3-0.6B", "AngelSlim/Qwen3-8B_eagle3"
+# The keys of AngelSlim's Qwen3 head configs (its trainer's configs/qwen3-8b-eagle3.json), scaled down:
+# no feature layers named, Qwen3's RoPE base, a head_dim of its own.
+ANGELSLIM_CONFIG = {"head_dim": 4, "rope_theta": 1000000, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
+                    "tie_word_embeddings": False, "bos_token_id": 151643, "eos_token_id": 151645}
+
+
+def test_pull_qwen3_pairs_fetch_the_draft_model_or_the_published_head(fake_hub, hub_env, model_files):
+    fake_hub.add(QWEN3, deep_target_files(model_files))
+    fake_hub.add(QWEN3_DRAFT, model_files)
+    fake_hub.add(ANGELSLIM, eagle_head_files(**ANGELSLIM_CONFIG))
+    result = invoke("pull", "qwen3-8b", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.splitlines() == [snapshot(hub_env, QWEN3), snapshot(hub_env, QWEN3_DRAFT)]
+    assert "share a tokenizer" in result.stderr
+    result = invoke("pull", "qwen3-8b-eagle3", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.splitlines() == [snapshot(hub_env, QWEN3), snapshot(hub_env, ANGELSLIM)]
+    assert f"checking that {ANGELSLIM} fits {QWEN3}" in result.stderr
+    head = repo_folder(hub_env.cache, ANGELSLIM) / "snapshots" / commit_of(ANGELSLIM)
+    assert sorted(p.name for p in head.iterdir()) == ["config.json", "pytorch_model.bin"]
+
+
+def test_pull_qwen3_head_whose_angelslim_layer_ids_overrun_the_target_exits_1(fake_hub, hub_env, model_files):
+    # AngelSlim's trainer key names layer outputs: 7, the last of 8 layers, would be the input of a ninth
+    fake_hub.add(QWEN3, deep_target_files(model_files))
+    fake_hub.add(ANGELSLIM, eagle_head_files(**ANGELSLIM_CONFIG, aux_hidden_states_layer_ids=[1, 3, 7]))
+    result = invoke("pull", "qwen3-8b-eagle3", "-q")
+    assert result.exit_code == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1 and "(layer outputs: the inputs of layers [2, 4, 8]) are out of range" in errors[0]
 
 
 @pytest.mark.parametrize(
@@ -215,7 +248,9 @@ def test_models_json_schema_and_local_and_profile_status(hub_env, model_files, m
     assert result.exit_code == 0
     assert result.stderr == ""
     rows = json.loads(result.stdout)
-    assert [row["name"] for row in rows] == ["smollm2-135m", "smollm2-1.7b", "qwen2.5-7b", "llama3.1-8b", "llama3.1-8b-eagle3"]
+    assert [row["name"] for row in rows] == ["smollm2-135m", "smollm2-1.7b", "qwen2.5-7b", "llama3.1-8b", "llama3.1-8b-eagle3",
+                                             "qwen3-8b", "qwen3-8b-eagle3", "qwen3-8b-eagle3-tengyunw", "qwen3-1.7b-eagle3",
+                                             "qwen3-4b-eagle3", "qwen3-14b-eagle3"]
     for row in rows:
         assert set(row) == set(ROW_KEYS)
         for key, kind in ROW_KEYS.items():
@@ -227,8 +262,8 @@ def test_models_json_schema_and_local_and_profile_status(hub_env, model_files, m
         "qwen2.5-7b": (False, False, True),
         "llama3.1-8b": (False, False, False),
         "llama3.1-8b-eagle3": (False, False, False),
-    }
-    assert [row["draft_kind"] for row in rows] == ["feature", "model", "model", "model", "feature"]
+    } | {row["name"]: (False, False, False) for row in rows[5:]}
+    assert [row["draft_kind"] for row in rows] == ["feature", "model", "model", "model", "feature", "model"] + ["feature"] * 5
     qwen = rows[2]
     assert qwen["profiles"] == [str(profiles / "qwen.json")]
     assert (qwen["target"], qwen["draft"], qwen["approx_download_gb"]) == ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", 16.2)

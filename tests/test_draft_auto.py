@@ -93,3 +93,55 @@ def test_generate_auto_says_which_draft_and_why_and_a_head_ignores_the_targets_r
     _, named = run("-d", "org/tiny-eagle3")  # named: looked up at main, not at the target's v1
     _, ar = run("--mode", "ar")
     assert named["text"] == auto["text"] == ar["text"]
+
+
+# ---------------------------------------------------------------------- Qwen3 (issue 50 part 4)
+QWEN3, QWEN3_DRAFT = "Qwen/Qwen3-8B", "Qwen/Qwen3-0.6B"
+ANGELSLIM_HEAD, TENGYUNW_HEAD = "AngelSlim/Qwen3-8B_eagle3", "Tengyunw/qwen3_8b_eagle3"
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    """A tiny Qwen3 target of 8 layers (the heads' default feature layers: 2, 4, 5), with a tokenizer."""
+    from conftest import save_tiny_model_dir
+
+    return save_tiny_model_dir(tmp_path_factory.mktemp("qwen3") / "target", family="qwen3", n_layers=8, seed=41)
+
+
+def test_auto_picks_a_cached_published_head_for_a_qwen3_target(hub_env, qwen3_dir):
+    from transformers import AutoConfig
+
+    from qwen3_head_files import published_files
+
+    target = SimpleNamespace(model_id=QWEN3, model=SimpleNamespace(config=AutoConfig.from_pretrained(qwen3_dir)))
+    choice = choose_draft(target)
+    assert choice.ref == "ngram"
+    assert "not pulled: qwen3-8b-eagle3, qwen3-8b-eagle3-tengyunw, qwen3-8b;" in choice.reason
+    put_in_cache(hub_env.cache, QWEN3_DRAFT, folder_files(qwen3_dir), commit_of("qwen3 draft"))
+    assert choose_draft(target).ref == QWEN3_DRAFT
+    # a head over the draft model; of two catalog heads, the first pair's
+    put_in_cache(hub_env.cache, TENGYUNW_HEAD, published_files(seed=1), commit_of("tengyunw"))
+    choice = choose_draft(target)
+    assert choice.ref == TENGYUNW_HEAD and "catalog pair qwen3-8b-eagle3-tengyunw" in choice.reason
+    put_in_cache(hub_env.cache, ANGELSLIM_HEAD, published_files(seed=2), commit_of("angelslim"))
+    choice = choose_draft(target)
+    assert choice.ref == ANGELSLIM_HEAD and "catalog pair qwen3-8b-eagle3," in choice.reason
+
+
+def test_generate_on_a_qwen3_target_drafts_with_the_cached_head_and_keeps_ars_text(hub_env, qwen3_dir):
+    from qwen3_head_files import published_files
+
+    put_in_cache(hub_env.cache, QWEN3, folder_files(qwen3_dir), commit_of("qwen3"))
+    put_in_cache(hub_env.cache, ANGELSLIM_HEAD, published_files(seed=3), commit_of("angelslim"))
+
+    def run(*args):
+        r = CliRunner().invoke(get_app(), ["generate", "w1 w2 w3 w4 w1 w2", "-m", QWEN3, "-n", "12", "--json",
+                                           "--threads", "1", "--tree", "off", *args])
+        assert r.exit_code == 0, r.stderr
+        return r, json.loads(r.stdout)
+
+    r, auto = run("--verbose")
+    assert auto["draft"] == ANGELSLIM_HEAD and auto["stats"]["draft_tokens"] > 0
+    assert f"draft: {ANGELSLIM_HEAD} (the published EAGLE-3 head of catalog pair qwen3-8b-eagle3" in r.stderr
+    _, ar = run("--mode", "ar")
+    assert auto["text"] == ar["text"]

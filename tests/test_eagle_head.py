@@ -199,14 +199,27 @@ def test_drafting_feeds_the_heads_own_feature_back(tmp_path, target):
         hidden = step_hidden
 
 
-@pytest.mark.parametrize("where", ["top", "eagle_config"])
-def test_feature_layers_named_in_the_config_are_read_in_layer_order(tmp_path, target, where):
+# What each key's numbers mean (eagle_files.LAYER_KEYS): the top-level key names the layers whose
+# inputs are read (vLLM takes it as it is); SGLang's eagle_config key and AngelSlim's trainer key name
+# the layers whose outputs are read, the inputs of the next ones.
+@pytest.mark.parametrize("where, layers", [("top", (0, 3, 6)), ("eagle_config", (1, 4, 7)), ("angelslim", (1, 4, 7))])
+def test_feature_layers_named_in_the_config_are_read_in_layer_order(tmp_path, target, where, layers):
     # The target's layer loop appends the states in layer order, whatever order the config lists.
-    ids = {"eagle_aux_hidden_state_layer_ids": [6, 0, 3]}
-    config = {**CONFIG, **ids} if where == "top" else {**CONFIG, "eagle_config": ids}
+    ids = [6, 0, 3]
+    config = {"top": {**CONFIG, "eagle_aux_hidden_state_layer_ids": ids},
+              "eagle_config": {**CONFIG, "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids}},
+              "angelslim": {**CONFIG, "aux_hidden_states_layer_ids": ids}}[where]
     head = load_feature_head(write_head(tmp_path / "head", config=config), target.config,
                              embed=target.get_input_embeddings())
-    assert head.feature_layers == (0, 3, 6)
+    assert head.feature_layers == layers
+
+
+def test_both_spellings_of_the_same_layers_load_as_viasd_exports_them(tmp_path, target):
+    config = {**CONFIG, "eagle_aux_hidden_state_layer_ids": [2, 4, 6],
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}}
+    head = load_feature_head(write_head(tmp_path / "head", config=config), target.config,
+                             embed=target.get_input_embeddings())
+    assert head.feature_layers == (2, 4, 6)
 
 
 def test_d2t_maps_draft_indices_to_target_ids(tmp_path, target):
@@ -279,7 +292,16 @@ REFUSALS = {
     "vocab size": (_set(vocab_size=300), "vocab size 300 does not match the target's 256"),
     "draft vocab": (_set(draft_vocab_size=VOCAB + 1), "draft_vocab_size 257 exceeds"),
     "layer ids": (_set(eagle_aux_hidden_state_layer_ids=[2, 4, 8]), r"\[2, 4, 8\] are out of range: the target has 8 layers"),
-    "nested layer ids": (_set(eagle_config={"eagle_aux_hidden_state_layer_ids": [-1, 2, 4]}), "out of range"),
+    "nested layer ids": (_set(eagle_config={"eagle_aux_hidden_state_layer_ids": [-2, 2, 4]}),
+                         r"eagle_config.eagle_aux_hidden_state_layer_ids \[-2, 2, 4\] \(layer outputs: the inputs of "
+                         r"layers \[-1, 3, 5\]\) are out of range"),
+    "angelslim layer ids": (_set(aux_hidden_states_layer_ids=[1, 3, 7]),
+                            r"aux_hidden_states_layer_ids \[1, 3, 7\] \(layer outputs: the inputs of layers "
+                            r"\[2, 4, 8\]\) are out of range: the target has 8 layers"),
+    "disagreeing layer ids": (_set(eagle_aux_hidden_state_layer_ids=[2, 4, 6],
+                                   eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 4, 6]}),
+                              r"\[2, 4, 6\] \(inputs of layers \[2, 4, 6\]\) and eagle_config.eagle_aux_hidden_state_layer_ids "
+                              r"\[2, 4, 6\] \(inputs of layers \[3, 5, 7\]\) name different target layers"),
     "repeated layer ids": (_set(eagle_aux_hidden_state_layer_ids=[2, 2, 4]), "not three distinct"),
     "two layers": (_set(num_hidden_layers=2), "only one-layer"),
     "dynamic rope": (_set(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "RoPE type 'dynamic' is not supported"),

@@ -315,9 +315,31 @@ def test_unloadable_tokenizer_is_a_clear_error(tmp_path):
 
 # --- catalog ------------------------------------------------------------------------------------
 
+# the Qwen3 pairs and their published EAGLE-3 heads (issue 50 part 4), in catalog order
+QWEN3_PAIRS = {
+    "qwen3-8b": ("Qwen/Qwen3-8B", "Qwen/Qwen3-0.6B", "model"),
+    "qwen3-8b-eagle3": ("Qwen/Qwen3-8B", "AngelSlim/Qwen3-8B_eagle3", "feature"),
+    "qwen3-8b-eagle3-tengyunw": ("Qwen/Qwen3-8B", "Tengyunw/qwen3_8b_eagle3", "feature"),
+    "qwen3-1.7b-eagle3": ("Qwen/Qwen3-1.7B", "AngelSlim/Qwen3-1.7B_eagle3", "feature"),
+    "qwen3-4b-eagle3": ("Qwen/Qwen3-4B", "AngelSlim/Qwen3-4B_eagle3", "feature"),
+    "qwen3-14b-eagle3": ("Qwen/Qwen3-14B", "AngelSlim/Qwen3-14B_eagle3", "feature"),
+}
+
+
+def test_qwen3_pairs_name_their_models_and_heads():
+    pairs = {p.name: p for p in catalog.PAIRS if p.name.startswith("qwen3")}
+    assert {name: (p.target, p.draft, p.draft_kind) for name, p in pairs.items()} == QWEN3_PAIRS
+    # the first pair of a target is its pull --draft auto: Qwen3-8B's is the draft model
+    assert catalog.draft_for("qwen/qwen3-8b") == "Qwen/Qwen3-0.6B"
+    assert catalog.draft_for("Qwen/Qwen3-4B") == "AngelSlim/Qwen3-4B_eagle3"
+    heads = [draft for _, draft, kind in QWEN3_PAIRS.values() if kind == "feature"]
+    assert all(catalog.is_feature_head(h) for h in heads) and not catalog.is_feature_head("Qwen/Qwen3-0.6B")
+    assert catalog.find_pair("QWEN3-8B-EAGLE3").draft == "AngelSlim/Qwen3-8B_eagle3"
+
 
 def test_catalog_pairs_and_lookups():
-    assert [p.name for p in catalog.PAIRS] == ["smollm2-135m", "smollm2-1.7b", "qwen2.5-7b", "llama3.1-8b", "llama3.1-8b-eagle3"]
+    assert [p.name for p in catalog.PAIRS] == ["smollm2-135m", "smollm2-1.7b", "qwen2.5-7b", "llama3.1-8b", "llama3.1-8b-eagle3",
+                                               *QWEN3_PAIRS]
     qwen = catalog.find_pair("Qwen2.5-7B")
     assert (qwen.target, qwen.draft) == ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct")
     assert catalog.find_pair("nope") is None
@@ -325,8 +347,8 @@ def test_catalog_pairs_and_lookups():
     assert catalog.draft_for("meta-llama/llama-3.1-8b-instruct") == "meta-llama/Llama-3.2-1B-Instruct"
     assert catalog.draft_for("smollm2-135m") == "embedded:smollm2-135m-eagle3"
     assert catalog.draft_for("Qwen/Qwen2.5-0.5B-Instruct") is None
-    assert [p.gated for p in catalog.PAIRS] == [False, False, False, True, True]
-    assert [p.embedded for p in catalog.PAIRS] == [True, False, False, False, False]
+    assert [p.gated for p in catalog.PAIRS] == [False, False, False, True, True] + [False] * len(QWEN3_PAIRS)
+    assert [p.embedded for p in catalog.PAIRS] == [True] + [False] * (len(catalog.PAIRS) - 1)
     assert catalog.is_feature_head("yuhuili/EAGLE3-LLaMA3.1-Instruct-8B") and not catalog.is_feature_head("meta-llama/Llama-3.2-1B-Instruct")
     for pair in catalog.PAIRS[1:]:
         # bf16: about 2 bytes a parameter for both models, within 10 %
@@ -354,4 +376,4 @@ def test_profiles_for_reads_only_target_and_draft_ids(hub_env):
     (profiles / "wrong-draft.json").write_text(json.dumps({"target_id": "Qwen/Qwen2.5-7B-Instruct", "draft_id": "org/other"}))
     found = {pair.name: [p.name for p in catalog.profiles_for(pair)] for pair in catalog.PAIRS}
     assert found == {"smollm2-135m": ["embedded.json"], "smollm2-1.7b": [], "qwen2.5-7b": ["qwen.json"], "llama3.1-8b": [],
-                     "llama3.1-8b-eagle3": []}
+                     "llama3.1-8b-eagle3": []} | {name: [] for name in QWEN3_PAIRS}

@@ -19,8 +19,10 @@ Checkpoint layout (SafeAILab/EAGLE `eagle/model/cnets.py` and `traineagle3/`, al
 SGLang's `llama_eagle3.py`): `config.json` is a Llama config of the head (hidden_size, intermediate_size,
 num_attention_heads, num_key_value_heads, num_hidden_layers 1, rms_norm_eps, vocab_size = the
 target's, draft_vocab_size; rope_theta when present, else transformers' default 10000, which is what
-EAGLE's own training used) and optionally `eagle_aux_hidden_state_layer_ids` (top level or under
-`eagle_config`); without it the layers are (2, L//2, L-3) of an L-layer target. The weights are one
+EAGLE's own training used) and optionally the target layers it reads: top-level
+`eagle_aux_hidden_state_layer_ids` (layer inputs, as here), `eagle_config.eagle_aux_hidden_state_layer_ids`
+(SGLang's: layer outputs) or `aux_hidden_states_layer_ids` (AngelSlim's trainer: layer outputs), each
+converted by eagle_files.LAYER_KEYS; without any, the layers are (2, L//2, L-3) of an L-layer target. The weights are one
 `model.safetensors` or `pytorch_model.bin` holding exactly the tensors of `FeatureHead.state_dict()`:
 `fc.weight` [H, 3H]; `midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight` [H];
 `midlayer.self_attn.{q,k,v}_proj.weight` [heads*D, 2H]; `midlayer.self_attn.o_proj.weight`;

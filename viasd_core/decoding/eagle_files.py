@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,20 +28,66 @@ def _int(raw: dict, key: str, where: str, default=None) -> int:
 
 
 def _eagle_config(raw: dict) -> dict:
-    """vLLM's nested `eagle_config` settings, when the config has them."""
+    """The nested `eagle_config` settings (SGLang's and ModelOpt's spelling), when the config has them."""
     return raw["eagle_config"] if isinstance(raw.get("eagle_config"), dict) else {}
+
+
+# The config keys that name the target layers a head reads, and what their numbers mean, as
+# (where, key, offset): viasd's index (FeatureHead.feature_layers, FastModel.capture_features) is
+# the decoder layer whose INPUT is read, transformers' output_hidden_states[i] (0: the embedding
+# output), and a key's number n means index n + offset.
+#   top-level eagle_aux_hidden_state_layer_ids, offset 0: EAGLE-3 and the speculators layout, as
+#       vLLM reads them (gpu_model_runner passes them on as they are; its models keep the residual
+#       entering layer i);
+#   eagle_config.eagle_aux_hidden_state_layer_ids, offset 1: SGLang's and NVIDIA ModelOpt's, which
+#       name the layer whose OUTPUT is read (SGLang's set_eagle3_layers_to_capture adds 1);
+#   top-level aux_hidden_states_layer_ids, offset 1: AngelSlim's trainer, which reads
+#       hidden_states[id + 1] (target_model_wrapper._extract_auxiliary_hidden_states).
+# A config without any leaves the target's default, (2, L//2, L-3) in viasd's index, which EAGLE's,
+# vLLM's and SGLang's code all pick (AngelSlim's own Qwen3 inference model hard-codes it too).
+LAYER_KEYS = (("top", LAYER_IDS_KEY, 0), ("eagle_config", LAYER_IDS_KEY, 1), ("top", "aux_hidden_states_layer_ids", 1))
+
+
+@dataclass(frozen=True)
+class DeclaredLayers:
+    key: str  # as the config spells it (`eagle_config.` prefixed when nested)
+    given: list  # the numbers as written
+    layers: tuple[int, ...] | None  # viasd's index, in the config's order; None when `given` is not a list of ints
+
+
+def _reading(d: DeclaredLayers) -> str:
+    return f"{d.key} {d.given}" + (f" (inputs of layers {sorted(d.layers)})" if d.layers is not None else "")
+
+
+def declared_layers(raw: dict, where: str) -> DeclaredLayers | None:
+    """The target layers a head's (flat) config names, converted to viasd's index by LAYER_KEYS;
+    None when it names none (the default applies). Two keys that name different layers are refused."""
+    found = []
+    for scope, key, offset in LAYER_KEYS:
+        ids = (raw if scope == "top" else _eagle_config(raw)).get(key)
+        if ids is None:
+            continue
+        valid = isinstance(ids, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+        found.append(DeclaredLayers(key if scope == "top" else f"{scope}.{key}", ids,
+                                    tuple(i + offset for i in ids) if valid else None))
+    for other in found[1:]:
+        if other.layers is None or found[0].layers is None or sorted(other.layers) != sorted(found[0].layers):
+            raise ViasdError(f"{where}: {_reading(found[0])} and {_reading(other)} name different target "
+                             "layers (vLLM reads the top-level key, SGLang eagle_config's): make them agree in config.json")
+    return found[0] if found else None
 
 
 def feature_layers(raw: dict, n_target_layers: int, where: str) -> tuple[int, int, int]:
     """The three target layers whose input states the head reads, ascending (checked against the target)."""
-    ids = raw.get(LAYER_IDS_KEY, _eagle_config(raw).get(LAYER_IDS_KEY))
-    if ids is None:
-        ids = [2, n_target_layers // 2, n_target_layers - 3]  # EAGLE's and vLLM's default
+    declared = declared_layers(raw, where)
+    if declared is None:
+        ids = [2, n_target_layers // 2, n_target_layers - 3]  # EAGLE's, vLLM's and SGLang's default
         named = f"the default layers (2, L//2, L-3) = {tuple(ids)} of this {n_target_layers}-layer target"
     else:
-        named = f"{LAYER_IDS_KEY} {ids}"
-    if (not isinstance(ids, list) or len(ids) != 3 or any(not isinstance(i, int) or isinstance(i, bool) for i in ids)
-            or len(set(ids)) != 3):
+        ids = declared.layers
+        shifted = ids is not None and list(ids) != declared.given
+        named = f"{declared.key} {declared.given}" + (f" (layer outputs: the inputs of layers {sorted(ids)})" if shifted else "")
+    if ids is None or len(ids) != 3 or len(set(ids)) != 3:
         raise ViasdError(f"{where}: {named} are not three distinct layer indices (set {LAYER_IDS_KEY} in config.json)")
     if any(not 0 <= i < n_target_layers for i in ids):
         raise ViasdError(f"{where}: {named} are out of range: the target has {n_target_layers} layers (0..{n_target_layers - 1})")
@@ -87,7 +134,8 @@ def is_feature_head_folder(folder: str | os.PathLike) -> bool:
     if not isinstance(raw, dict):
         return False
     archs = " ".join(str(a) for a in raw.get("architectures") or []).lower()
-    return "draft_vocab_size" in raw or "eagle" in archs or LAYER_IDS_KEY in raw or "eagle_config" in raw
+    return ("draft_vocab_size" in raw or "eagle" in archs or "eagle_config" in raw
+            or any(key in raw for scope, key, _ in LAYER_KEYS if scope == "top"))
 
 
 def read_head_config(folder: Path) -> dict:

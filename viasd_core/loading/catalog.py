@@ -96,6 +96,73 @@ PAIRS: tuple[Pair, ...] = (
         gated=True,
         draft_kind="feature",
     ),
+    # Qwen3 (not gated). Every Qwen3 size has the same 151936-row vocabulary; the published heads
+    # below are one-layer Llama heads in the EAGLE-3 layout with a 32000-id draft vocabulary (d2t,
+    # t2d). Their parameter counts are computed from the head shapes their trainers' configs give
+    # (AngelSlim's configs/qwen3-*-eagle3.json, SpecForge's configs/qwen3-8b-eagle3.json), not read
+    # from the published files; no real Qwen3 weights were run by viasd (docs/models.md).
+    Pair(
+        name="qwen3-8b",
+        target="Qwen/Qwen3-8B",
+        draft="Qwen/Qwen3-0.6B",
+        target_params=8_190_000_000,
+        draft_params=596_000_000,
+        approx_download_gb=17.6,
+        notes="Same tokenizer and vocabulary (151936 rows); the 0.6B ties its output head to its embedding.",
+    ),
+    Pair(
+        name="qwen3-8b-eagle3",
+        target="Qwen/Qwen3-8B",
+        draft="AngelSlim/Qwen3-8B_eagle3",
+        target_params=8_190_000_000,
+        draft_params=400_000_000,  # fc, one layer (intermediate 12288), lm_head over 32000 draft ids
+        approx_download_gb=17.2,
+        notes="AngelSlim's published EAGLE-3 head for the target; read at the default feature layers "
+        "(2, 18, 33) unless its config names others.",
+        draft_kind="feature",
+    ),
+    Pair(
+        name="qwen3-8b-eagle3-tengyunw",
+        target="Qwen/Qwen3-8B",
+        draft="Tengyunw/qwen3_8b_eagle3",
+        target_params=8_190_000_000,
+        draft_params=400_000_000,  # assumed: SpecForge's qwen3-8b head shapes (the same as AngelSlim's)
+        approx_download_gb=17.2,
+        notes="Another published EAGLE-3 head for the target (Tengyunw's); --draft auto prefers "
+        "qwen3-8b-eagle3's when both are cached.",
+        draft_kind="feature",
+    ),
+    Pair(
+        name="qwen3-1.7b-eagle3",
+        target="Qwen/Qwen3-1.7B",
+        draft="AngelSlim/Qwen3-1.7B_eagle3",
+        target_params=1_720_000_000,
+        draft_params=137_000_000,
+        approx_download_gb=3.7,
+        notes="AngelSlim's published EAGLE-3 head; small enough for CPU.",
+        draft_kind="feature",
+    ),
+    Pair(
+        name="qwen3-4b-eagle3",
+        target="Qwen/Qwen3-4B",
+        draft="AngelSlim/Qwen3-4B_eagle3",
+        target_params=4_020_000_000,
+        draft_params=218_000_000,
+        approx_download_gb=8.5,
+        notes="AngelSlim's published EAGLE-3 head (its attention is 32 heads of 128, wider than the "
+        "target's 2560 hidden size).",
+        draft_kind="feature",
+    ),
+    Pair(
+        name="qwen3-14b-eagle3",
+        target="Qwen/Qwen3-14B",
+        draft="AngelSlim/Qwen3-14B_eagle3",
+        target_params=14_770_000_000,
+        draft_params=610_000_000,
+        approx_download_gb=30.8,
+        notes="AngelSlim's published EAGLE-3 head for the target.",
+        draft_kind="feature",
+    ),
 )
 
 
