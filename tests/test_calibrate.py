@@ -5,10 +5,9 @@ import json
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
+from cli_cases import invoke, prompt_file  # noqa: F401 (prompt_file: a fixture)
 from conftest import FAMILIES, tiny_model
-from viasd_cli.app import get_app
 from viasd_core.calibration.costs import sd_outcome
 from viasd_core.calibration.fit import fit_thresholds
 from viasd_core.calibration.mask_search import MaskEvaluator, search_layer_mask
@@ -160,18 +159,6 @@ def test_profile_round_trip_and_rejections(viasd_home, tmp_path):
 
 
 # ---------------------------------------------------------------------- the command
-def invoke(*args, input=None):
-    return CliRunner().invoke(get_app(), [*map(str, args)], input=input)
-
-
-@pytest.fixture
-def prompt_file(tmp_path):
-    path = tmp_path / "prompts.txt"
-    words = [f"w{i}" for i in range(10, 60)]
-    path.write_text("\n".join(" ".join(words[i : i + 6]) for i in range(0, 48, 6)) + "\n")
-    return path
-
-
 def test_calibrate_meets_budget_on_heldout_then_viasd_generates(tiny_dirs, viasd_home, prompt_file):
     # Only the layer mask on the target's own weights: which of several views wins is decided by timed
     # passes, which a tiny model's microseconds leave to the machine's noise (the choice among views is

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from test_calibrate import invoke, prompt_file  # noqa: F401 (prompt_file: a fixture)
+from cli_cases import invoke, prompt_file  # noqa: F401 (prompt_file: a fixture)
 from viasd_core import paths
 from viasd_core import session as session_module
 

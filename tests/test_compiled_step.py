@@ -7,17 +7,13 @@ the eager path is the same pass function uncompiled, the plain reference.
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from conftest import FAMILIES, TinyTokenizer, tiny_model
+from engine_cases import graphs_compiled
 from viasd_core.decoding.drafters import ModelDrafter
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.decoding.model import PASS_WIDTHS, FastModel
-
-
-def graphs_compiled() -> int:
-    return counters["stats"]["unique_graphs"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

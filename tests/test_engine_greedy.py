@@ -9,37 +9,10 @@ import pytest
 import torch
 
 from conftest import FAMILIES, TinyTokenizer, positions_run, record_forward, tiny_model
-from viasd_core.decoding.drafters import ModelDrafter, NgramDrafter
+from engine_cases import NEW, hf_greedy, make_engine, prompt_for
+from viasd_core.decoding.drafters import ModelDrafter
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.decoding.model import FastModel
-
-NEW = 40
-
-
-def hf_greedy(model, prompt, max_new, eos=None):
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_new, min_new_tokens=0, do_sample=False,
-            eos_token_id=eos, pad_token_id=0,
-        )
-    return out[0, len(prompt):].tolist()
-
-
-def make_engine(target, draft_model=None, ngram=False, eos=(), slim_layers=None):
-    fast = FastModel(target, max_len=128)
-    drafter = None
-    if draft_model is not None:
-        drafter = ModelDrafter(FastModel(draft_model, max_len=128, name="draft"), vocab_size=fast.shape.vocab_size)
-    elif ngram:
-        drafter = NgramDrafter()
-    slim = FastModel(target, layer_ids=slim_layers, max_len=128, name="slim") if slim_layers else None
-    return Engine(fast, TinyTokenizer(), drafter=drafter, slim=slim, eos_token_ids=set(eos))
-
-
-def prompt_for(seed, length=12):
-    g = torch.Generator().manual_seed(100 + seed)
-    return torch.randint(3, 256, (length,), generator=g).tolist()
-
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("draft_kind", ["self", "random"])

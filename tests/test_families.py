@@ -14,9 +14,8 @@ import pytest
 import torch
 
 from conftest import NEW_FAMILIES, TinyTokenizer, tiny_config, tiny_model
-from test_compiled_step import graphs_compiled
-from test_engine_greedy import hf_greedy, make_engine, prompt_for
-from test_row_invariance import PROMPT, SPAN, target, tokens, width_dependent_rows
+from engine_cases import graphs_compiled, hf_greedy, make_engine, prompt_for
+from invariance_cases import PROMPT, SPAN, target, tokens, width_dependent_rows
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.decoding.model import FastModel
 from viasd_core.errors import ViasdError

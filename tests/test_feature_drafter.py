@@ -10,48 +10,19 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import FAMILIES, TinyTokenizer, tiny_model
+from conftest import FAMILIES, tiny_model
+from head_cases import LAYERS, engine_with_head, make_head, prompt_for
 from viasd_core.training import eagle_train
 from viasd_core.training.shared import cosine_lr
-from viasd_core.decoding.hybrid_drafter import HybridDrafter
 from viasd_core.decoding import engine as engine_module
 from viasd_core.decoding.draft_policy import DraftPolicy
-from viasd_core.decoding.engine import Engine, GenerationConfig
-from viasd_core.decoding.feature_drafter import FeatureDrafter
+from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.router import OFF, Thresholds
 from viasd_core.errors import UsageError
 from viasd_core.decoding.sampling import SamplingParams, process_logits
 
-LAYERS = (1, 2, 3)
 NEW = 30
-
-
-def make_head(target, draft_vocab=64, seed=0, full=False):
-    g = torch.Generator().manual_seed(seed)
-    vocab = target.config.vocab_size
-    vocab_map = torch.arange(vocab) if full else torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab]).values
-    head = eagle_train.init_head(target, LAYERS, vocab_map, seed=seed)
-    with torch.no_grad():  # a head that is not the identity-on-the-top-feature start
-        for p in head.midlayer.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.02)
-    head.requires_grad_(False).eval()
-    head.allocate(256)
-    return head
-
-
-def engine_with_head(target, head, slim_layers=None, hybrid=False, max_len=128):
-    fast = FastModel(target, max_len=max_len)
-    drafter = FeatureDrafter(head, fast)
-    if hybrid:
-        drafter = HybridDrafter(drafter)
-    slim = FastModel(target, layer_ids=slim_layers, max_len=max_len, name="slim") if slim_layers else None
-    return Engine(fast, TinyTokenizer(), drafter=drafter, slim=slim)
-
-
-def prompt_for(seed, length=12):
-    g = torch.Generator().manual_seed(300 + seed)
-    return torch.randint(3, 256, (length,), generator=g).tolist()
 
 
 # ---------------------------------------------------------------------- features

@@ -10,19 +10,7 @@ import subprocess
 import pytest
 import torch
 
-
-def pretend_cuda_without_a_c_compiler(monkeypatch, kernel: str) -> None:
-    """Every tensor claims CUDA, triton imports and has not failed yet, and viasd_kernels' Triton
-    entry point `kernel` fails as triton does on a machine with no C compiler."""
-    import viasd_kernels as vk
-
-    def no_compiler(*args, **kwargs):
-        raise RuntimeError("Failed to find C compiler")
-
-    monkeypatch.setattr(vk, "_triton_failed", False)
-    monkeypatch.setattr(vk, "triton_available", lambda: True)
-    monkeypatch.setattr(vk, kernel, no_compiler)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+from fallback_cases import pretend_cuda_without_a_c_compiler
 
 
 def test_route_block_falls_back_to_the_reference_when_triton_cannot_run(monkeypatch):

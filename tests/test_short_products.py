@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES, tiny_model
-from test_engine_greedy import NEW, hf_greedy, make_engine, prompt_for
+from engine_cases import NEW, hf_greedy, make_engine, prompt_for
 from viasd_core.decoding import short_products as sp
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.decoding.model import FastModel
@@ -166,7 +166,7 @@ def test_a_session_measures_it_and_applies_it_to_every_model_and_the_head():
 
 @pytest.mark.parametrize("rows", [sp.PLAIN, sp.BLOCKED, sp.ShortRows(1, 16)], ids=str)
 def test_the_eagle_head_takes_it_too_and_sd_stays_ar(rows):
-    from test_feature_drafter import engine_with_head, make_head
+    from head_cases import engine_with_head, make_head
 
     target = tiny_model("llama", n_layers=5, seed=5)
     head = make_head(target, seed=5)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import TinyTokenizer, tiny_model
-from test_calibrate import invoke, prompt_file  # noqa: F401 (prompt_file: a fixture)
+from cli_cases import invoke, prompt_file  # noqa: F401 (prompt_file: a fixture)
 from viasd_core.decoding import slim_view
 from viasd_core.calibration.candidates import Candidate, choose_candidate, parse_slim_formats, slim_candidates
 from viasd_core.calibration.costs import modeled_tokens_per_s, pass_seconds
@@ -324,7 +324,7 @@ def test_bench_ar_slim_runs_the_view_alone_with_fidelity_against_the_target(tiny
 
 
 def test_a_feature_draft_reads_a_bfloat16_views_features_in_the_targets_dtype():
-    from test_feature_drafter import make_head
+    from head_cases import make_head
 
     from viasd_core.decoding.feature_drafter import FeatureDrafter
 

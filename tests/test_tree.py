@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES, TinyTokenizer, tiny_model
-from test_feature_drafter import engine_with_head, make_head, prompt_for
+from head_cases import engine_with_head, make_head, prompt_for
 from viasd_core.decoding import graph_outputs
 from viasd_core.decoding.drafters import Drafter, Proposal
 from viasd_core.decoding.engine import Engine, GenerationConfig

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import TinyTokenizer, tiny_model
-from test_feature_drafter import make_head
+from head_cases import make_head
 from viasd_core.decoding.drafters import ModelDrafter, NgramDrafter
 from viasd_core.decoding.engine import Engine
 from viasd_core.decoding.feature_drafter import FeatureDrafter
@@ -17,7 +17,7 @@ from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.tree import TreeShape
 from viasd_core.decoding.tree_size import Option, choose, interpolate
 from viasd_core.errors import UsageError
-from viasd_core import tree_choice
+from viasd_core.machine import tree as tree_choice
 
 PROMPTS = [[5, 9, 17, 33, 2, 8], [40, 41, 42, 7, 7, 3, 1]]
 CHAIN3 = Option("chain of 3", None, 4, 2.0, 0.004)
