@@ -7,7 +7,7 @@ The layouts, and what their layer numbers mean (eagle_files.LAYER_KEYS, from the
   - AngelSlim's published heads (AngelSlim/Qwen3-*_eagle3) and Tengyunw's: EAGLE-3 names, a 32000-id
     draft vocabulary, no layer ids: the default (2, L//2, L-3), as vLLM and SGLang read them;
   - a top-level `eagle_aux_hidden_state_layer_ids` (vLLM, EAGLE-3, speculators): layer inputs;
-  - `eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang, ModelOpt): layer outputs, one added;
+  - `eagle_config.eagle_aux_hidden_state_layer_ids` (SGLang): layer outputs, one added;
   - `aux_hidden_states_layer_ids` (AngelSlim's trainer reads hidden_states[id + 1]): one added;
   - the speculators layout (`layers.0.*`, nested config, norm_before_residual): layer inputs.
 No real Qwen3 weights are used: the heads are random, written with the published names and keys.

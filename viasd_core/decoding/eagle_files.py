@@ -28,7 +28,7 @@ def _int(raw: dict, key: str, where: str, default=None) -> int:
 
 
 def _eagle_config(raw: dict) -> dict:
-    """The nested `eagle_config` settings (SGLang's and ModelOpt's spelling), when the config has them."""
+    """The nested `eagle_config` settings (what SGLang reads), when the config has them."""
     return raw["eagle_config"] if isinstance(raw.get("eagle_config"), dict) else {}
 
 
@@ -39,8 +39,8 @@ def _eagle_config(raw: dict) -> dict:
 #   top-level eagle_aux_hidden_state_layer_ids, offset 0: EAGLE-3 and the speculators layout, as
 #       vLLM reads them (gpu_model_runner passes them on as they are; its models keep the residual
 #       entering layer i);
-#   eagle_config.eagle_aux_hidden_state_layer_ids, offset 1: SGLang's and NVIDIA ModelOpt's, which
-#       name the layer whose OUTPUT is read (SGLang's set_eagle3_layers_to_capture adds 1);
+#   eagle_config.eagle_aux_hidden_state_layer_ids, offset 1: what SGLang reads; its numbers name
+#       the layer whose OUTPUT is read (SGLang's set_eagle3_layers_to_capture adds 1);
 #   top-level aux_hidden_states_layer_ids, offset 1: AngelSlim's trainer, which reads
 #       hidden_states[id + 1] (target_model_wrapper._extract_auxiliary_hidden_states).
 # A config without any leaves the target's default, (2, L//2, L-3) in viasd's index, which EAGLE's,
