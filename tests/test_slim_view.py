@@ -178,13 +178,20 @@ def assert_greedy_choices(model, prompt_ids, tokens, positions):
     """tokens[i] is `model`'s greedy choice at every i in `positions`, up to bf16 rounding:
     transformers' forward over the whole text rounds bf16 attention differently from our short
     passes, so a near tie (2 bf16 steps at the top logit) may go either way; no more than 2 do. The
-    forward runs the packed formats' decode kernels at every row (not the dense prefill product)."""
-    from unittest import mock
-
+    forward runs the packed formats' decode kernels at every row (not the dense prefill product: each
+    packed layer's bound threshold lifted for the call)."""
     from viasd_core.decoding import packed_linear
 
-    with torch.no_grad(), mock.patch.object(packed_linear, "DENSE_PREFILL_ROWS", 1 << 30):
-        logits = model(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1 : -1].float()
+    layers = [m for m in model.modules() if isinstance(m, packed_linear.PackedLinear)]
+    bound = [m._dense_rows for m in layers]
+    try:
+        for m in layers:
+            m._dense_rows = packed_linear.NO_DENSE_ROWS
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt_ids + tokens])).logits[0, len(prompt_ids) - 1 : -1].float()
+    finally:
+        for m, rows in zip(layers, bound):
+            m._dense_rows = rows
     ties = 0
     for i in positions:
         top = logits[i].max()
