@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.decoding.grammar import grammar_option
 from viasd_core.errors import UsageError
 from viasd_core.decoding.fidelity import fidelity
 from viasd_core.loading.prompts import encode
@@ -32,6 +33,8 @@ EXAMPLES
   viasd generate -m ./model.Q4_K_M.gguf "..."           (a GGUF file: converted once, weights dequantized)
 
   viasd generate -m Qwen/Qwen2.5-0.5B-Instruct "..."    (a hub id: downloaded on first use)
+
+  viasd generate --json-schema person.json "Describe Ada Lovelace as JSON"   (output constrained to the schema)
 """
 
 
@@ -69,8 +72,12 @@ def generate(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No statistics or progress on stderr (a clipped --max-new-tokens is still said).")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also say on stderr what viasd chose for this machine (weights, draft, threads, short passes, compile, trees) and why.")] = False,
     fidelity_check: Annotated[Optional[bool], typer.Option("--fidelity/--no-fidelity", help="Measure fidelity with one teacher-forced target pass (default: on in viasd mode).")] = None,
+    json_schema: Annotated[Optional[str], typer.Option("--json-schema", help="The output is JSON matching this schema: a file, or the schema's JSON text ('{\"type\": \"object\"}' for any object). Exact in sd/exact as unconstrained.")] = None,
+    grammar: Annotated[Optional[str], typer.Option("--grammar", help="The output matches the grammar in this file (GBNF; Lark for a .lark file).")] = None,
+    regex: Annotated[Optional[str], typer.Option("--regex", help="The output matches this regular expression.")] = None,
 ):
     """Generate text for each prompt; text (or JSON lines) on stdout, statistics on stderr."""
+    config.grammar = grammar_option(json_schema, grammar, regex)  # checked before any model loads
     texts = read_prompts(prompts or [], lines)
     log = StderrLog(quiet)
     session = open_session(opts, config, progress=log)

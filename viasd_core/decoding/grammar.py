@@ -58,6 +58,40 @@ class Grammar:
         return grammar
 
 
+def grammar_option(json_schema: str | None = None, grammar: str | None = None, regex: str | None = None) -> Grammar | None:
+    """The grammar the command line asks for (`viasd generate`), checked before any model loads; a
+    one-line UsageError for two at once, an unreadable file or an invalid grammar.
+
+    json_schema: a file holding the schema, or the schema's JSON text; grammar: a file of GBNF or
+    Lark (by its suffix: `.lark` is Lark, anything else GBNF; llguidance reads both); regex: the pattern."""
+    given = [(n, v) for n, v in (("--json-schema", json_schema), ("--grammar", grammar), ("--regex", regex)) if v is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise UsageError(f"{' and '.join(n for n, _ in given)} each constrain the output: give one")
+    if regex is not None:
+        out = Grammar("regex", regex)
+    elif grammar is not None:
+        out = Grammar("lark" if grammar.endswith(".lark") else "gbnf", _read(grammar, "--grammar"))
+    else:
+        text = _read(json_schema, "--json-schema") if not json_schema.lstrip().startswith(("{", "[")) else json_schema
+        try:
+            out = Grammar.json_schema(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--json-schema is not JSON: {e.msg} (line {e.lineno}, column {e.colno})")
+    out.definition()  # a one-line UsageError when llguidance refuses it
+    return out
+
+
+def _read(path: str, option: str) -> str:
+    from pathlib import Path
+
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"{option}: cannot read '{path}': {e.strerror or e}")
+
+
 def _first_line(error) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
