@@ -325,3 +325,24 @@ def test_a_local_target_is_checked_against_the_head(head_dir, tmp_path):
     with pytest.raises(ViasdError, match="vocab size"):
         export_head(head_dir, "vllm", tmp_path / "no", target=str(tmp_path / "other"))
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("key, nested", [("eagle_aux_hidden_state_layer_ids", True), ("aux_hidden_states_layer_ids", False)],
+                         ids=["sglang-eagle_config", "angelslim-trainer"])
+def test_layer_ids_given_as_layer_outputs_export_at_the_layers_viasd_reads(tmp_path, key, nested):
+    """SGLang's eagle_config key and AngelSlim's trainer key name layer outputs (one lower than the
+    inputs viasd and vLLM's top-level key name): the export writes the inputs at the top level and
+    the outputs under eagle_config, and drops the trainer's own key."""
+    folder = _make_head(tmp_path / "h")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("eagle_aux_hidden_state_layer_ids", None)
+    outputs = [i - 1 for i in LAYERS]
+    if nested:
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": outputs}
+    else:
+        cfg[key] = outputs
+    (folder / "config.json").write_text(json.dumps(cfg))
+    out = json.loads((export_head(folder, "vllm", tmp_path / "v").folder / "config.json").read_text())
+    assert out["eagle_aux_hidden_state_layer_ids"] == list(LAYERS)
+    assert out["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == outputs
+    assert "aux_hidden_states_layer_ids" not in out

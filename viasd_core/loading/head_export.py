@@ -33,7 +33,8 @@ from torch import nn
 
 from viasd_core import paths
 from viasd_core.decoding.eagle import CONFIG, EMBED, LAYER_IDS_KEY, SAFETENSORS, FeatureHead
-from viasd_core.decoding.eagle_files import check_head_config, check_head_tensors, read_head_config, read_head_weights
+from viasd_core.decoding.eagle_files import (LAYER_KEYS, check_head_config, check_head_tensors, declared_layers,
+                                             read_head_config, read_head_weights)
 from viasd_core.decoding.head_layouts import speculators_config, speculators_tensors
 from viasd_core.errors import UsageError, ViasdError
 
@@ -109,12 +110,10 @@ def _checked_head(folder: Path, target_config) -> tuple[dict, dict[str, torch.Te
     (None when the config leaves them to the target's default), checked as loading checks them."""
     where = f"EAGLE-3 head '{folder}'"
     raw = read_head_config(folder)
-    declared = raw.get(LAYER_IDS_KEY)
-    if declared is None and isinstance(raw.get("eagle_config"), dict):
-        declared = raw["eagle_config"].get(LAYER_IDS_KEY)
+    declared = declared_layers(raw, where)  # every layout's key, in viasd's index (eagle_files.LAYER_KEYS)
     if target_config is None:  # the head's own sizes stand in for the target's
         hidden = raw.get("target_hidden_size") or raw.get("hidden_size")
-        top = max(declared) + 1 if isinstance(declared, list) and declared and all(isinstance(i, int) for i in declared) else 64
+        top = max(declared.layers) + 1 if declared is not None and declared.layers else 64
         target_config = SimpleNamespace(hidden_size=hidden, vocab_size=raw.get("vocab_size"), num_hidden_layers=top)
     layers = check_head_config(raw, target_config, where)
     tensors = read_head_weights(folder)
@@ -146,7 +145,9 @@ def _target_config(target: str | None):
 # ---------------------------------------------------------------------- the files
 def eagle3_config(raw: dict, layers: tuple[int, int, int] | None) -> dict:
     """config.json of the eagle3 layout (module docstring)."""
-    cfg = {k: v for k, v in raw.items() if k not in TRAINING_KEYS and k != "eagle_config"}
+    # the layer keys are written anew below, in the spellings the engines read (a trainer's own key dropped)
+    cfg = {k: v for k, v in raw.items() if k not in TRAINING_KEYS and k != "eagle_config"
+           and k not in {key for scope, key, _ in LAYER_KEYS if scope == "top"}}
     cfg.update({"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
                 "tie_word_embeddings": False,
                 "draft_vocab_size": int(raw.get("draft_vocab_size") or raw["vocab_size"]),
