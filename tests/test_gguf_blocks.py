@@ -166,7 +166,7 @@ def test_the_real_smollm2_q4_1_file_runs_its_own_blocks(viasd_home):
     """Every Q4_1 layer of the embedded SmolLM2 within the bound of the file's dequantized value; the
     teacher-forced greedy agreement of `--quant gguf` with the float32 dequantized run over 3
     Spec-Bench prompts (a stand-in for agreement with llama.cpp, which does not run here)."""
-    from test_real_smollm2 import spec_bench_prompts
+    from spec_bench_cases import spec_bench_prompts
 
     from viasd_core.loading.models import embedded_gguf, load_model
 

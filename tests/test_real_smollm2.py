@@ -5,13 +5,11 @@ On three Spec-Bench prompts shipped in benchmarks/data, fp32 greedy: `ar` equals
 `exact` are token-identical to `ar`, while every draft really gets tokens accepted.
 """
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 
-SPEC_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "spec_bench_dev.jsonl"
+from spec_bench_cases import spec_bench_prompts, spec_bench_rows
+
 NEW = 64
 
 
@@ -34,14 +32,8 @@ def smollm2(tmp_path_factory):
     return loaded
 
 
-def spec_bench_prompts(categories=("writing", "summarization", "qa")):
-    """The first turn of the first question of each category, from the repository's copy."""
-    rows = [json.loads(line) for line in SPEC_BENCH.read_text(encoding="utf-8").splitlines()]
-    return {cat: next(r for r in rows if r["category"] == cat)["turns"][0] for cat in categories}
-
-
 def test_spec_bench_prompts_ship_with_the_repository():
-    rows = [json.loads(line) for line in SPEC_BENCH.read_text(encoding="utf-8").splitlines()]
+    rows = spec_bench_rows()
     assert len(rows) == 320 and len({r["question_id"] for r in rows}) == 320
     assert len({r["category"] for r in rows}) == 13
     assert all(r["turns"] and all(isinstance(t, str) and t.strip() for t in r["turns"]) for r in rows)
