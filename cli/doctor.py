@@ -74,6 +74,12 @@ def doctor(
         for key, value in report.environment.items():
             env.add_row(key, _shown(key, value))
         out.print(env)
+        if report.machine:
+            machine = Table("decision", "version", "chosen", "why", title="machine profile (in the order decided)")
+            for d in report.machine["decisions"]:
+                machine.add_row(d["decision"], "-" if d["version"] is None else str(d["version"]),
+                                d["value"] or "not decided here", d["reason"] or "")
+            out.print(machine)
         checks = Table("check", "result", "detail")
         style = {PASS: "green", FAIL: "bold red"}
         for c in report.checks:

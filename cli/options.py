@@ -12,14 +12,14 @@ from typing import Annotated, Optional
 
 import typer
 
-from viasd_core.compile_choice import parse_compile
+from viasd_core.machine.compile import parse_compile
 from viasd_core.decoding import exactness
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.errors import ViasdError
 from viasd_core.loading.models import EMBEDDED_TARGET
 from viasd_core.session import Session, build_session, choose_first_block, choose_tree, thresholds_of
-from viasd_core.threads import parse_threads
-from viasd_core.tree_choice import parse_tree
+from viasd_core.machine.threads import parse_threads
+from viasd_core.machine.tree import parse_tree
 from viasd_core.loading.options import ModelOptions
 
 DEFAULT_MODEL = EMBEDDED_TARGET
@@ -123,7 +123,7 @@ def generation_options(max_new_tokens: int):
 
 def open_session(opts: ModelOptions, config: GenerationConfig, progress, long_lived: bool = False) -> Session:
     """The session for `config.mode`; the config then gets the profile's thresholds and is validated.
-    `long_lived`: a server's session (compiling at start-up may pay on a CPU: compile_choice.py)."""
+    `long_lived`: a server's session (compiling at start-up may pay on a CPU: machine/compile.py)."""
     parse_tree(opts.tree)  # fail fast, before loading models
     parse_threads(opts.threads)
     parse_compile(opts.compile)

@@ -1,4 +1,4 @@
-"""Whether bfloat16 products pay, measured once a machine (viasd_core/bf16_choice.py), and the
+"""Whether bfloat16 products pay, measured once a machine (viasd_core/machine/bf16.py), and the
 two choices made from it: training's autocast (training/shared.resolve_bf16) and the int formats'
 prefill product (decoding/packed_cpu.dense_dtype, tested in test_weight_formats.py)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from viasd_core import bf16_choice
+from viasd_core.machine import bf16 as bf16_choice
 from viasd_core.training import eagle_train
 from viasd_core.training.shared import resolve_bf16
 

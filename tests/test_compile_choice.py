@@ -1,4 +1,4 @@
-"""`--compile auto|on|off` (viasd_core/compile_choice.py): the rule, the per-machine cache that
+"""`--compile auto|on|off` (viasd_core/machine/compile.py): the rule, the per-machine cache that
 `viasd doctor` fills, where nothing is measured, and a real timing on a tiny model."""
 
 import json
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from viasd_core import compile_choice
-from viasd_core.compile_choice import MARGIN, resolve_compile, time_compiled
+from viasd_core.machine import compile as compile_choice
+from viasd_core.machine.compile import MARGIN, resolve_compile, time_compiled
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.weight_format import INT8
 from viasd_core.decoding.weight_formats import apply_weight_format

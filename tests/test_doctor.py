@@ -10,7 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
-from viasd_core import compile_choice
+from viasd_core.machine import compile as compile_choice
 from viasd_core.decoding import attention, packed_cpu, short_products
 from viasd_kernels import cpu_build, cpu_int4_widen
 from viasd_core.decoding.engine import GenerationConfig
@@ -359,7 +359,7 @@ def test_compiled_against_eager_allows_rounding_only(tiny_dirs, viasd_home, monk
 def test_doctor_shows_the_verify_curve_of_each_format_auto_chooses_between(tiny_dirs, viasd_home, monkeypatch):
     from viasd_core.decoding.weight_format import INT4, NONE
     from viasd_core.frontends import doctor as core_doctor
-    from viasd_core.tree_choice import CURVE_WIDTHS
+    from viasd_core.machine.tree import CURVE_WIDTHS
 
     monkeypatch.setattr(core_doctor, "auto_candidates", lambda model, device, dtype: ((NONE, INT4), None))
     args = ("-m", tiny_dirs["target"], "-d", "ngram", "--prompts", 1, "-n", 4, "--threads", 1)

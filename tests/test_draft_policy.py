@@ -3,8 +3,8 @@
 import pytest
 
 from conftest import TinyTokenizer, tiny_model
-from viasd_core.decoding.draft_policy import (FLOOR, PLAIN_MARGIN, SPEC_FIRST, UNMEASURED_START, DraftPolicy,
-                                               first_block)
+from viasd_core.decoding.draft_policy import FLOOR, PLAIN_MARGIN, SPEC_FIRST, UNMEASURED_START, DraftPolicy
+from viasd_core.machine.first_block import first_block
 from viasd_core.decoding.drafters import ModelDrafter
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.decoding.model import FastModel

@@ -1,4 +1,4 @@
-"""`--quant auto` chosen by timing this machine (viasd_core/format_choice.py): the rule on synthetic
+"""`--quant auto` chosen by timing this machine (viasd_core/machine/format.py): the rule on synthetic
 timings, the cache (per model and machine, dropped by doctor), where auto does not measure at all,
 and a real timing of every candidate on a tiny model."""
 
@@ -8,9 +8,9 @@ import math
 
 import torch
 
-from viasd_core.loading import format_choice
+from viasd_core.machine import format as format_choice
 from viasd_core.decoding.weight_format import INT4, INT8, NONE
-from viasd_core.loading.format_choice import TIE, choose_format, pick
+from viasd_core.machine.format import TIE, choose_format, pick
 from viasd_core.loading.models import forget_format, resolve_format
 
 from conftest import needs_torchao

@@ -63,8 +63,8 @@ def test_sd_starts_from_the_measured_chain_unless_given_a_block(tiny_dirs, head_
     from typer.testing import CliRunner
 
     from viasd_cli.app import get_app
-    from viasd_core import tree_choice
-    from viasd_core.decoding.draft_policy import first_block
+    from viasd_core.machine import tree as tree_choice
+    from viasd_core.machine.first_block import first_block
     from viasd_core.decoding.engine import Engine
 
     seen = []
@@ -103,7 +103,7 @@ def test_doctor_checks_trees_and_shows_the_verify_curve(tiny_dirs, head_dir, via
     from typer.testing import CliRunner
 
     from viasd_cli.app import get_app
-    from viasd_core.tree_choice import CURVE_WIDTHS
+    from viasd_core.machine.tree import CURVE_WIDTHS
 
     args = ["doctor", "-m", str(tiny_dirs["target"]), "-d", str(head_dir), "--prompts", "1", "-n", "8"]
     r = CliRunner().invoke(get_app(), args + ["--json"])

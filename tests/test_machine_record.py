@@ -1,4 +1,4 @@
-"""devices.MachineRecord: the one cache of this machine's measurements that the auto choices share
+"""machine/record.py's MachineRecord: the one cache of this machine's measurements that the auto choices share
 (format, compilation, tree, short products): where a record lives, what it stores beside the
 measurement, and what `load` makes of a missing, broken or foreign file."""
 
@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from viasd_core.devices import MachineRecord, machine_identity
+from viasd_core.machine.record import MachineRecord, machine_identity
 
 CPU = torch.device("cpu")
 

@@ -1,4 +1,4 @@
-"""`--threads auto|N` (viasd_core/threads.py): the count a session's passes use, timed at start-up."""
+"""`--threads auto|N` (viasd_core/machine/threads.py): the count a session's passes use, timed at start-up."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
-from viasd_core import threads
+from viasd_core.machine import threads
 from viasd_core.errors import UsageError
-from viasd_core.threads import candidates, parse_threads, pick, resolve_threads
+from viasd_core.machine.threads import candidates, parse_threads, pick, resolve_threads
 
 
 def test_the_option_parses_auto_and_counts_and_refuses_the_rest():

@@ -82,7 +82,7 @@ def check_dense_prefill_rows(monkeypatch, packed, name: str, weight: torch.Tenso
 
 
 def dense_products_in(monkeypatch, pays: bool) -> torch.dtype:
-    """bf16_choice's verdict set to `pays`; returns the dtype a CPU prefill's dense product then runs in."""
+    """machine/bf16.py's verdict set to `pays`; returns the dtype a CPU prefill's dense product then runs in."""
     from viasd_core.decoding import packed_cpu
 
     monkeypatch.setattr(packed_cpu, "bf16_products_pay", lambda device="cpu": pays)

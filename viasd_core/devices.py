@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import platform
 from pathlib import Path
 
 import torch
 
-from viasd_core import paths
 from viasd_core.errors import UsageError, ViasdError
 
 
@@ -67,22 +64,6 @@ def device_name(device: torch.device) -> str:
     return f"cpu: {platform.processor() or platform.machine()}"
 
 
-def machine_identity(device: torch.device) -> dict:
-    """What a cached measurement of this machine is keyed by: the device's name, on a CPU the
-    instruction set PyTorch's kernels use here (AVX512, AVX2, ...), the class in force and the usable cores, and
-    PyTorch's version. A cached choice is measured again when any of them changes."""
-    identity = {"device": device_name(device), "torch": torch.__version__}
-    if device.type == "cpu":
-        from viasd_kernels import cpu_build
-
-        identity["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
-        # the class viasd's kernels and oneDNN/MKL run (VIASD_MAX_CPU_ISA): ATen's capability does not
-        # tell AVX-512 with BF16 from AVX-512 without it, and bfloat16 products pay only with it
-        identity["isa_class"] = cpu_build.isa_class()
-        identity["cores"] = usable_cores()
-    return identity
-
-
 def usable_cores() -> int:
     """The cores this process may run on (its CPU affinity, e.g. a container's share)."""
     try:
@@ -91,40 +72,11 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def machine_cache(kind: str, device: torch.device, key: dict) -> Path:
-    """The file that caches a measurement of this machine: `kind`-DIGEST.json in the user's cache
-    folder, DIGEST naming the machine's identity, the thread count and `key` (what was measured)."""
-    blob = json.dumps({**machine_identity(device), "threads": torch.get_num_threads(), **key}, sort_keys=True)
-    return paths.cache_dir() / "machine" / f"{kind}-{hashlib.sha256(blob.encode()).hexdigest()[:16]}.json"
+def __getattr__(name: str):
+    # TODO(#47): decoding/short_products.py still imports MachineRecord from here; its owner moves the
+    # short-products record to viasd_core.machine.record (machine/profile.py names the decision)
+    if name == "MachineRecord":
+        from viasd_core.machine.record import MachineRecord
 
-
-class MachineRecord:
-    """One cached measurement of this machine (the `auto` choices: weight format, compilation, tree,
-    short products): a JSON file at `machine_cache(kind, device, key + version)`.
-
-    `store` writes the record with what it was measured on (`version`, `key`, the machine's identity,
-    the thread count), through a temporary file and a rename. `load` gives the stored record, or None
-    when there is none or it cannot be read as a JSON object (the caller then measures again; `exists`
-    tells the two apart). A record whose fields do not fit is the caller's to judge."""
-
-    def __init__(self, kind: str, device: torch.device, key: dict, version: int):
-        self.device, self.key, self.version = device, dict(key), version
-        self.path = machine_cache(kind, device, {**self.key, "version": version})
-
-    def exists(self) -> bool:
-        return self.path.exists()
-
-    def load(self) -> dict | None:
-        try:
-            data = json.loads(self.path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):  # missing, unreadable, not JSON (UnicodeDecodeError is a ValueError)
-            return None
-        return data if isinstance(data, dict) else None
-
-    def store(self, record: dict) -> None:
-        paths.atomic_write_json(self.path, {"version": self.version, **self.key, "machine": machine_identity(self.device),
-                                            "threads": torch.get_num_threads(), **record})
-
-    def forget(self) -> None:
-        self.path.unlink(missing_ok=True)
-
+        return MachineRecord
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,7 +6,7 @@ One session with `--compile on` (float32, the embedded target), the 26 held-out 
 docs/results/cpu-prompts.jsonl, greedy `ar`. Each prompt runs compiled, then with the target's
 passes eager (the same model, its graphs kept: FastModel.eager), so drift on a shared machine falls
 on both alike. Reports decode milliseconds per token (time after the first token over the tokens
-after it: prefill runs eager either way) and the probe's own timing (compile_choice.time_compiled)
+after it: prefill runs eager either way) and the probe's own timing (machine/compile.py: time_compiled)
 taken in the same process (docs/experiments/startup-compile-first-block.md).
 """
 
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from viasd_core.compile_choice import time_compiled
+from viasd_core.machine.compile import time_compiled
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.devices import device_name
 from viasd_core.loading.options import ModelOptions

@@ -76,7 +76,7 @@ def session_meta(session: Session, config: BenchConfig, prompts_source: str | No
         greedy=True, prompts=prompts_source or "shipped default set", n_prompts=n_prompts,
         peak_memory=peak_memory_source(session.engine.device),
         compiled=session.engine.compiled, compile_seconds=session.compile_seconds,
-        compile_reason=session.compile.reason if session.compile else None,  # why compiled or not (compile_choice.py)
+        compile_reason=session.compile.reason if session.compile else None,  # why compiled or not (machine/compile.py)
         max_context=session.engine.context_len,
         tree=None if session.tree is None else session.tree.to_dict(),  # sd-tree's size, why, what it rests on
         # sd's first block where -g was left unset (gamma None), and why

@@ -20,7 +20,7 @@ block, one fewer after a block of which nothing was kept, never fewer than its f
 or the measured first block below). Pure bookkeeping: no model, no tensor.
 
 The first block, where the user leaves it to viasd (no `-g`): the chain length that `--tree auto`'s
-probe measured fastest on this machine (tree_choice.py), never below FLOOR; UNMEASURED_START where
+probe measured fastest on this machine (machine/first_block.py), never below FLOOR; UNMEASURED_START where
 nothing was measured (`--tree off` or N, other modes). A measured first block is also the block's
 floor (GenerationConfig.start_at_measured): it shrinks after empty blocks no further than the length
 this machine's verify curve and the draft's acceptance favour. On a 2-core CPU the probe picks a
@@ -47,19 +47,6 @@ FLOOR = 2  # drafts: an adaptive block never shrinks below this (unless it start
 PLAIN_MARGIN = 0.20  # plain steps are taken only where they measure this much faster than drafting
 SPEC_FIRST = 8  # speculative steps measured before the first plain step is (the first blocks are noisy)
 UNMEASURED_START = 5  # the first block where no probe measured one (GenerationConfig.gamma's default)
-
-
-def first_block(best_chain: int | None, gamma_max: int) -> tuple[int, str]:
-    """The first block (every block with --fixed) when the user gave none: `best_chain`, the
-    probe's fastest chain length on this machine, raised to FLOOR and held to gamma_max; or
-    UNMEASURED_START when nothing was measured (None). Returns (drafts, why)."""
-    if best_chain is None:
-        return min(UNMEASURED_START, gamma_max), "not measured here (--tree auto's probe did not run)"
-    start = max(FLOOR, min(best_chain, gamma_max))
-    why = f"the probe's fastest chain on this machine is {best_chain} draft{'s' if best_chain != 1 else ''}"
-    if start != best_chain:
-        why += f"; raised to the floor of {FLOOR}" if start > best_chain else f"; held to {gamma_max}"
-    return start, why
 
 
 @dataclass

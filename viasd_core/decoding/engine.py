@@ -44,7 +44,7 @@ class GenerationConfig:
     max_new_tokens: int = 128
     gamma: int = UNMEASURED_START
     # True where the user gave no block length (the CLI without -g): open_session then sets `gamma`
-    # to the first block measured on this machine for sd (draft_policy.first_block)
+    # to the first block measured on this machine for sd (machine/first_block.py)
     auto_gamma: bool = False
     adaptive: bool = True
     gamma_max: int = 12
@@ -95,7 +95,7 @@ class GenerationConfig:
 
     def start_at_measured(self, block: int) -> None:
         """Start sd's blocks at the length measured fastest on this machine (the user gave no -g):
-        an adaptive block then never shrinks below it either (draft_policy.first_block)."""
+        an adaptive block then never shrinks below it either (machine/first_block.py)."""
         self.gamma = self.gamma_floor = block
 
     @property

@@ -10,7 +10,7 @@ import torch
 from viasd_kernels import cpu_int4_widen, cpu_packed_mm
 
 from viasd_core import paths
-from viasd_core.bf16_choice import bf16_products_pay
+from viasd_core.machine.bf16 import bf16_products_pay
 
 PACKED_KERNEL = True  # short CPU passes through viasd_kernels.cpu_packed_mm where it runs (the option's default)
 
@@ -94,7 +94,7 @@ def _int4_dense_reference(qdata: torch.Tensor, group: int, scale_and_zero: torch
 
 def dense_dtype(activations: torch.dtype) -> torch.dtype:
     """The dtype of a CPU prefill's dense product: the activations', except bfloat16 where bfloat16
-    products do not pay on this CPU (no bfloat16 instructions: bf16_choice), then float32 over the
+    products do not pay on this CPU (no bfloat16 instructions: machine/bf16.py), then float32 over the
     same weight values (a 768-token int4 prefill of SmolLM2 on an AVX2-only CPU: 10.8 s in bfloat16)."""
     if activations == torch.bfloat16 and not bf16_products_pay("cpu"):
         return torch.float32

@@ -9,7 +9,7 @@ maximises expected tokens per second:
 
 A plain step is the option with tau 1, no draft and a 1-wide pass. On a GPU the verify curve is
 nearly flat up to 16, so the widest tree with the most tau wins; on a CPU, where each extra row
-costs, a chain or a small tree does. Pure arithmetic: the measurements come from tree_choice.py.
+costs, a chain or a small tree does. Pure arithmetic: the measurements come from machine/tree.py.
 """
 
 from __future__ import annotations

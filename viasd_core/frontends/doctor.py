@@ -21,10 +21,9 @@ from viasd_core.devices import device_name
 from viasd_core.decoding import attention, packed_cpu, short_products, weight_formats
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.session import Session, choose_first_block, choose_tree
-from viasd_core.loading.format_choice import time_formats
 from viasd_core.loading.models import auto_candidates
-from viasd_core.tree_choice import CURVE_WIDTHS, shape_for_size
-from viasd_core.bf16_choice import verdict as bf16_verdict
+from viasd_core.machine.format import time_formats
+from viasd_core.machine.tree import CURVE_WIDTHS, shape_for_size
 from viasd_core.decoding.stats import RunStats
 
 from viasd_core.frontends.doctor_checks import (FAIL, Check, check_compiled_matches_eager, check_exact_mode,
@@ -40,6 +39,7 @@ class DoctorReport:
     # the target's verify curve at each format --quant auto chooses between (speed probe only;
     # None where it has no choice): format -> {width: seconds}
     format_curves: dict | None = None
+    machine: dict | None = None  # the machine profile's picture once the checks ran (machine/profile.py)
 
     @property
     def ok(self) -> bool:
@@ -48,20 +48,23 @@ class DoctorReport:
     def to_dict(self) -> dict:
         return {"ok": self.ok, "environment": self.environment, "checks": [asdict(c) for c in self.checks],
                 "speed": self.speed, "tree": self.tree, "first_block": self.first_block,
-                "format_curves": self.format_curves}
+                "format_curves": self.format_curves, "machine": self.machine}
 
 
 def environment(session: Session, refresh: bool = False) -> dict:
     """The set-up; `cuda_graphs` is filled in by run_doctor once generations have run. `refresh`
-    measures the machine-wide verdicts again (the bfloat16 products) instead of reading the cache."""
+    measures the machine-wide verdicts again (the bfloat16 products) instead of reading the cache.
+    What was decided for this machine, and why, is read from the session's machine profile."""
     engine = session.engine
     device = engine.device
+    machine = session.machine.resolved
+    bf16_products = session.machine.bf16_products(refresh)
     env = {
         "device": str(device),
         "device_name": device_name(device),
         "dtype": str(engine.target.dtype).replace("torch.", ""),
         "quantization": session.options.quant,
-        "quantization_reason": session.target.format_reason,
+        "quantization_reason": session.target.format_reason,  # with its "<format>: " (the profile drops it)
         "target": session.target.model_id,
         "draft": session.draft_id,
         "max_context": engine.context_len,
@@ -69,10 +72,10 @@ def environment(session: Session, refresh: bool = False) -> dict:
         "cuda_graphs": None,
         "cuda_graphs_recorded": None,
         "compile_seconds": session.compile_seconds,
-        "compile_reason": session.compile.reason if session.compile else None,
+        "compile_reason": machine["compile"].reason if "compile" in machine else None,
         "threads": torch.get_num_threads(),
-        "threads_reason": session.threads.reason if session.threads else None,
-        "short_passes": session.short_rows_reason or None,
+        "threads_reason": machine["threads"].reason if "threads" in machine else None,
+        "short_passes": machine["short-rows"].reason or None if "short-rows" in machine else None,
         "instruction_set": cpu_isa.in_force()[1] if device.type == "cpu" else None,
         "float32_products": (short_products.invariant_way() if engine.target.row_attention and engine.target.dtype == torch.float32
                              else None),
@@ -84,7 +87,7 @@ def environment(session: Session, refresh: bool = False) -> dict:
                           if str(session.target.format) == "int4" and device.type == "cpu" else None),
         "cuda_available": torch.cuda.is_available(),
         "bf16_supported": bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()),
-        "bf16_products": bf16_verdict(device, refresh=refresh),
+        "bf16_products": bf16_products,
         "exactness": promise_words(exactness(engine.target)),
         "exactness_reason": exactness(engine.target).why,
         **versions(),
@@ -154,4 +157,5 @@ def run_doctor(session: Session, prompts_ids: list[list[int]], max_new_tokens: i
     recorded = cuda_graphs_recorded(session.engine.device)
     report.environment["cuda_graphs_recorded"] = recorded
     report.environment["cuda_graphs"] = None if recorded is None else recorded > 0
+    report.machine = session.machine.picture()
     return report

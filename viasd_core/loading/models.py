@@ -24,7 +24,7 @@ from viasd_core.errors import UsageError, ViasdError
 from viasd_core.decoding.families import check_family
 from viasd_core.decoding.weight_format import AUTO, BITSANDBYTES, NONE, TORCHAO, WeightFormat
 from viasd_core.decoding.weight_formats import activation_dtype, apply_weight_format
-from viasd_core.loading.format_choice import QUALITY_MEASURED, choose_format, forget
+from viasd_core.machine.format import QUALITY_MEASURED, choose_format, forget
 
 EMBEDDED_TARGET = "smollm2-135m"
 EMBEDDED_ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "embedded"}
@@ -190,7 +190,7 @@ def resolve_format(text: str | WeightFormat, model_ref: str | None, device: torc
                    dtype: str | None, progress=None) -> tuple[WeightFormat, str]:
     """`--quant text` for the model `model_ref` -> (its format, why). `auto`: on a CPU, for a model
     whose formats' quality was measured (the embedded target), the fastest of them on this machine,
-    timed once and cached (format_choice.py); none elsewhere (not measured there) and where --dtype
+    timed once and cached (machine/format.py); none elsewhere (not measured there) and where --dtype
     was given. Any other spelling is parsed as that format; a format already parsed is kept."""
     if isinstance(text, WeightFormat):
         return text, f"{text}: asked for"

@@ -21,7 +21,7 @@ class ModelOptions:
     profile: str | None = None
     max_context: int | None = None  # positions every KV cache holds (None: sized from model and memory)
     compile: str = "auto"  # auto (on for CUDA), on, off
-    tree: str = "auto"  # sd's draft trees: auto (measured here: tree_choice.py), off, or a node count
+    tree: str = "auto"  # sd's draft trees: auto (measured here: machine/tree.py), off, or a node count
     threads: str = "auto"  # CPU threads: auto (measured at start-up: threads.py) or a count
 
 

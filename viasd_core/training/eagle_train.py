@@ -293,7 +293,7 @@ class HeadTrainConfig:
     weight_decay: float = 0.0
     ttt_steps: int = 3
     max_len: int = 512
-    bf16: Optional[bool] = None  # bfloat16 autocast; None: where bfloat16 products measure faster (bf16_choice)
+    bf16: Optional[bool] = None  # bfloat16 autocast; None: where bfloat16 products measure faster (machine/bf16.py)
     seed: int = 0
     eval_every: int = 200
     checkpoint_every: int = 100

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from viasd_core import paths
-from viasd_core.bf16_choice import bf16_products_pay
+from viasd_core.machine.bf16 import bf16_products_pay
 from viasd_core.errors import ViasdError
 
 
@@ -26,7 +26,7 @@ def cosine_lr(step: int, steps: int, warmup: int, lr: float, elapsed_fraction: f
 
 def resolve_bf16(choice: Optional[bool], device: torch.device | str, log: Callable[[str], None] = lambda m: None) -> bool:
     """`choice` where the user or a recipe set it, else bfloat16 autocast where bfloat16 products
-    measure faster on this machine (bf16_choice; logged)."""
+    measure faster on this machine (machine/bf16.py; logged)."""
     if choice is not None:
         return choice
     pays = bf16_products_pay(device)

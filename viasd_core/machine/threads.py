@@ -20,6 +20,7 @@ import torch
 
 from viasd_core.devices import usable_cores
 from viasd_core.errors import UsageError
+from viasd_core.machine.record import Decision
 
 THREAD_CHOICES = "auto or a thread count (1 or more)"
 TIE = 0.05  # fewer threads win within 5% of the fastest
@@ -78,6 +79,10 @@ def measure(step: Callable[[int], float], counts: list[int], repeats: int = REPE
         step(1)
         seconds[n] = step(repeats)
     return seconds
+
+
+DECISION = Decision("threads", "--threads auto", None, measure,  # not stored: a machine's load changes between runs
+                    "the fewest CPU threads within 5% of the fastest 1- plus 4-token target pass, timed every session")
 
 
 def resolve_threads(choice: str | int, device: torch.device, step: Callable[[int], float]) -> ThreadChoice:

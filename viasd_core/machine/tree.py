@@ -1,7 +1,7 @@
 """`--tree auto|off|N`: the draft tree a session uses, chosen by measuring this machine.
 
 `auto` measures two things once per (machine, pair, weight format) and caches them under the
-user's cache folder (`viasd doctor --refresh` measures again):
+user's cache folder (`viasd doctor --refresh` measures again; machine/record.py):
 
     verify curve   seconds of one target pass over 1..16 tokens after a cached context, here
     acceptance     tokens per target pass (tau) and drafting seconds per step of each candidate
@@ -11,7 +11,7 @@ and picks the candidate of most expected tokens per second (decoding/tree_size.p
 plain step means no tree (chains are what `sd` drafts without one); a draft model that grows no
 trees has its chains measured alone (prompt lookup, which runs no model, is not measured). The
 fastest chain is also where sd's adaptive block starts when the user gives no `-g`
-(TreeChoice.best_chain, draft_policy.first_block). `N` grows trees of N nodes without measuring;
+(TreeChoice.best_chain, machine/first_block.py). `N` grows trees of N nodes without measuring;
 `off` never grows one.
 """
 
@@ -25,9 +25,9 @@ from viasd_core.decoding.model import PASS_WIDTHS
 from viasd_core.decoding.pass_timing import time_passes
 from viasd_core.decoding.tree import TreeShape
 from viasd_core.decoding.tree_size import Option, choose
-from viasd_core.devices import MachineRecord
 from viasd_core.errors import UsageError
 from viasd_core.loading.prompts import default_prompts, encode
+from viasd_core.machine.record import Decision
 
 TREE_CHOICES = "auto, off or a node count 1-15"
 CANDIDATE_TREES = (TreeShape(2, 4, 5), TreeShape(3, 5, 10), TreeShape(4, 6, 15))
@@ -36,7 +36,6 @@ CHAIN = 5  # the probe's chain: tau of every shorter chain comes from its per-po
 CURVE_WIDTHS = (1, 2, 3, 4, 6, 8, 11, 16)
 PROBE_PROMPTS = 2
 PROBE_TOKENS = 32
-CACHE_VERSION = 7  # 2: int8/int4 passes fused (their costs changed); 3: their rows attend through the row kernel; 4: the embedded head retrained (its acceptance changed); 5: int8/int4 short passes through cpu_packed_mm, rows attend faster; 6: cpu_packed_mm reads its scales block by block (a flatter verify curve); 7: int4 layers' calls up to the MLP in one C call (every int4 pass ~1 ms faster)
 
 
 def shape_for_size(size: int) -> TreeShape:
@@ -102,18 +101,14 @@ def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, ke
     weights = engine.drafter.weights_identity()
     if weights is not None:
         key = {**key, "draft_weights": weights}  # a head retrained in place is measured again
-    record = MachineRecord("tree", engine.device, key, CACHE_VERSION)
-    data = None if refresh else record.load()
-    if data is not None:
-        try:
-            return _from_json(data)
-        except (ValueError, KeyError, TypeError):
-            pass  # fields that do not fit: measure again
+    record = DECISION.record(engine.device, key)
+    cached = None if refresh else record.read(_from_json)
+    if cached is not None:
+        return cached
     if progress:
         progress("measuring this machine's verify costs and the draft's acceptance for --tree auto "
                  "(once; cached)...")
-    verify = measure_verify_curve(engine)
-    options = probe_options(engine, prompts, CANDIDATE_TREES if engine.supports_tree else ())
+    verify, options = measure(engine, prompts)
     best = choose(options, verify)
     result = TreeChoice(best.shape, f"auto: {best.name} has the most expected tokens/s here "
                                     f"({best.rate(verify):.1f} measured"
@@ -175,3 +170,18 @@ def _from_json(data: dict) -> TreeChoice:
     shape = TreeShape(**data["shape"]) if data["shape"] else None
     return TreeChoice(shape, data["reason"] + " (cached)", data["options"],
                       {int(k): float(v) for k, v in data["verify_seconds"].items()})
+
+
+def measure(engine: Engine, prompts: list[list[int]]) -> tuple[dict[int, float], list[Option]]:
+    """This machine's verify curve and the draft's options on `prompts` (what `auto` chooses from)."""
+    verify = measure_verify_curve(engine)
+    return verify, probe_options(engine, prompts, CANDIDATE_TREES if engine.supports_tree else ())
+
+
+# versions: 2: int8/int4 passes fused (their costs changed); 3: their rows attend through the row kernel;
+# 4: the embedded head retrained (its acceptance changed); 5: int8/int4 short passes through cpu_packed_mm,
+# rows attend faster; 6: cpu_packed_mm reads its scales block by block (a flatter verify curve); 7: int4
+# layers' calls up to the MLP in one C call (every int4 pass ~1 ms faster)
+DECISION = Decision("tree", "--tree auto", 7, measure,
+                    "the draft tree, chain or plain step of most expected tokens/s from this machine's verify curve "
+                    "and the draft's measured acceptance")

@@ -12,7 +12,8 @@ took 9 ms in float32 and 772 ms in bfloat16. Two places choose by this:
 
 On a GPU the answer is whether it supports bfloat16 at all. On a CPU one product of each kind is
 timed (a few hundred ms at most, once) and the verdict cached per machine
-(devices.MachineRecord), so every later command reads it.
+(machine/record.py), so every later command reads it. The profile's machine-wide decision
+(machine/profile.py): nothing it measures depends on a model or a setting.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from typing import Callable
 
 import torch
 
-from viasd_core.devices import MachineRecord
+from viasd_core.machine.record import Decision
 
 MARGIN = 0.8  # bfloat16 must take at most this fraction of float32's time
-CACHE_VERSION = 1
 FIELDS = ("pays", "bf16_ms", "fp32_ms")
 
 
@@ -49,6 +49,11 @@ def measure(device: torch.device, seconds: Callable[[torch.dtype, torch.device],
     return {"pays": bf16 < MARGIN * fp32, "bf16_ms": round(bf16 * 1e3, 3), "fp32_ms": round(fp32 * 1e3, 3)}
 
 
+DECISION = Decision("bf16-products", "", 1, measure,
+                    "whether bfloat16 products run clearly faster than float32 ones here (an int format's CPU "
+                    "prefill and training's autocast follow it)")
+
+
 def verdict(device: torch.device | str = "cpu", refresh: bool = False) -> dict:
     """The cached measurement for `device` ({"pays": ...}); measured and stored when there is none
     (or `refresh`). On a GPU: {"pays": whether it supports bfloat16}; elsewhere {"pays": False}."""
@@ -57,14 +62,20 @@ def verdict(device: torch.device | str = "cpu", refresh: bool = False) -> dict:
         return {"pays": bool(torch.cuda.is_bf16_supported())}
     if device.type != "cpu":
         return {"pays": False}
-    record = MachineRecord("bf16-products", device, {}, CACHE_VERSION)
-    stored = None if refresh else record.load()
-    if stored is not None and isinstance(stored.get("pays"), bool):
-        return {k: stored[k] for k in FIELDS if k in stored}
+    record = DECISION.record(device, {})
+    stored = None if refresh else record.read(_from_json)
+    if stored is not None:
+        return stored
     result = measure(device)
     record.store(result)
     _pays.cache_clear()
     return result
+
+
+def _from_json(data: dict) -> dict:
+    if not isinstance(data.get("pays"), bool):
+        raise TypeError("no verdict")
+    return {k: data[k] for k in FIELDS if k in data}
 
 
 @functools.lru_cache(maxsize=None)

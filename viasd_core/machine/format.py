@@ -9,8 +9,8 @@ a 1-token pass (plain decoding) and a 4-token pass (a verify pass) after 64 cach
 products and without, decoding/short_products.py), and the smallest sum wins; a more precise format within TIE of it wins
 instead. Prefill is not in the sum.
 
-The choice is cached under the user's cache folder per model and machine (devices.machine_identity,
-and the thread count it was timed at); `viasd doctor` measures again (`forget`).
+The choice is cached under the user's cache folder per model and machine (machine/record.py: the
+machine's identity and the thread count it was timed at); `viasd doctor` measures again (`forget`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ from typing import Callable
 
 import torch
 
+from viasd_core.decoding.model import FastModel
+from viasd_core.decoding.pass_timing import time_passes
+from viasd_core.decoding.short_products import BLOCKED, PACKED, PLAIN, applies, packs
 from viasd_core.decoding.weight_format import INT4, INT8, NONE, WeightFormat
-from viasd_core.devices import MachineRecord
+from viasd_core.machine.record import Decision, MachineRecord
 
 # Formats whose quality was measured on the model (greedy agreement with fp32 >= 0.97), most
 # precise first; models missing here get none from auto.
@@ -32,7 +35,6 @@ WIDTHS = (1, 4)
 CONTEXT = 64
 REPEATS = 5
 ROUNDS = 3
-CACHE_VERSION = 8  # 2: float32 timed with its blocked short products too; 3: int8/int4 products fused; 4: float32 packed products; 5: int8/int4 rows attend through the row kernel; 6: int8/int4 short passes through cpu_packed_mm; 7: its scales read block by block (int4 1-token passes ~20% faster); 8: int4 layers' calls up to the MLP in one C call (~21% faster again)
 
 
 @dataclass
@@ -65,10 +67,7 @@ def time_formats(ref: str, candidates: tuple[WeightFormat, ...], device: torch.d
     """Median seconds of a pass over each of `widths` tokens after `context` cached positions, for
     model `ref` at each format (decoding/pass_timing.py): the round, and for float32 the short
     product, of the least total (a session picks its short product: decoding/short_products.py)."""
-    from viasd_core.decoding.model import FastModel
-    from viasd_core.decoding.pass_timing import time_passes
-    from viasd_core.decoding.short_products import BLOCKED, PACKED, PLAIN, applies, packs
-    from viasd_core.loading.models import load_model
+    from viasd_core.loading.models import load_model  # it resolves --quant auto here (resolve_format): a circle
 
     models = {fmt: FastModel(load_model(ref, device=str(device), quant=fmt, with_tokenizer=False).model,
                              max_len=context + max(widths) + 1) for fmt in candidates}
@@ -89,8 +88,16 @@ def time_formats(ref: str, candidates: tuple[WeightFormat, ...], device: torch.d
     return best
 
 
+# versions: 2: float32 timed with its blocked short products too; 3: int8/int4 products fused; 4: float32
+# packed products; 5: int8/int4 rows attend through the row kernel; 6: int8/int4 short passes through
+# cpu_packed_mm; 7: its scales read block by block (int4 1-token passes ~20% faster); 8: int4 layers' calls
+# up to the MLP in one C call (~21% faster again)
+DECISION = Decision("format", "--quant auto", 8, measure,
+                    "the fastest weight format of measured quality for the model here (a 1- plus a 4-token pass each)")
+
+
 def cache_record(ref: str, device: torch.device) -> MachineRecord:
-    return MachineRecord("format", device, {"model": ref.lower()}, CACHE_VERSION)
+    return DECISION.record(device, {"model": ref.lower()})
 
 
 def choose_format(ref: str, device: torch.device, candidates: tuple[WeightFormat, ...], progress=None,
@@ -98,14 +105,9 @@ def choose_format(ref: str, device: torch.device, candidates: tuple[WeightFormat
     """The fastest of `candidates` for model `ref` on this machine: cached, else timed (`timer`)."""
     record = cache_record(ref, device)
     names = [fmt.name for fmt in candidates]
-    data = record.load()
-    if data is not None:
-        try:
-            if sorted(data["seconds"]) == sorted(names):
-                chosen = next(fmt for fmt in candidates if fmt.name == data["format"])
-                return FormatChoice(chosen, data["reason"] + " (cached)", data["seconds"])
-        except (ValueError, KeyError, TypeError, StopIteration):
-            pass  # for other candidates, or fields that do not fit: measure again
+    cached = record.read(lambda data: _from_json(data, candidates))
+    if cached is not None:
+        return cached
     if progress:
         progress(f"timing {', '.join(names)} passes on this machine for --quant auto (once; cached)...")
     seconds = (timer or measure)(ref, candidates, device)
@@ -113,6 +115,14 @@ def choose_format(ref: str, device: torch.device, candidates: tuple[WeightFormat
     named = {fmt.name: s for fmt, s in seconds.items()}
     record.store({"model": ref, "format": chosen.name, "reason": reason, "seconds": named})
     return FormatChoice(chosen, reason, named)
+
+
+def _from_json(data: dict, candidates: tuple[WeightFormat, ...]) -> FormatChoice | None:
+    """The stored choice; None where it was made between other candidates (measured again)."""
+    if sorted(data["seconds"]) != sorted(fmt.name for fmt in candidates):
+        return None
+    chosen = next(fmt for fmt in candidates if fmt.name == data["format"])
+    return FormatChoice(chosen, data["reason"] + " (cached)", data["seconds"])
 
 
 def forget(ref: str, device: torch.device) -> None:
