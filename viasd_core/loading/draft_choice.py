@@ -21,6 +21,9 @@ from pathlib import Path
 from viasd_core.errors import ViasdError
 
 NGRAM = "ngram"
+EMBEDDED_DRAFT = "embedded:smollm2-135m-draft"  # the distilled 2-layer draft model
+EMBEDDED_HEAD = "embedded:smollm2-135m-eagle3"  # the EAGLE-3 head trained by viasd (the default)
+HYBRID_SUFFIX = "+ngram"  # REF+ngram: prompt lookup where the context repeats, the model draft elsewhere
 
 
 @dataclass(frozen=True)
@@ -64,7 +67,6 @@ def choose_draft(target) -> DraftChoice:
 
 def _embedded_choice() -> DraftChoice:
     from viasd_core.loading.draft_model import embedded_draft_dir
-    from viasd_core.loading.drafter_factory import EMBEDDED_DRAFT, EMBEDDED_HEAD, HYBRID_SUFFIX
 
     found = [(EMBEDDED_HEAD, "smollm2-135m-eagle3", "the embedded EAGLE-3 head trained by viasd"),
              (EMBEDDED_DRAFT, "smollm2-135m", "the embedded distilled draft model (the head is not installed)")]

@@ -14,18 +14,15 @@ from viasd_core.decoding.feature_drafter import FeatureDrafter
 from viasd_core.decoding.weight_format import WeightFormat
 from viasd_core.decoding.model import FastModel
 from viasd_core.errors import UsageError
-from viasd_core.loading.draft_choice import DraftChoice, choose_draft
+from viasd_core.loading.draft_choice import EMBEDDED_DRAFT, EMBEDDED_HEAD, HYBRID_SUFFIX, DraftChoice, choose_draft
 from viasd_core.loading.models import EMBEDDED_TARGET, Loaded, check_same_vocab, load_model
 from viasd_core.loading.options import ModelOptions
 from viasd_core.loading.vocab_rows import cap_vocab, emittable, token_rows
 
-EMBEDDED_DRAFT = "embedded:smollm2-135m-draft"  # the distilled 2-layer draft model
 # Where the target runs int8/int4 on a CPU, the head's products run int8 too: the embedded head's
 # products took 0.164 against 0.474 ms a pass (bfloat16), and fixed-block `sd` over the 26 held-out
 # prompts made 1,827 target passes against 1,824 for the same 3,125 tokens (docs/experiments/pass-python-int4-prefill-widening.md)
 HEAD_FORMAT = WeightFormat.parse("int8")
-EMBEDDED_HEAD = "embedded:smollm2-135m-eagle3"  # the EAGLE-3 head trained by viasd (the default)
-HYBRID_SUFFIX = "+ngram"  # REF+ngram: prompt lookup where the context repeats, the model draft elsewhere
 # The model-free drafts, by --draft name, and REF+NAME: that lookup beside the model draft REF
 LOOKUPS = {"ngram": NgramDrafter, "suffix": SuffixDrafter}
 _EMBEDDED_DRAFT_ALIASES = {EMBEDDED_DRAFT, "smollm2-135m-draft"}
