@@ -48,7 +48,7 @@ def test_fast_pass_computes_transformers_logits(family):
 def test_a_prefill_in_chunks_computes_transformers_logits(family, monkeypatch):
     """A pass longer than PREFILL_CHUNK runs layer by layer over chunks: each layer's own RoPE table
     and window (8, as the chunks here) over chunk borders."""
-    from viasd_core.decoding import model as model_module
+    from viasd_core.decoding import model_pass as model_module
 
     monkeypatch.setattr(model_module, "PREFILL_CHUNK", 8)
     model = tiny_model(family, seed=4)

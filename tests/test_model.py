@@ -67,7 +67,7 @@ def test_long_prefill_layer_by_layer_equals_the_prompt_fed_chunk_by_chunk(family
     what feeding the chunks as passes of their own computes (logits, keys, values and captured
     features, bit for bit; a sliding window over chunk borders included), and an int8/int4 layer is
     widened once for the whole prompt, not once a chunk."""
-    from viasd_core.decoding import model as model_module
+    from viasd_core.decoding import model_pass as model_module
     from viasd_core.decoding import weight_formats as wf
     from viasd_core.decoding.weight_format import WeightFormat
 

@@ -9,7 +9,7 @@ import pytest
 
 from serve_support import raw, running, session, slow_target  # noqa: F401 (fixture)
 from viasd_core.decoding.engine import GenerationConfig
-from viasd_core.decoding.model import PREFILL_CHUNK
+from viasd_core.decoding.model_pass import PREFILL_CHUNK
 from viasd_core.frontends.serve_slots import SlotPool
 
 import torch

@@ -299,7 +299,7 @@ def choose_rows(engine, key: dict | None = None, refresh: bool = False, repeats:
 
     With `key` (what the session runs: models, format, dtype) the choice is cached per machine and
     thread count (devices.MachineRecord; `refresh` measures again): the timing costs a few seconds."""
-    from viasd_core.decoding.model import PREFILL_CHUNK
+    from viasd_core.decoding.model_pass import PREFILL_CHUNK
     from viasd_core.decoding.pass_timing import time_passes
     from viasd_core.devices import MachineRecord, free_memory_bytes
 

@@ -40,7 +40,8 @@ from __future__ import annotations
 from viasd_core.decoding.drafters import ModelDrafter
 from viasd_core.decoding.hybrid_drafter import HybridDrafter
 from viasd_core.decoding.engine import Engine
-from viasd_core.decoding.model import PREFILL_CHUNK, FastModel
+from viasd_core.decoding.model import FastModel
+from viasd_core.decoding.model_pass import PREFILL_CHUNK
 from viasd_core.decoding.pass_widths import PASS_WIDTHS
 from viasd_core.decoding.steps import common_prefix
 

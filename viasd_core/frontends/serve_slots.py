@@ -31,7 +31,8 @@ from viasd_core.decoding.drafters import Drafter, ModelDrafter, NgramDrafter
 from viasd_core.decoding.hybrid_drafter import HybridDrafter
 from viasd_core.decoding.engine import Engine
 from viasd_core.decoding.feature_drafter import FeatureDrafter
-from viasd_core.decoding.model import FastModel, StaticCache
+from viasd_core.decoding.kv_cache import StaticCache
+from viasd_core.decoding.model import FastModel
 from viasd_core.devices import free_memory_bytes
 from viasd_core.frontends.serve_cache import PrefixReuse, reusable
 
