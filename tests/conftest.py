@@ -51,9 +51,9 @@ needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, 
 
 VOCAB = 256
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
-# The families issue 50 added (Gemma 2, Gemma 3 text, Phi-3/4, Qwen3-MoE): tests/test_families.py runs
-# them through the exactness checks (transformers' logits and greedy tokens, sd == ar, row invariance).
-NEW_FAMILIES = ("gemma2", "gemma3_text", "phi3", "qwen3_moe")
+# The families issue 50 added (Gemma 2, Gemma 3 text, Phi-3/4, Qwen3-MoE, Mixtral): tests/test_families.py
+# runs them through the exactness checks (transformers' logits and greedy tokens, sd == ar, row invariance).
+NEW_FAMILIES = ("gemma2", "gemma3_text", "phi3", "qwen3_moe", "mixtral")
 ALTERNATING = ["sliding_attention", "full_attention"]  # Gemma 2/3's layer types, repeated over the layers
 
 
@@ -94,8 +94,22 @@ def tiny_config(family: str, n_layers: int = 4, vocab: int = VOCAB, seed: int = 
     if family == "qwen3_moe":  # 4 experts, 2 a token; layer 1 a dense MLP (mlp_only_layers)
         common.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       mlp_only_layers=[1] if n_layers > 1 else [])
+    if family == "mixtral":  # 4 experts of width 128, 2 a token; no sliding window (Mixtral-8x7B's null)
+        common.update(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
     common.update(extra)
     return AutoConfig.for_model(family, **common)
+
+
+def multimodal_config(n_layers: int = 2, **text_extra):
+    """A multimodal Gemma 3 config (Gemma3ForConditionalGeneration): a tiny gemma3_text language
+    model (tiny_config) beside a tiny SigLIP vision tower (one layer, 28-pixel images of 4 patches)."""
+    from transformers import Gemma3Config
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    text = tiny_config("gemma3_text", n_layers=n_layers, **text_extra).to_dict()
+    return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                        tie_word_embeddings=text["tie_word_embeddings"])
 
 
 def tiny_model(family: str = "llama", n_layers: int = 4, seed: int = 0, vocab: int = VOCAB, **extra):
@@ -163,12 +177,13 @@ def viasd_home(tmp_path, monkeypatch):
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} </s> {% endfor %}{% if add_generation_prompt %}<assistant> {% endif %}"
 
 
-def save_tiny_model_dir(folder, family="llama", n_layers=4, seed=0, words=None):
-    """A real (tiny, random) model folder: config, safetensors, WordLevel tokenizer with a chat template."""
+def save_tiny_model_dir(folder, family="llama", n_layers=4, seed=0, words=None, model=None):
+    """A real (tiny, random) model folder: config, safetensors, WordLevel tokenizer with a chat template.
+    `model`: the model saved (a multimodal Gemma 3, say) instead of tiny_model(family, n_layers, seed)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    model = tiny_model(family, n_layers=n_layers, seed=seed)
+    model = model if model is not None else tiny_model(family, n_layers=n_layers, seed=seed)
     model.generation_config.eos_token_id = 2
     model.save_pretrained(folder)
     words = words or [f"w{i}" for i in range(VOCAB - 8)]

@@ -1,11 +1,12 @@
-"""The families issue 50 added (conftest.NEW_FAMILIES: Gemma 2, Gemma 3 text, Phi-3/4, Qwen3-MoE), each
+"""The families issue 50 added (conftest.NEW_FAMILIES: Gemma 2, Gemma 3 text, Phi-3/4, Qwen3-MoE, Mixtral), each
 exact on a tiny random float32 model: FastModel's pass computes transformers' logits, greedy `ar`
 emits transformers' generate() tokens, `sd` emits `ar`'s, and every row of a short pass comes out
 bit for bit as the row alone (the property sd == ar rests on). Their tiny configs (conftest.tiny_config)
 set what sets each family apart: Gemma 2's attention and final soft-caps, query_pre_attn_scalar and
 four norms a layer, sliding layers alternating with global ones; Gemma 3's q/k norms and the sliding
 layers' own RoPE base; Phi-4-mini's partial rotary over fused q/k/v and gate/up; a Qwen3-MoE block
-(4 experts, 2 a token) next to a dense layer.
+(4 experts, 2 a token) next to a dense layer; Mixtral's MoE blocks (4 experts, 2 a token) in every layer,
+without a sliding window as Mixtral-8x7B (and with one: `test_mixtral_with_a_sliding_window`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import NEW_FAMILIES, TinyTokenizer, tiny_config, tiny_model
+from conftest import NEW_FAMILIES, multimodal_config, tiny_config, tiny_model
 from engine_cases import graphs_compiled, hf_greedy, make_engine, prompt_for
 from invariance_cases import PROMPT, SPAN, target, tokens, width_dependent_rows
 from viasd_core.decoding.engine import GenerationConfig
@@ -117,7 +118,7 @@ def test_gemma2_caps_and_gemma3_local_rope_are_what_the_pass_reads():
     assert "RoPE through operators (partial rotary)" in phi.layer_kernels_way()
 
 
-@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gemma2", "qwen3_moe", "mixtral"])
 def test_compiled_passes_match_eager(family):
     """torch.compile traces the capped attention (its masked operators) and the MoE block (the whole
     pass, one graph a width) and computes eager's logits; the compiled path really ran."""
@@ -146,23 +147,33 @@ def test_phi3_full_rotary_with_a_sliding_window(extra):
     torch.testing.assert_close(passes_of_every_kind(fast, ids), want, rtol=1e-4, atol=1e-4)
 
 
-def test_gemma3_multimodal_and_bidirectional_models_are_refused_in_one_line(tmp_path):
-    """A multimodal Gemma 3 checkpoint is refused from its config, before any weight is read (the
-    folder holds none), and by FastModel; so is a bidirectional Gemma 3 (an embedding model)."""
-    from transformers import AutoModelForCausalLM, Gemma3Config
+def test_mixtral_with_a_sliding_window():
+    """A Mixtral config may set one sliding window for every layer (its attention modules hold none):
+    the pass reads the config's and computes transformers' logits past it."""
+    model = tiny_model("mixtral", seed=2, sliding_window=6)
+    fast = FastModel(model, max_len=64)
+    assert fast.windows == [6] * 4 and FastModel(tiny_model("mixtral", seed=2), max_len=8).windows == [None] * 4
+    ids = torch.randint(3, 256, (26,), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = model(ids[None]).logits[0]
+    torch.testing.assert_close(passes_of_every_kind(fast, ids), want, rtol=1e-4, atol=1e-4)
 
-    from viasd_core.loading.models import _from_pretrained
 
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
-                  patch_size=14)
-    multimodal = Gemma3Config(text_config=tiny_config("gemma3_text", n_layers=1).to_dict(), vision_config=vision)
-    multimodal.save_pretrained(tmp_path)
-    with pytest.raises(ViasdError, match="multimodal.*gemma3_text") as err:
-        _from_pretrained("org/gemma-3-mm", tmp_path, {}, False)
-    assert "\n" not in str(err.value)
-    with pytest.raises(ViasdError, match="multimodal"):
-        FastModel(AutoModelForCausalLM.from_config(multimodal), max_len=16)
+def test_bidirectional_models_and_a_whole_multimodal_model_are_refused_in_one_line():
+    """A bidirectional Gemma 3 (an embedding model) is refused, alone or as a multimodal checkpoint's
+    language model (from the config, before any weight is read); FastModel handed a whole multimodal
+    Gemma 3 model (not its language model: tests/test_gemma3_multimodal.py) says what to hand it."""
+    from transformers import AutoModelForCausalLM
+
+    from viasd_core.decoding.families import check_family
+
     bidirectional = AutoModelForCausalLM.from_config(
         tiny_config("gemma3_text", n_layers=1, use_bidirectional_attention=True))
     with pytest.raises(ViasdError, match="bidirectionally"):
         FastModel(bidirectional, max_len=16)
+    with pytest.raises(ViasdError, match="bidirectionally"):
+        check_family(multimodal_config(n_layers=1, use_bidirectional_attention=True))
+    assert check_family(multimodal_config(n_layers=1)) == "gemma3_text"
+    with pytest.raises(ViasdError, match="multimodal gemma3 model: FastModel runs its language model") as err:
+        FastModel(AutoModelForCausalLM.from_config(multimodal_config(n_layers=1)), max_len=16)
+    assert "\n" not in str(err.value)

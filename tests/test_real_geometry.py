@@ -5,12 +5,14 @@ eager and compiled, the int8 and int4 formats, and a short calibration. In float
 exact emit ar's tokens exactly.
 
 The families issue 50 added run at their real checkpoints' geometry too (`FAMILY_GEOMETRY`: Gemma-2-9B,
-Gemma-3-1B, Phi-3-mini-4k, Qwen3-30B-A3B, 2 layers each): FastModel's pass computes transformers'
-logits, greedy ar emits transformers' tokens and sd emits ar's (eager float32).
+Gemma-3-1B, Phi-3-mini-4k, Qwen3-30B-A3B, 2 layers each; Mixtral-8x7B, 1 layer: its 8 experts of width
+14336 are 1.4B parameters a layer, 5.6 GB in float32): FastModel's pass computes transformers' logits,
+greedy ar emits transformers' tokens and sd emits ar's (eager float32).
 
 Everything else in the suite runs models of width 64; these widths are the ones a GPU user loads
 (the padded int4 CUDA layout of the same widths: tests/test_weight_format_value.py). About 1B
-parameters a model, 4 GB in float32 (tied embeddings), one model at a time.
+parameters a model, 4 GB in float32 (tied embeddings; Mixtral's one layer 1.6B, 6.3 GB: its test
+process peaked at 6.7 GB), one model at a time.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ GEOMETRY = {
     "qwen2.5-7b": dict(SHAPES["qwen2.5-7b"]["target"], family="qwen2"),
 }
 # Issue 50's families, from the checkpoints' config.json (google/gemma-2-9b, google/gemma-3-1b-it,
-# microsoft/Phi-3-mini-4k-instruct, Qwen/Qwen3-30B-A3B); 2 layers: one sliding and one global where
-# the family alternates them (Gemma 3's global layers are every 6th in the checkpoint).
+# microsoft/Phi-3-mini-4k-instruct, Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1); 2 layers: one
+# sliding and one global where the family alternates them (Gemma 3's global layers are every 6th in the
+# checkpoint); Mixtral's 1 (one layer of its experts is 5.6 GB in float32).
 FAMILY_GEOMETRY = {
     "gemma-2-9b": dict(family="gemma2", vocab_size=256000, hidden_size=3584, intermediate_size=14336,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256,
@@ -58,6 +61,10 @@ FAMILY_GEOMETRY = {
                           moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
                           num_attention_heads=32, num_key_value_heads=4, head_dim=128, rope_theta=1000000.0,
                           max_position_embeddings=40960),
+    "mixtral-8x7b": dict(family="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                         num_local_experts=8, num_experts_per_tok=2, num_attention_heads=32, num_key_value_heads=8,
+                         rope_theta=1000000.0, sliding_window=None, max_position_embeddings=32768,
+                         num_hidden_layers=1),
 }
 PROMPT = [1, 9000, 15, 80000, 321, 4242]
 NEW = 8
@@ -83,12 +90,14 @@ def fill_random_(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
 
 
 def real_shaped(name: str, seed: int = 0):
-    """A 2-layer float32 model of `name`'s geometry with tied embeddings, built without an init pass."""
+    """A float32 model of `name`'s geometry (2 layers unless it says) with tied embeddings, built without
+    an init pass."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict({**GEOMETRY, **FAMILY_GEOMETRY}[name])
     family = spec.pop("family")
-    spec.update(num_hidden_layers=2, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    spec.update(num_hidden_layers=spec.get("num_hidden_layers", 2), tie_word_embeddings=True, bos_token_id=1,
+                eos_token_id=2, pad_token_id=0)
     cfg = AutoConfig.for_model(family, **spec)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
@@ -258,7 +267,8 @@ def family_model(request):
 
 def test_the_new_families_compute_transformers_logits_and_greedy_tokens(family_model):
     """Gemma 2's caps and four norms at 256-wide heads, Gemma 3's two RoPE tables with one KV head,
-    Phi-3's fused q/k/v (32 KV heads) and sliding window, Qwen3-MoE's 128 experts (8 a token): the
+    Phi-3's fused q/k/v (32 KV heads) and sliding window, Qwen3-MoE's 128 experts (8 a token),
+    Mixtral's 8 experts of width 14336 (2 a token) without a window: the
     pass (a prefill, then 1-token and 3-token passes) computes transformers' logits; greedy ar emits
     transformers' generate() tokens, and sd (blocks of 2) emits ar's."""
     model = family_model

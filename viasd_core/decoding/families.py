@@ -15,8 +15,14 @@ the transformers modules and config, never from the family's name alone where th
 - phi3 (Phi-3, Phi-4): q/k/v and gate/up as one projection each (layer_calls.py), one sliding window
   for every layer where the config sets one; partial rotary (`partial_rotary_factor`, a table narrower
   than the head: rope.apply_rope rotates its first part only).
-- qwen3_moe: qwen3's attention with a sparse MoE block, run through its module, one row at a time in
-  short passes (layer_calls.py: each row's experts computed as in a pass of that row alone).
+- qwen3_moe, mixtral: a sparse MoE block for the MLP (Qwen3-MoE: qwen3's attention, its dense
+  `mlp_only_layers` as before; Mixtral: mistral's attention and window, where the config sets one), run
+  through its module, one row at a time in short passes (layer_calls.py: each row's experts computed
+  as in a pass of that row alone).
+
+A multimodal checkpoint whose language model is one of these families (`MULTIMODAL`: Gemma 3's
+`gemma3`, a SigLIP vision tower beside a gemma3_text model) runs as that language model alone:
+`language_model` hands it over at load, and its config is checked by its text config.
 """
 
 from __future__ import annotations
@@ -29,13 +35,12 @@ import torch
 from viasd_core.errors import ViasdError
 from viasd_core.decoding.rope import check_rope, exact_positions, rope_types
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "qwen3_moe")
-CONFIG_WINDOW = ("mistral", "phi3")  # one sliding window from the config, for every layer
-# Families refused with a reason more useful than "not supported".
-REFUSED = {
-    "gemma3": "a Gemma 3 multimodal checkpoint (vision tower and language model): viasd runs text-only "
-              "Gemma 3 checkpoints (model_type gemma3_text, e.g. google/gemma-3-1b-it)",
-}
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "qwen3_moe",
+                      "mixtral")
+CONFIG_WINDOW = ("mistral", "phi3", "mixtral")  # one sliding window from the config, for every layer
+# Multimodal checkpoints viasd generates text with, through their language model (`language_model`):
+# gemma3, a gemma3_text model (its text_config) beside a vision tower
+MULTIMODAL = ("gemma3",)
 
 
 @dataclass(frozen=True)
@@ -52,11 +57,12 @@ class ModelShape:
 
 
 def check_family(cfg) -> str:
-    """`cfg`'s family (its model_type), or a one-line ViasdError for a family or a setting FastModel
-    does not run; read from the config alone, so that loading refuses before any weight is read."""
+    """`cfg`'s family (its model_type; a multimodal checkpoint's: its language model's), or a one-line
+    ViasdError for a family or a setting FastModel does not run; read from the config alone, so that
+    loading refuses before any weight is read."""
     family = getattr(cfg, "model_type", "?")
-    if family in REFUSED:
-        raise ViasdError(f"model family '{family}' is not supported: {REFUSED[family]}")
+    if family in MULTIMODAL:  # checked by its language model's config
+        return check_family(cfg.text_config)
     if family not in SUPPORTED_FAMILIES:
         raise ViasdError(
             f"model family '{family}' is not supported yet (supported: {', '.join(SUPPORTED_FAMILIES)}); "
@@ -72,6 +78,9 @@ def check_family(cfg) -> str:
 def model_shape(hf_model) -> ModelShape:
     """The model's geometry; a one-line ViasdError for a family or a setting FastModel does not run."""
     cfg = hf_model.config
+    if getattr(cfg, "model_type", None) in MULTIMODAL:
+        raise ViasdError(f"this is a multimodal {cfg.model_type} model: FastModel runs its language model, "
+                         "families.language_model(model) (loading.models.load_model hands it over)")
     family = check_family(cfg)
     n_heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
@@ -92,6 +101,31 @@ def model_shape(hf_model) -> ModelShape:
         max_positions=context,
         positions_why=why,
     )
+
+
+def language_model(hf_model, say=None):
+    """The causal LM viasd runs of a loaded transformers model: the model itself, or for a multimodal
+    checkpoint (MULTIMODAL) its language model and output head as its text family's causal LM
+    (transformers 5: `model.model.language_model` and `model.lm_head`, the same modules and weights,
+    the text config and the checkpoint's generation config); the vision tower is left out (freed once
+    the caller drops the multimodal model). `say`: a callable told so in one line."""
+    cfg = hf_model.config
+    if getattr(cfg, "model_type", None) not in MULTIMODAL:
+        return hf_model
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # an empty shell: both of its modules are replaced below
+        text = AutoModelForCausalLM.from_config(cfg.text_config)
+    text.model = hf_model.model.language_model
+    text.lm_head = hf_model.lm_head
+    text.generation_config = hf_model.generation_config
+    if getattr(hf_model, "hf_quantizer", None) is not None:  # bitsandbytes weights (FastModel reads it)
+        text.hf_quantizer = hf_model.hf_quantizer
+    text.eval()
+    if say is not None:
+        say(f"a multimodal {cfg.model_type} checkpoint: viasd runs its {cfg.text_config.model_type} language model "
+            "(text in, text out); its vision tower is left out")
+    return text
 
 
 def check_embedding(family: str, embed: torch.nn.Module) -> None:
