@@ -10,7 +10,7 @@ import typer
 from viasd_cli.app import app
 from viasd_cli.options import RevisionOpt, handle_errors
 from viasd_core.loading import catalog
-from viasd_core.loading import hub, hub_pull
+from viasd_core.loading import gguf_refs, hub, hub_pull
 from viasd_core.loading.vocab_check import check_same_tokenizer
 from viasd_core.errors import UsageError, ViasdError
 
@@ -25,6 +25,10 @@ EXAMPLES
 
   viasd pull HuggingFaceTB/SmolLM2-1.7B-Instruct --revision main
 
+  viasd pull bartowski/Qwen2.5-0.5B-Instruct-GGUF:Q4_K_M    # one GGUF file: the repo's file tagged Q4_K_M
+
+  viasd pull bartowski/Qwen2.5-0.5B-Instruct-GGUF/Qwen2.5-0.5B-Instruct-Q4_K_M.gguf
+
 The local snapshot paths are printed on stdout, one per line; progress goes to stderr.
 """
 
@@ -32,7 +36,7 @@ The local snapshot paths are printed on stdout, one per line; progress goes to s
 @app.command(epilog=EXAMPLES)
 @handle_errors
 def pull(
-    target: Annotated[str, typer.Argument(help="A catalog pair name (pulls target and draft) or a hub repo id (org/name).")],
+    target: Annotated[str, typer.Argument(help="A catalog pair name (pulls target and draft), a hub repo id (org/name), or one GGUF file of a hub repo (org/name:QUANT or org/name/FILE.gguf).")],
     draft: Annotated[
         Optional[str],
         typer.Option("--draft", "-d", help="Draft repo id to pull too (its tokenizer must match), or 'auto' for the catalog's draft."),
@@ -57,6 +61,11 @@ def pull(
             err(f"{pair.name} is embedded (shipped in the installed packages): nothing to download.", err=True)
             return
         target_id, draft_id = pair.target, pair.draft
+    elif (hub_gguf := gguf_refs.parse(target)) is not None:
+        if draft is not None:
+            raise UsageError("--draft does not apply to a GGUF file: pull the draft with its own `viasd pull`")
+        typer.echo(str(gguf_refs.pull_gguf(hub_gguf, revision=revision, progress=not quiet)))
+        return
     else:
         if Path(target).expanduser().exists():
             raise UsageError(f"{target} is a local folder: nothing to pull; pass it directly with --model")

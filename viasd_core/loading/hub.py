@@ -82,18 +82,18 @@ def pull_hint(repo_id: str, revision: str | None) -> str:
 # The local cache
 
 
-def _well_formed(repo_id: str) -> bool:
+def well_formed_repo_id(repo_id: str) -> bool:
     """The hub's id syntax: `org/name`, letters, digits, `_.-`, no `..`, no trailing `.` or `-`."""
     return bool(_REPO_ID.match(repo_id)) and ".." not in repo_id and not repo_id.endswith((".", "-"))
 
 
 def is_repo_id(ref: str) -> bool:
     """True when `ref` is a well-formed hub id (`org/name`) and not an existing local path."""
-    return _well_formed(ref) and not Path(ref).expanduser().exists()
+    return well_formed_repo_id(ref) and not Path(ref).expanduser().exists()
 
 
 def check_repo_id(repo_id: str) -> None:
-    if not _well_formed(repo_id):
+    if not well_formed_repo_id(repo_id):
         raise UsageError(f"{repo_id!r} is not a hub model id; use the form org/name, e.g. Qwen/Qwen2.5-0.5B-Instruct")
 
 

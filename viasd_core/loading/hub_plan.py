@@ -154,9 +154,10 @@ def hub_errors(repo_id: str, revision: str | None):
         raise ViasdError(f"the Hub failed while pulling {repo_id} ({first_line}); try again later") from None
 
 
-def no_network_error(repo_id: str, why: str) -> ViasdError:
+def no_network_error(repo_id: str, why: str, what: str | None = None) -> ViasdError:
+    """`what`: the reference as the user gave it, when it names more than the repo (a GGUF file)."""
     return ViasdError(
-        f"cannot pull {repo_id}: {why}; pull it on a machine with network access "
+        f"cannot pull {what or repo_id}: {why}; pull it on a machine with network access "
         f"(or copy its models--{repo_id.replace('/', '--')} folder into {hf_cache_dir()})"
     )
 
@@ -168,12 +169,33 @@ def _read_ref(repo_id: str, revision: str) -> str | None:
         return None
 
 
-def _is_cached_file(repo_id: str, name: str, commit: str) -> bool:
+def ref_points_to(repo_id: str, revision: str | None, commit: str) -> bool:
+    """True when the cache's ref for `revision` (default main) points to `commit` (a commit needs no ref)."""
+    return bool(_COMMIT.match(revision or "")) or _read_ref(repo_id, revision or "main") == commit
+
+
+def list_files(repo_id: str, revision: str | None = None) -> tuple[str, dict[str, RemoteFile]]:
+    """List the repo on the Hub (one API call): (the commit `revision` points to now, its files by name)."""
+    check_repo_id(repo_id)
+    if hf_offline():
+        raise no_network_error(repo_id, "offline mode is on (HF_HUB_OFFLINE=1; unset it to download)")
+    with hub_errors(repo_id, revision):
+        info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
+    files = {}
+    for sibling in info.siblings or []:
+        lfs = getattr(sibling, "lfs", None)
+        blob = getattr(lfs, "sha256", None) if lfs is not None else getattr(sibling, "blob_id", None)
+        size = getattr(lfs, "size", None) if lfs is not None else None
+        files[sibling.rfilename] = RemoteFile(name=sibling.rfilename, size=int(size or sibling.size or 0), blob_name=blob)
+    return info.sha, files
+
+
+def is_cached_file(repo_id: str, name: str, commit: str) -> bool:
     found = try_to_load_from_cache(repo_id, name, cache_dir=hf_cache_dir(), revision=commit)
     return isinstance(found, str) and os.path.isfile(found)
 
 
-def _partial_bytes(repo_id: str, blob_name: str | None) -> int:
+def partial_bytes(repo_id: str, blob_name: str | None) -> int:
     """Bytes already in the `.incomplete` blob an interrupted download left (0 when none)."""
     if not blob_name:
         return 0
@@ -185,15 +207,17 @@ def _partial_bytes(repo_id: str, blob_name: str | None) -> int:
 
 def plan_pull(repo_id: str, revision: str | None = None, head: bool = False) -> PullPlan:
     """List the repo on the Hub (one API call) and work out what `pull` would fetch."""
-    check_repo_id(repo_id)
-    if hf_offline():
-        raise no_network_error(repo_id, "offline mode is on (HF_HUB_OFFLINE=1; unset it to download)")
-    with hub_errors(repo_id, revision):
-        info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
-    siblings = {s.rfilename: s for s in (info.siblings or [])}
-    names = select_files(list(siblings), head=head)
+    commit, listing = list_files(repo_id, revision)
+    names = select_files(list(listing), head=head)
     if not any(n.endswith(".safetensors") or (head and n == "pytorch_model.bin") for n in names):
-        others = sorted(n for n in siblings if n.endswith((".bin", ".pt", ".pth", ".gguf")))
+        ggufs = sorted(n for n in listing if n.lower().endswith(".gguf"))
+        if ggufs:
+            raise ViasdError(
+                f"model {repo_id}{rev_text(revision)} is a GGUF repo (it has {', '.join(ggufs[:3])}"
+                + (f" and {len(ggufs) - 3} more" if len(ggufs) > 3 else "")
+                + f"): name one file, as {repo_id}:QUANT (e.g. {repo_id}:Q4_K_M) or {repo_id}/FILE.gguf"
+            )
+        others = sorted(n for n in listing if n.endswith((".bin", ".pt", ".pth")))
         found = f" (it has {', '.join(others[:3])})" if others else ""
         raise ViasdError(
             f"model {repo_id}{rev_text(revision)} has no safetensors weights{found}; "
@@ -202,17 +226,10 @@ def plan_pull(repo_id: str, revision: str | None = None, head: bool = False) -> 
     if "config.json" not in names:
         raise ViasdError(f"model {repo_id}{rev_text(revision)} has no config.json; it is not a transformers model")
 
-    files = []
-    for name in names:
-        sibling = siblings[name]
-        lfs = getattr(sibling, "lfs", None)
-        blob = getattr(lfs, "sha256", None) if lfs is not None else getattr(sibling, "blob_id", None)
-        size = getattr(lfs, "size", None) if lfs is not None else None
-        files.append(RemoteFile(name=name, size=int(size or sibling.size or 0), blob_name=blob))
-    commit = info.sha
-    missing = tuple(f for f in files if not _is_cached_file(repo_id, f.name, commit))
-    to_fetch = sum(max(0, f.size - _partial_bytes(repo_id, f.blob_name)) for f in missing)
-    ref_ok = bool(_COMMIT.match(revision or "")) or _read_ref(repo_id, revision or "main") == commit
+    files = [listing[name] for name in names]
+    missing = tuple(f for f in files if not is_cached_file(repo_id, f.name, commit))
+    to_fetch = sum(max(0, f.size - partial_bytes(repo_id, f.blob_name)) for f in missing)
+    ref_ok = ref_points_to(repo_id, revision, commit)
     return PullPlan(
         repo_id=repo_id,
         revision=revision,

