@@ -74,12 +74,12 @@ def main() -> None:
 def _check_isa_cap() -> None:
     """VIASD_MAX_CPU_ISA is read by every kernel build: a value it does not know is a usage error now,
     not a kernel quietly left unbuilt later."""
-    from viasd_kernels import cpu_build
+    from viasd_kernels import instruction_set
 
     from viasd_core.errors import UsageError
 
     try:
-        cpu_build.max_isa()
+        instruction_set.max_isa()
     except ValueError as e:
         raise UsageError(str(e)) from None
 

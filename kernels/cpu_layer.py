@@ -29,17 +29,17 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_build, cpu_packed_mm, cpu_row_attention
+from . import cpu_build, cpu_header, cpu_packed_mm, cpu_row_attention
 
 SOURCE = Path(__file__).with_name("cpu_layer.c")
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = cpu_build.struct_fields("viasd_layer_kernels")
+    _fields_ = cpu_header.struct_fields("viasd_layer_kernels")
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = cpu_build.struct_fields("viasd_layer")
+    _fields_ = cpu_header.struct_fields("viasd_layer")
 
 
 def _function(build_dir: Path):

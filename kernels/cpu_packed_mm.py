@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_build
+from . import cpu_build, instruction_set
 
 SOURCE = Path(__file__).with_name("cpu_packed_mm.c")
 MAX_ROWS, BLOCK, MAX_GROUP, MAX_K8 = 16, 64, 256, 8192  # the C file's limits (the AVX-512 BF16 way's)
@@ -56,9 +56,9 @@ class _Way:
 
 
 def _bf16_why_not() -> str:
-    own = cpu_build.cpu_isa_class()
-    if cpu_build.isa_class() != own and own == "avx512_bf16":
-        return f"{cpu_build.ISA_ENV}={cpu_build.max_isa()} caps the instruction set below AVX-512 BF16"
+    own = instruction_set.cpu_isa_class()
+    if instruction_set.isa_class() != own and own == "avx512_bf16":
+        return f"{instruction_set.ISA_ENV}={instruction_set.max_isa()} caps the instruction set below AVX-512 BF16"
     return "this CPU has no AVX-512 BF16 instructions"
 
 

@@ -59,7 +59,7 @@ def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home, monk
     assert (env["row_attention"] is not None) == env["exactness"].startswith("bit-exact")
     assert env["exactness_reason"]
     assert env["float32_products"] == short_products.invariant_way()  # float32 short passes: row-invariant products
-    assert env["instruction_set"] == cpu_build.describe_isa()
+    assert env["instruction_set"] == instruction_set.describe_isa()
     assert env["int4_widening"] is None  # no int4 weights to widen
     assert env["packed_products"] is None  # nor int8/int4 products
     # the norms and RoPE of its passes: one C call each where the kernels build (they must in CI)

@@ -21,15 +21,15 @@ from pathlib import Path
 import pytest
 import torch
 from int4_cases import case, pack
-from viasd_kernels import (cpu_build, cpu_int4_widen as cw, cpu_packed_mm as pm, cpu_rms_norm as rn,
-                           cpu_rope_write as rw, cpu_row_attention as ra)
+from viasd_kernels import (cpu_build, cpu_flags, cpu_header, cpu_int4_widen as cw, cpu_packed_mm as pm, cpu_rms_norm as rn,
+                           cpu_rope_write as rw, cpu_row_attention as ra, instruction_set)
 
 SOURCES = sorted(Path(cpu_build.__file__).parent.glob("cpu_*.c"))
 
 
 @pytest.fixture(autouse=True)
 def _needs_a_compiler():
-    if cpu_build.compiler() is None:
+    if cpu_flags.compiler() is None:
         assert not os.environ.get("CI"), "CI needs a C compiler for the CPU kernels"
         pytest.skip("no C compiler here")
 
@@ -134,8 +134,8 @@ def test_a_corrupt_library_is_built_again(tmp_path):
 # --- portable builds ---------------------------------------------------------------------------------
 
 def strict_build(cc: str, source, out) -> subprocess.CompletedProcess:
-    flags, _ = cpu_build.build_flags(cc)
-    return subprocess.run([cc, *flags, "-Werror", "-include", str(source.with_name(cpu_build.HEADER)), str(source),
+    flags, _ = cpu_flags.build_flags(cc)
+    return subprocess.run([cc, *flags, "-Werror", "-include", str(source.with_name(cpu_header.HEADER)), str(source),
                            "-o", str(out), "-lm"], capture_output=True, text=True, env={**os.environ, "LC_ALL": "C"})
 
 
@@ -151,7 +151,7 @@ def clang_or_skip() -> str:
 def test_every_kernel_builds_without_a_warning(tmp_path, source, clang):
     """-Wall -Werror with the machine's compiler and with clang: clang has no __builtin_shuffle and
     ignores GCC's optimize attribute (cpu_row_attention.c, cpu_bf16.h), and warns where GCC does not."""
-    done = strict_build(clang_or_skip() if clang else cpu_build.compiler(), source, tmp_path / "lib.so")
+    done = strict_build(clang_or_skip() if clang else cpu_flags.compiler(), source, tmp_path / "lib.so")
     assert done.returncode == 0, done.stderr
 
 
@@ -164,7 +164,7 @@ def test_clang_builds_compute_what_they_should(tmp_path, monkeypatch):
     by_cc = outputs(tmp_path / "cc")
     monkeypatch.setenv("CC", clang)
     by_clang = outputs(tmp_path / "clang")
-    assert "no OpenMP" in (cpu_build.build_notes(rn.SOURCE) or "") or "-fopenmp" in cpu_build.build_flags(clang)[0]
+    assert "no OpenMP" in (cpu_build.build_notes(rn.SOURCE) or "") or "-fopenmp" in cpu_flags.build_flags(clang)[0]
     assert by_clang.keys() == by_cc.keys()
     exact = [k for k in by_cc if k.startswith(("rope", "int4_widen"))]  # PyTorch's roundings, step by step
     for key in by_cc:
@@ -183,9 +183,9 @@ def test_without_openmp_every_kernel_gives_the_same_bits(tmp_path, monkeypatch):
     """OpenMP only splits work between threads (outputs, rows, heads; never a sum): a build without it
     (Apple's clang) computes the same numbers on one thread."""
     with_omp = outputs(tmp_path / "omp")
-    assert "-fopenmp" in cpu_build.build_flags(cpu_build.compiler())[0], "this compiler takes OpenMP here"
-    monkeypatch.setattr(cpu_build, "OPENMP", False)
-    assert "-fopenmp" not in cpu_build.build_flags(cpu_build.compiler())[0]
+    assert "-fopenmp" in cpu_flags.build_flags(cpu_flags.compiler())[0], "this compiler takes OpenMP here"
+    monkeypatch.setattr(cpu_flags, "OPENMP", False)
+    assert "-fopenmp" not in cpu_flags.build_flags(cpu_flags.compiler())[0]
     without = outputs(tmp_path / "no-omp")
     assert "no OpenMP" in cpu_build.build_notes(rn.SOURCE)
     assert_same_bits(with_omp, without)
@@ -193,14 +193,14 @@ def test_without_openmp_every_kernel_gives_the_same_bits(tmp_path, monkeypatch):
 
 def test_a_compiler_without_openmp_builds_without_it_and_says_so(tmp_path, monkeypatch):
     """A compiler that refuses -fopenmp (Apple's clang) still builds every kernel."""
-    real = cpu_build._compiles
+    real = cpu_flags._compiles
 
     def no_openmp(cc, flags, openmp):
         return (False, "clang: error: unsupported option '-fopenmp'") if "-fopenmp" in flags else real(cc, flags, openmp)
 
-    monkeypatch.setattr(cpu_build, "_compiles", no_openmp)
-    monkeypatch.setattr(cpu_build, "_probed", {})
-    flags, notes = cpu_build.build_flags(cpu_build.compiler())
+    monkeypatch.setattr(cpu_flags, "_compiles", no_openmp)
+    monkeypatch.setattr(cpu_flags, "_probed", {})
+    flags, notes = cpu_flags.build_flags(cpu_flags.compiler())
     assert "-fopenmp" not in flags and "-march=native" in flags and "unsupported option '-fopenmp'" in notes
     assert rn.bind(torch.ones(16), 1e-6, build_dir=tmp_path) is not None
 
@@ -208,29 +208,29 @@ def test_a_compiler_without_openmp_builds_without_it_and_says_so(tmp_path, monke
 # --- the instruction-set cap -------------------------------------------------------------------------
 
 def test_an_unknown_cap_is_refused_naming_the_valid_ones(monkeypatch):
-    monkeypatch.setenv(cpu_build.ISA_ENV, "avx1024")
+    monkeypatch.setenv(instruction_set.ISA_ENV, "avx1024")
     with pytest.raises(ValueError, match="avx1024.*avx2, avx512, avx512_bf16, native"):
-        cpu_build.isa_class()
+        instruction_set.isa_class()
 
 
 def test_the_class_in_force_is_the_lower_of_the_cpus_and_the_cap(monkeypatch):
-    own = cpu_build.cpu_isa_class()
-    monkeypatch.delenv(cpu_build.ISA_ENV, raising=False)
-    assert cpu_build.isa_class() == own and cpu_build.describe_isa().startswith(own)
-    if own not in cpu_build.ISA_CLASSES:  # aarch64: the caps name x86-64's classes
-        monkeypatch.setenv(cpu_build.ISA_ENV, "avx2")
-        assert cpu_build.isa_class() == own
+    own = instruction_set.cpu_isa_class()
+    monkeypatch.delenv(instruction_set.ISA_ENV, raising=False)
+    assert instruction_set.isa_class() == own and instruction_set.describe_isa().startswith(own)
+    if own not in instruction_set.ISA_CLASSES:  # aarch64: the caps name x86-64's classes
+        monkeypatch.setenv(instruction_set.ISA_ENV, "avx2")
+        assert instruction_set.isa_class() == own
         return
     for cap in ("avx2", "avx512", "avx512_bf16"):
-        monkeypatch.setenv(cpu_build.ISA_ENV, cap.upper())  # any case
-        lower = min(own, cap, key=cpu_build.ISA_CLASSES.index)
-        assert cpu_build.isa_class() == lower
-        assert ("capped by" in cpu_build.describe_isa()) == (lower != own), cpu_build.describe_isa()
+        monkeypatch.setenv(instruction_set.ISA_ENV, cap.upper())  # any case
+        lower = min(own, cap, key=instruction_set.ISA_CLASSES.index)
+        assert instruction_set.isa_class() == lower
+        assert ("capped by" in instruction_set.describe_isa()) == (lower != own), instruction_set.describe_isa()
 
 
 def cap_or_skip(cap: str) -> None:
-    own = cpu_build.cpu_isa_class()
-    if own not in cpu_build.ISA_CLASSES or cpu_build.ISA_CLASSES.index(own) <= cpu_build.ISA_CLASSES.index(cap):
+    own = instruction_set.cpu_isa_class()
+    if own not in instruction_set.ISA_CLASSES or instruction_set.ISA_CLASSES.index(own) <= instruction_set.ISA_CLASSES.index(cap):
         pytest.skip(f"this CPU's class ({own}) is not above {cap}: the cap changes nothing here")
 
 
@@ -241,13 +241,13 @@ def test_a_cap_below_bf16_takes_the_portable_packed_products_and_changes_no_othe
     their portable way runs instead. The others' arithmetic is fixed by their C (vectors of 16
     lanes, the same FMA contractions wherever the class has FMA), so their bits do not change."""
     cap_or_skip(cap)
-    monkeypatch.delenv(cpu_build.ISA_ENV, raising=False)
+    monkeypatch.delenv(instruction_set.ISA_ENV, raising=False)
     native = outputs(tmp_path / "native")
-    monkeypatch.setenv(cpu_build.ISA_ENV, cap)
-    assert cpu_build.isa_class() == cap
+    monkeypatch.setenv(instruction_set.ISA_ENV, cap)
+    assert instruction_set.isa_class() == cap
     assert pm.available(tmp_path / "capped") and pm.way(tmp_path / "capped") == pm.PORTABLE_WAY
-    assert pm.why_not(tmp_path / "capped") == f"{cpu_build.ISA_ENV}={cap} caps the instruction set below AVX-512 BF16"
-    flags = cpu_build.build_flags(cpu_build.compiler())[0]
+    assert pm.why_not(tmp_path / "capped") == f"{instruction_set.ISA_ENV}={cap} caps the instruction set below AVX-512 BF16"
+    flags = cpu_flags.build_flags(cpu_flags.compiler())[0]
     assert ("-mno-avx512f" in flags) == (cap == "avx2") and ("-mno-avx512bf16" in flags) == (cap == "avx512")
     capped = outputs(tmp_path / "capped")
     assert_same_bits({k: v for k, v in native.items() if "_mm" not in k}, {k: v for k, v in capped.items() if "_mm" not in k})
@@ -261,11 +261,11 @@ def test_a_cap_below_bf16_takes_the_portable_packed_products_and_changes_no_othe
 
 
 def test_the_bf16_cap_keeps_the_packed_products(tmp_path, monkeypatch):
-    own = cpu_build.cpu_isa_class()
+    own = instruction_set.cpu_isa_class()
     if own != "avx512_bf16":
         pytest.skip(f"this CPU's class is {own}: no AVX-512 BF16 to keep")
-    monkeypatch.delenv(cpu_build.ISA_ENV, raising=False)
+    monkeypatch.delenv(instruction_set.ISA_ENV, raising=False)
     native = outputs(tmp_path / "native")
-    monkeypatch.setenv(cpu_build.ISA_ENV, "avx512_bf16")
+    monkeypatch.setenv(instruction_set.ISA_ENV, "avx512_bf16")
     assert pm.available(tmp_path / "capped"), pm.why_not(tmp_path / "capped")
     assert_same_bits(native, outputs(tmp_path / "capped"))

@@ -20,17 +20,17 @@ from pathlib import Path
 import pytest
 import torch
 from int4_cases import case, pack
-from viasd_kernels import (cpu_build, cpu_int4_widen as cw, cpu_layer, cpu_packed_mm as pm, cpu_rms_norm as rn,
+from viasd_kernels import (cpu_build, cpu_flags, cpu_header, cpu_int4_widen as cw, cpu_layer, cpu_packed_mm as pm, cpu_rms_norm as rn,
                            cpu_rope_write as rw, cpu_row_attention as ra)
 
 KERNELS = Path(cpu_build.__file__).parent
-HEADER = KERNELS / cpu_build.HEADER
+HEADER = KERNELS / cpu_header.HEADER
 bf = torch.bfloat16
 
 
 @pytest.fixture(scope="module")
 def build_dir(tmp_path_factory):
-    if cpu_build.compiler() is None:
+    if cpu_flags.compiler() is None:
         assert not os.environ.get("CI"), "CI needs a C compiler for the CPU kernels"
         pytest.skip("no C compiler here")
     return tmp_path_factory.mktemp("kernels")
@@ -43,7 +43,7 @@ def test_every_exported_function_has_a_prototype(build_dir):
     if nm is None:
         assert not os.environ.get("CI"), "CI has binutils"
         pytest.skip("no nm here to list a library's symbols")
-    protos = cpu_build.prototypes()
+    protos = cpu_header.prototypes()
     seen = set()
     for source in sorted(KERNELS.glob("cpu_*.c")):
         lib = cpu_build.build(source, build_dir)
@@ -59,8 +59,8 @@ def test_every_exported_function_has_a_prototype(build_dir):
 def test_the_python_types_are_the_ones_the_compiler_reads_in_the_header(tmp_path):
     """gcc's -aux-info writes every prototype as it parsed it: the same types, in the same order, as
     cpu_build's reading of the header."""
-    cc = cpu_build.compiler()
-    if cc is None or "gcc" not in cpu_build._version(cc).lower() and "free software" not in cpu_build._version(cc).lower():
+    cc = cpu_flags.compiler()
+    if cc is None or "gcc" not in cpu_flags.compiler_version(cc).lower() and "free software" not in cpu_flags.compiler_version(cc).lower():
         assert not os.environ.get("CI"), "CI builds with gcc"
         pytest.skip("the compiler is not gcc (-aux-info is gcc's)")
     src = tmp_path / "all.c"
@@ -69,15 +69,15 @@ def test_the_python_types_are_the_ones_the_compiler_reads_in_the_header(tmp_path
     done = subprocess.run([cc, "-std=gnu11", "-c", str(src), "-o", str(tmp_path / "all.o"), "-aux-info", str(aux)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    lines = [line for line in aux.read_text().splitlines() if cpu_build.HEADER in line]
+    lines = [line for line in aux.read_text().splitlines() if cpu_header.HEADER in line]
     header = tmp_path / "as_read.h"
     header.write_text("\n".join(re.sub(r"^/\*.*?\*/\s*extern\s+", "", line) for line in lines) + "\n")
-    as_read = cpu_build.prototypes(header)
-    assert as_read == cpu_build.prototypes() and len(as_read) >= 9
+    as_read = cpu_header.prototypes(header)
+    assert as_read == cpu_header.prototypes() and len(as_read) >= 9
 
 
 def test_each_wrapper_calls_its_function_with_the_headers_types(build_dir):
-    protos = cpu_build.prototypes()
+    protos = cpu_header.prototypes()
     for fn, name in ((rn._function(build_dir), "viasd_rms_norm"), (rw._function(build_dir), "viasd_rope_write"),
                      (ra._function(build_dir), "viasd_row_attention"), (cw._function(build_dir), "viasd_int4_widen"),
                      (cpu_layer._function(build_dir), "viasd_layer_front")):
@@ -93,7 +93,7 @@ def test_argtypes_a_caller_still_passes_must_be_the_headers(build_dir):
 
 
 def test_a_definition_that_differs_from_its_prototype_does_not_build(tmp_path):
-    if cpu_build.compiler() is None:
+    if cpu_flags.compiler() is None:
         pytest.skip("no C compiler here")
     shutil.copy(HEADER, tmp_path / HEADER.name)
     shutil.copy(KERNELS / "cpu_bf16.h", tmp_path / "cpu_bf16.h")

@@ -19,7 +19,7 @@ import platform
 import pytest
 import torch
 from row_checks import rows_alone_equal
-from viasd_kernels import cpu_build, cpu_f32_mm as fm
+from viasd_kernels import cpu_f32_mm as fm, cpu_flags, instruction_set
 
 
 def built(path):
@@ -41,22 +41,22 @@ def avx2_only():
     where cpu_build has one, else this machine's flags with AVX-512 off (x86-64; elsewhere as built)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         yield
-    elif hasattr(cpu_build, "ISA_ENV"):
-        before = os.environ.get(cpu_build.ISA_ENV)
-        os.environ[cpu_build.ISA_ENV] = "avx2"
+    elif hasattr(instruction_set, "ISA_ENV"):
+        before = os.environ.get(instruction_set.ISA_ENV)
+        os.environ[instruction_set.ISA_ENV] = "avx2"
         try:
             yield
         finally:
-            os.environ.pop(cpu_build.ISA_ENV)
+            os.environ.pop(instruction_set.ISA_ENV)
             if before is not None:
-                os.environ[cpu_build.ISA_ENV] = before
+                os.environ[instruction_set.ISA_ENV] = before
     else:
-        flags = cpu_build.FLAGS
-        cpu_build.FLAGS = (*flags, "-mno-avx512f")
+        flags = cpu_flags.FLAGS
+        cpu_flags.FLAGS = (*flags, "-mno-avx512f")
         try:
             yield
         finally:
-            cpu_build.FLAGS = flags
+            cpu_flags.FLAGS = flags
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_the_capped_build_has_no_avx512(build_dir, avx2_dir):
     native = fm.vector_bits(build_dir)
     with avx2_only():
         assert fm.vector_bits(avx2_dir) in (256, 128, 0)
-    if "avx512f" in cpu_build.cpu_identity().split():
+    if "avx512f" in instruction_set.cpu_identity().split():
         assert native == 512
 
 
@@ -128,7 +128,7 @@ def test_128_bit_tiles_give_the_same_bits(build_dir, tmp_path, monkeypatch):
     for n, k in SHAPES:
         w, x = weights(n, k, seed=n + k), activations(fm.MAX_ROWS, k, seed=n)
         cases.append((w, x, fm.bind(w, build_dir=build_dir)(x)))
-    monkeypatch.setattr(cpu_build, "FLAGS", (*cpu_build.FLAGS, "-DPART_BYTES=16"))
+    monkeypatch.setattr(cpu_flags, "FLAGS", (*cpu_flags.FLAGS, "-DPART_BYTES=16"))
     folder = built(tmp_path / "v128")
     assert fm.vector_bits(folder) == 128
     for w, x, native in cases:
@@ -159,7 +159,7 @@ def test_the_lanes_are_added_in_the_documented_order(build_dir, avx2_dir):
     for bound in (fm.bind(w, build_dir=build_dir), capped):
         assert torch.equal(bound(x), want)
         assert torch.equal(torch.cat([bound(x[i : i + 1]) for i in range(m)]), want)
-    if "fma" in cpu_build.cpu_identity().split() or platform.machine().lower() in ("aarch64", "arm64"):
+    if "fma" in instruction_set.cpu_identity().split() or platform.machine().lower() in ("aarch64", "arm64"):
         # first products below 2^11 with a few bits, second ones in [1, 4) of 36 bits: the float64 sum is exact
         w1 = 2.0 ** torch.randint(-4, 5, (n, 16), generator=g).float() * torch.randint(1, 8, (n, 16), generator=g)
         x2 = (torch.rand(m, 16, generator=g) * 2**12).floor() / 2**12 + 1
@@ -245,7 +245,7 @@ def test_weights_it_does_not_take(build_dir):
 
 
 def test_no_compiler_means_no_kernel_and_a_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_build, "compiler", lambda: None)
+    monkeypatch.setattr(cpu_flags, "compiler", lambda: None)
     folder = tmp_path / "none"
     assert fm.bind(weights(32, 64, seed=5), build_dir=folder) is None
     assert "no C compiler" in fm.why_not()

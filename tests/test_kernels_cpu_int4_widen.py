@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from viasd_kernels import cpu_build, cpu_int4_widen as cw
+from viasd_kernels import cpu_flags, cpu_int4_widen as cw
 
 from int4_cases import case, pack
 from viasd_core.decoding import packed_cpu, weight_formats as wf
@@ -68,7 +68,7 @@ def test_what_it_does_not_take_is_refused(build_dir):
 
 
 def test_no_compiler_means_no_kernel_and_a_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_build, "compiler", lambda: None)
+    monkeypatch.setattr(cpu_flags, "compiler", lambda: None)
     values, sz = case(64, 32, 32, seed=5)
     assert cw.widen(pack(values, 64), 32, sz, 64, build_dir=tmp_path / "none") is None
     assert "no C compiler" in cw.why_not()

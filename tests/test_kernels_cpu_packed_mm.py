@@ -22,7 +22,7 @@ import torch
 from row_checks import rows_alone_equal
 from conftest import needs_torchao
 from int4_cases import case, pack
-from viasd_kernels import cpu_build, cpu_packed_mm as pm
+from viasd_kernels import cpu_flags, cpu_packed_mm as pm, instruction_set
 
 from viasd_core.decoding import packed_cpu, packed_torch, weight_formats as wf
 
@@ -32,8 +32,8 @@ WAYS = ("native", "avx2", "avx512")
 
 def above(cap: str) -> bool:
     """Whether this CPU's own class is above `cap` (the cap then changes what is built)."""
-    own = cpu_build.cpu_isa_class()
-    return own in cpu_build.ISA_CLASSES and cpu_build.ISA_CLASSES.index(own) > cpu_build.ISA_CLASSES.index(cap)
+    own = instruction_set.cpu_isa_class()
+    return own in instruction_set.ISA_CLASSES and instruction_set.ISA_CLASSES.index(own) > instruction_set.ISA_CLASSES.index(cap)
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +43,11 @@ def folders(tmp_path_factory):
 
 def enter(way: str, folders, monkeypatch):
     """The build folder of `way`, with the cap in force for the test (skip where it changes nothing)."""
-    monkeypatch.delenv(cpu_build.ISA_ENV, raising=False)
+    monkeypatch.delenv(instruction_set.ISA_ENV, raising=False)
     if way != "native":
         if not above(way):
-            pytest.skip(f"this CPU's class ({cpu_build.cpu_isa_class()}) is not above {way}: 'native' is its way")
-        monkeypatch.setenv(cpu_build.ISA_ENV, way)
+            pytest.skip(f"this CPU's class ({instruction_set.cpu_isa_class()}) is not above {way}: 'native' is its way")
+        monkeypatch.setenv(instruction_set.ISA_ENV, way)
     path = folders[way]
     if not pm.available(path):
         why = pm.why_not(path)
@@ -157,8 +157,8 @@ def test_each_way_says_what_runs(kernels):
     assert pm.available(folder)
     if way != "native":
         assert pm.way(folder) == pm.PORTABLE_WAY  # this CPU has FMA wherever it is above AVX2
-        assert pm.why_not(folder) == f"{cpu_build.ISA_ENV}={way} caps the instruction set below AVX-512 BF16"
-    elif cpu_build.cpu_isa_class() == "avx512_bf16":
+        assert pm.why_not(folder) == f"{instruction_set.ISA_ENV}={way} caps the instruction set below AVX-512 BF16"
+    elif instruction_set.cpu_isa_class() == "avx512_bf16":
         assert pm.way(folder) == pm.BF16_WAY and pm.why_not(folder) is None
     else:
         assert pm.way(folder) in (pm.PORTABLE_WAY, pm.PORTABLE_NO_FMA_WAY)
@@ -243,7 +243,7 @@ def test_what_it_does_not_take_is_refused(kernels):
 
 
 def test_no_compiler_means_no_kernel_and_a_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_build, "compiler", lambda: None)
+    monkeypatch.setattr(cpu_flags, "compiler", lambda: None)
     folder = tmp_path / "none"
     assert not pm.available(folder) and "no C compiler" in pm.why_not(folder)
     values, qdata, sz = int4_case(64, 32, 32, seed=5)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
-from viasd_kernels import cpu_build, cpu_rms_norm as rn
+from viasd_kernels import cpu_flags, cpu_rms_norm as rn
 
 from viasd_core.decoding import norms
 
@@ -76,7 +76,7 @@ def test_what_it_does_not_take_is_refused(build_dir):
 
 
 def test_no_compiler_means_no_kernel_and_a_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_build, "compiler", lambda: None)
+    monkeypatch.setattr(cpu_flags, "compiler", lambda: None)
     assert rn.bind(torch.ones(16), 1e-6, build_dir=tmp_path / "none") is None
     assert "no C compiler" in rn.why_not()
 

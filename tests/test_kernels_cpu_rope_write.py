@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 from conftest import FAMILIES, every_kind_of_pass, tiny_model
-from viasd_kernels import cpu_build, cpu_rope_write as rw
+from viasd_kernels import cpu_flags, cpu_rope_write as rw
 
 from viasd_core.decoding import weight_formats as wf
 from viasd_core.decoding.attention import LayerCache
@@ -107,7 +107,7 @@ def test_what_it_does_not_take_is_refused(build_dir):
 
 
 def test_no_compiler_means_no_kernel_and_a_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_build, "compiler", lambda: None)
+    monkeypatch.setattr(cpu_flags, "compiler", lambda: None)
     c = LayerCache(1, 4, 16, torch.float32, "cpu")
     assert rw.bind(c.k, c.v, build_dir=tmp_path / "none") is None
     assert "no C compiler" in rw.why_not()

@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from viasd_kernels import cpu_build, cpu_row_attention as ra
+from viasd_kernels import cpu_build, cpu_flags, cpu_row_attention as ra
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}
@@ -100,7 +100,7 @@ def test_what_it_does_not_take_falls_back_or_is_refused(build_dir):
 
 
 def test_no_compiler_means_no_kernel_and_a_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_build, "compiler", lambda: None)
+    monkeypatch.setattr(cpu_flags, "compiler", lambda: None)
     q, k, v = qkv(2, 1, 2, 8, 16, torch.float32, seed=5)
     assert ra.row_attention(q, k, v, 8, build_dir=tmp_path / "none") is None
     assert "no C compiler" in ra.why_not()
@@ -115,8 +115,8 @@ def test_a_folder_it_cannot_write_means_no_kernel_and_a_reason(tmp_path):
 
 
 def test_a_failed_build_leaves_no_file_and_says_why(tmp_path, monkeypatch):
-    monkeypatch.setattr(cpu_build, "FLAGS", cpu_build.FLAGS + ("-DVIASD_NOT_A_FLAG", "--not-a-flag"))
-    if cpu_build.compiler() is None:
+    monkeypatch.setattr(cpu_flags, "FLAGS", cpu_flags.FLAGS + ("-DVIASD_NOT_A_FLAG", "--not-a-flag"))
+    if cpu_flags.compiler() is None:
         assert not os.environ.get("CI"), "CI needs a C compiler for the CPU kernels"
         pytest.skip("no C compiler here")
     assert cpu_build.build(ra.SOURCE, tmp_path / "bad") is None
@@ -131,7 +131,7 @@ def test_the_library_is_built_once_and_named_for_this_machine(build_dir):
 
 def test_a_header_beside_the_source_is_part_of_the_library_name(tmp_path):
     """A C file's headers (cpu_bf16.h) change what it compiles to, so they key the build too."""
-    if cpu_build.compiler() is None:
+    if cpu_flags.compiler() is None:
         assert not os.environ.get("CI"), "CI needs a C compiler for the CPU kernels"
         pytest.skip("no C compiler here")
     src = tmp_path / "src"

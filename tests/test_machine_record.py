@@ -42,12 +42,12 @@ def test_the_key_version_kind_and_threads_each_name_another_file(tmp_path, monke
 def test_the_instruction_set_class_in_force_names_another_file(tmp_path, monkeypatch):
     """A measurement made at the CPU's own class (bfloat16 products pay with AVX-512 BF16) is not read
     under VIASD_MAX_CPU_ISA's lower class, which ATen's capability alone does not tell apart."""
-    from viasd_kernels import cpu_build
+    from viasd_kernels import instruction_set
 
     monkeypatch.setenv("VIASD_HOME", str(tmp_path))
-    monkeypatch.setattr(cpu_build, "isa_class", lambda: "avx512_bf16")
+    monkeypatch.setattr(instruction_set, "isa_class", lambda: "avx512_bf16")
     native = MachineRecord("bf16-products", CPU, {}, version=1).path
-    monkeypatch.setattr(cpu_build, "isa_class", lambda: "avx512")
+    monkeypatch.setattr(instruction_set, "isa_class", lambda: "avx512")
     assert MachineRecord("bf16-products", CPU, {}, version=1).path != native
     assert machine_identity(CPU)["isa_class"] == "avx512"
 

@@ -22,7 +22,7 @@ from invariance_cases import FORMATS, PROMPT, SPAN, target, tokens, width_depend
 from viasd_core import cpu_isa, paths
 from viasd_core.decoding.exactness import note, promise
 from viasd_core.decoding.model import FastModel
-from viasd_kernels import cpu_build, cpu_f32_mm, cpu_packed_mm, cpu_row_attention
+from viasd_kernels import cpu_f32_mm, cpu_packed_mm, cpu_row_attention, instruction_set
 
 @pytest.fixture
 def no_compiler(monkeypatch, tmp_path):
@@ -102,7 +102,7 @@ def _report_under_this_cap() -> None:
     """Run in a process started with VIASD_MAX_CPU_ISA set: what runs, and the width-dependent rows
     of each format at 2 threads, as one JSON line."""
     torch.set_num_threads(2)
-    out = {"isa": cpu_build.isa_class(), "aten": torch.backends.cpu.get_cpu_capability(),
+    out = {"isa": instruction_set.isa_class(), "aten": torch.backends.cpu.get_cpu_capability(),
            "packed_mm": cpu_packed_mm.way(paths.kernel_dir()),
            "f32_mm": cpu_f32_mm.bind(torch.zeros(16, 16), build_dir=paths.kernel_dir()) is not None,
            "mkl": os.environ.get("MKL_ENABLE_INSTRUCTIONS")}
@@ -124,8 +124,8 @@ def test_each_instruction_set_class_is_row_invariant(cap, tmp_path):
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    own = cpu_build.cpu_isa_class()
-    want = min(own, cap, key=cpu_build.ISA_CLASSES.index) if own in cpu_build.ISA_CLASSES else own
+    own = instruction_set.cpu_isa_class()
+    want = min(own, cap, key=instruction_set.ISA_CLASSES.index) if own in instruction_set.ISA_CLASSES else own
     assert report["isa"] == want
     if want in ("avx2", "avx512"):  # the packed products' portable way (their BF16 way needs AVX-512 BF16)
         assert report["aten"] == want.upper() and report["packed_mm"] == cpu_packed_mm.PORTABLE_WAY

@@ -23,17 +23,17 @@ MKL = {"none": "SSE4_2", "avx2": "AVX2", "avx512": "AVX512_E1", "avx512_bf16": "
 def apply() -> str | None:
     """Point PyTorch's CPU kernels at the class VIASD_MAX_CPU_ISA allows; the class, or None where no
     cap is set (or the CPU is not x86-64). An unknown value is left for the first kernel build to
-    refuse with its one line (viasd_kernels.cpu_build.max_isa)."""
+    refuse with its one line (viasd_kernels.instruction_set.max_isa)."""
     if not os.environ.get("VIASD_MAX_CPU_ISA", "").strip():
         return None
-    from viasd_kernels import cpu_build
+    from viasd_kernels import instruction_set
 
     try:
-        if cpu_build.max_isa() == "native":
+        if instruction_set.max_isa() == "native":
             return None
     except ValueError:
         return None
-    now = cpu_build.isa_class()
+    now = instruction_set.isa_class()
     if now not in ATEN:
         return None
     os.environ.setdefault("ATEN_CPU_CAPABILITY", ATEN[now])
@@ -45,6 +45,6 @@ def apply() -> str | None:
 def in_force() -> tuple[str, str]:
     """(the instruction-set class viasd's kernels are built for, one line saying it and any cap) for
     `--verbose` and doctor."""
-    from viasd_kernels import cpu_build
+    from viasd_kernels import instruction_set
 
-    return cpu_build.isa_class(), cpu_build.describe_isa()
+    return instruction_set.isa_class(), instruction_set.describe_isa()

@@ -31,7 +31,7 @@ from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.pass_timing import time_passes
 from viasd_core.devices import device_name
 from viasd_core.loading.models import load_model
-from viasd_kernels import cpu_build, cpu_packed_mm
+from viasd_kernels import cpu_packed_mm, instruction_set
 
 
 def main() -> None:
@@ -48,7 +48,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     widths = tuple(int(w) for w in args.widths.split(","))
     report = {"threads": args.threads, "model": args.model, "context": args.context, "stat": args.stat,
-              "isa": cpu_build.describe_isa(), "aten": torch.backends.cpu.get_cpu_capability(),
+              "isa": instruction_set.describe_isa(), "aten": torch.backends.cpu.get_cpu_capability(),
               "way": cpu_packed_mm.way(paths.kernel_dir()), "ms": {}, "x_1_token": {}, "pytorch_over_kernel": {}}
     for fmt in args.formats.split(","):
         model = FastModel(load_model(args.model, quant=fmt, with_tokenizer=False, device="cpu").model, max_len=1024,

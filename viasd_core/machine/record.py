@@ -32,12 +32,12 @@ def machine_identity(device: torch.device) -> dict:
     PyTorch's version. A cached choice is measured again when any of them changes."""
     identity = {"device": device_name(device), "torch": torch.__version__}
     if device.type == "cpu":
-        from viasd_kernels import cpu_build
+        from viasd_kernels import instruction_set
 
         identity["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
         # the class viasd's kernels and oneDNN/MKL run (VIASD_MAX_CPU_ISA): ATen's capability does not
         # tell AVX-512 with BF16 from AVX-512 without it, and bfloat16 products pay only with it
-        identity["isa_class"] = cpu_build.isa_class()
+        identity["isa_class"] = instruction_set.isa_class()
         identity["cores"] = usable_cores()
     return identity
 
