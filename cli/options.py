@@ -50,6 +50,7 @@ TempOpt = Annotated[float, typer.Option("--temperature", "-t", help="0 = greedy 
 TopKOpt = Annotated[int, typer.Option("--top-k", help="Keep the k most likely tokens when sampling (0 = off).")]
 TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass in (0, 1] (1 = off).")]
 MinPOpt = Annotated[float, typer.Option("--min-p", help="When sampling, drop tokens less likely than this fraction of the most likely one, in [0, 1] (0 = off).")]
+RepetitionPenaltyOpt = Annotated[float, typer.Option("--repetition-penalty", help="Penalize tokens already in the context (prompt and output so far): a positive logit is divided by this, a negative one multiplied (transformers' and vLLM's rule); > 0, 1 = off. Changes greedy answers too; exact in every mode.")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Random seed for sampling (reproducible runs).")]
 StopOpt = Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable).")]
 ProfileOpt = Annotated[Optional[str], typer.Option("--profile", help="Calibration profile file (default: the one saved for this pair).")]
@@ -116,7 +117,8 @@ def generation_options(max_new_tokens: int):
         {"mode": (ModeOpt, "sd"), "gamma": (GammaOpt, None), "adaptive": (AdaptiveOpt, True),
          "min_confidence": (MinConfidenceOpt, GenerationConfig.min_confidence),
          "max_new_tokens": (MaxNewOpt, max_new_tokens), "temperature": (TempOpt, 0.0), "top_k": (TopKOpt, 0),
-         "top_p": (TopPOpt, 1.0), "min_p": (MinPOpt, 0.0), "seed": (SeedOpt, None), "stop": (StopOpt, None)},
+         "top_p": (TopPOpt, 1.0), "min_p": (MinPOpt, 0.0),
+         "repetition_penalty": (RepetitionPenaltyOpt, 1.0), "seed": (SeedOpt, None), "stop": (StopOpt, None)},
         "config", _generation_config,
     )
 

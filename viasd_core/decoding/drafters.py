@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.sampling import Sampler, SamplingParams, prefix_length, process_logits
+from viasd_core.decoding.sampling import Sampler, SamplingParams, penalize, prefix_length, presence, process_logits
 from viasd_core.decoding.suffix_index import Walk
 from viasd_core.decoding.tree import TokenTree, TreeShape
 
@@ -153,6 +153,11 @@ class ChainDrafter(Drafter):
             full[:, : self.limit] = draft_probs
         return full
 
+    def _seen(self, ids: torch.Tensor, n: int) -> torch.Tensor:
+        """[Vd] bool over the draft's columns: which occur in the committed context ids[:n]."""
+        seen = presence(ids[:n], self.vocab_size)
+        return seen[self.vocab_map] if self.vocab_map is not None else seen[: self.limit].clone()
+
     def prefill(self, ids: torch.Tensor, n: int) -> None:
         """Catch up on all but the last prompt position, as a proposal after n - 1 tokens would: the
         first proposal then runs that one position for its logits, as any later proposal does."""
@@ -185,11 +190,13 @@ class ChainDrafter(Drafter):
             return Proposal(tokens=ids[n:n], probs=None)
         on_device = self.stop_on_device if self.stop_on_device is not None else ids.device.type != "cpu"
         logits = logits[:, : self.limit]  # [1, Vd]
+        seen = self._seen(ids, n) if params.penalized else None  # [Vd]: the repetition penalty's context
         probs_rows = []
         reads = 0
         sure = None  # [1] the draft's probability that the block so far is all accepted
         confident = []  # [1] bool per drafted position (decided on the device)
         for i in range(gamma):
+            logits = penalize(logits, seen, params.repetition_penalty)
             if params.greedy:
                 idx = logits.argmax(-1)
                 conf = torch.softmax(logits, -1).amax(-1) if stop_below > 0 else None
@@ -211,6 +218,8 @@ class ChainDrafter(Drafter):
                     draft_probs = self._widen(draft_probs)
                 probs_rows.append(draft_probs)
             ids[n + i] = self._to_target(idx)[0]
+            if seen is not None:
+                seen[idx] = True  # the next position's context holds this token too
             if i + 1 < gamma:
                 logits = self._next_logits(ids, n, i)[:, : self.limit]
         probs = torch.cat(probs_rows) if probs_rows else None

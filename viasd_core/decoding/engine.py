@@ -18,6 +18,7 @@ the host. Phase timings need synchronizations: they are taken only when `breakdo
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -53,6 +54,9 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    # transformers' and vLLM's rule (sampling.penalize): every row's logits are penalized over that
+    # row's own context, so it changes greedy choices too and stays exact in every mode (1 = off)
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     thresholds: Thresholds | None = None  # viasd mode
@@ -82,6 +86,8 @@ class GenerationConfig:
             raise UsageError(f"top-p must be in (0, 1] (got {self.top_p})")
         if not 0 <= self.min_p <= 1:
             raise UsageError(f"min-p must be in [0, 1] (got {self.min_p}); 0 turns it off")
+        if not (self.repetition_penalty > 0 and math.isfinite(self.repetition_penalty)):
+            raise UsageError(f"repetition-penalty must be > 0 (got {self.repetition_penalty}); 1 turns it off")
         if self.top_k < 0:
             raise UsageError(f"top-k must be >= 0 (got {self.top_k}); 0 turns it off")
         if not 0 <= self.min_confidence < 1:
@@ -100,7 +106,7 @@ class GenerationConfig:
 
     @property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p)
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty)
 
 
 @dataclass

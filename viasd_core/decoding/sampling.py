@@ -17,10 +17,51 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off; applied to logits before everything else (`penalize`)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+
+def presence(ids: torch.Tensor, width: int) -> torch.Tensor:
+    """[width] bool: which token ids occur in `ids` (the committed context, ids[:n] of the buffer).
+    Built on the device from the buffer itself at each step (no host read, no state to keep in step
+    with rollbacks, reused prefixes or a server's slots)."""
+    return torch.zeros(width, dtype=torch.bool, device=ids.device).index_fill_(0, ids, True)
+
+
+def presence_rows(history: torch.Tensor, tokens: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
+    """[R, V] bool: row r's context is `history` [V] plus the tokens [g] it sees (`sees` [R, g] bool).
+    One scatter on the device, no host read."""
+    R, V = sees.shape[0], history.shape[0]
+    hits = torch.zeros(R, V, dtype=torch.int32, device=history.device)
+    hits.scatter_add_(1, tokens.view(1, -1).expand(R, -1), sees.int())
+    return (hits > 0) | history
+
+
+def chain_presence(history: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[g + 1, V] bool for a block of `tokens` [g] after the committed context: row j (the logits
+    that choose block position j; row g the bonus) saw `history` and tokens[:j]."""
+    g = tokens.shape[0]
+    sees = torch.ones(g + 1, g, dtype=torch.bool, device=tokens.device).tril(-1)
+    return presence_rows(history, tokens, sees)
+
+
+def penalize(logits: torch.Tensor, seen: torch.Tensor | None, penalty: float) -> torch.Tensor:
+    """The repetition penalty (transformers' and vLLM's rule) on logits [N, V] in float32: a token
+    already in the row's context (`seen` [N, V] or [V] bool; None: no penalty) has its logit divided
+    by `penalty` when positive, multiplied when negative. The one place the rule lives: greedy choices
+    and `process_logits` both read its output, for draft, slim and target rows alike."""
+    if seen is None or penalty == 1.0:
+        return logits
+    logits = logits.float()
+    hit = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, hit, logits)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -32,7 +32,8 @@ from viasd_core.decoding.drafters import Drafter, Proposal
 from viasd_core.decoding.grammar import Constraint
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.router import Thresholds, slim_confidence, unsure_to_full, walk_block
-from viasd_core.decoding.sampling import Sampler, SamplingParams, greedy_accept, prefix_length, process_logits, speculative_sample
+from viasd_core.decoding.sampling import (Sampler, SamplingParams, chain_presence, greedy_accept, penalize, prefix_length,
+                                          presence, presence_rows, process_logits, speculative_sample)
 from viasd_core.decoding.stats import NO_DRAFT, RunStats
 from viasd_core.decoding.tree import TreeShape, accept_path
 
@@ -88,6 +89,20 @@ class Run:
 Step = Callable[[Decoder, Run, int], StepResult]
 
 
+def penalized(eng: Decoder, run: Run, logits: torch.Tensor, block: torch.Tensor | None = None,
+              sees: torch.Tensor | None = None) -> torch.Tensor:
+    """The repetition penalty on a pass's logits (unchanged when it is off): each row over its own
+    history, the committed context ids[:n] plus what the row saw of the drafted block. block None:
+    one row after the context; `block` [g] alone: a chain, row j saw block[:j] (rows g + 1, the last
+    the bonus); with `sees` [R, g] bool: row r saw the block tokens it marks (a tree's ancestors)."""
+    if not run.params.penalized:
+        return logits
+    seen = presence(eng.ids[: len(eng.tokens)], logits.shape[-1])
+    if block is not None:
+        seen = chain_presence(seen, block) if sees is None else presence_rows(seen, block, sees)
+    return penalize(logits, seen, run.params.repetition_penalty)
+
+
 @dataclass(frozen=True)
 class Plan:
     """The step a generation runs, chosen once from its mode."""
@@ -115,7 +130,7 @@ def plain_step(eng: Decoder, run: Run, g: int = 0) -> StepResult:
     """One target pass over the pending token; its next token (greedy or sampled)."""
     n = len(eng.tokens)
     t = eng.clock()
-    target_logits = eng.target.extend(eng.ids, n, 1)  # [1, V]
+    target_logits = penalized(eng, run, eng.target.extend(eng.ids, n, 1))  # [1, V]
     if run.constraint is not None:
         target_logits = run.constraint.mask(target_logits, run.constraint.allowed(1))
     if run.params.greedy:
@@ -168,7 +183,7 @@ def refined_step(eng: Decoder, run: Run, g: int) -> StepResult:
     draft_tokens = proposal.tokens.clone()  # [g] what the draft proposed (and its cache holds)
     # 2. route: one slim pass over the drafted block
     t = eng.clock()
-    slim_argmax = eng.slim.extend(eng.ids, n + g, g + 1).argmax(-1)  # [g + 1]
+    slim_argmax = penalized(eng, run, eng.slim.extend(eng.ids, n + g, g + 1), eng.ids[n : n + g]).argmax(-1)  # [g + 1]
     run.stats.time_slim += eng.clock() - t
     run.stats.slim_passes += 1
     eng.ids[n : n + g] = slim_argmax[:g]
@@ -184,7 +199,8 @@ def _verify_and_accept(eng: Decoder, run: Run, proposal: Proposal, draft_tokens:
     limit = proposal.limit  # [] int64 or None: the proposals' count, when decided on the device
     # 3. verify: one target pass over the pending token and the block
     t = eng.clock()
-    target_logits = eng.target.extend(eng.ids, n + g, g + 1)  # [g + 1, V]
+    # row j penalized over the context and the proposals before j (refined ones in exact)
+    target_logits = penalized(eng, run, eng.target.extend(eng.ids, n + g, g + 1), eng.ids[n : n + g])  # [g + 1, V]
     if allowed is not None:
         target_logits = run.constraint.mask(target_logits, allowed)
     target_argmax = target_logits.argmax(-1)  # [g + 1]
@@ -267,6 +283,9 @@ def tree_step(eng: Decoder, run: Run, g: int) -> StepResult:
     # 3. verify: one target pass over the root and every node
     t = eng.clock()
     target_logits = eng.target.verify_tree(eng.ids, n, tree)  # [1 + N, V]
+    if run.params.penalized:  # the root's row saw the context; node j's row its ancestors' tokens and its own too
+        sees = torch.cat([torch.zeros_like(tree.ancestors[:1]), tree.ancestors])
+        target_logits = penalized(eng, run, target_logits, tree.tokens, sees)
     if run.params.greedy:
         choices = target_logits.argmax(-1)
     else:  # one sample of the target's own distribution per row: the walk keeps the output's law
@@ -306,7 +325,7 @@ def tiered_step(eng: Decoder, run: Run, g: int) -> StepResult:
     stats.draft_tokens += g
     # 2. route: one slim pass over the block gives the gate and tier of every position
     t = eng.clock()
-    slim_logits = eng.slim.extend(eng.ids, n + g, g + 1)  # [g + 1, V]
+    slim_logits = penalized(eng, run, eng.slim.extend(eng.ids, n + g, g + 1), draft_tokens)  # [g + 1, V]
     route = route_block(slim_logits, eng.ids[n : n + g], 0.0, th.accept, th.slim)
     tier_codes = unsure_to_full(route.tiers, slim_confidence(route, g), th).tolist()
     slim_argmax = route.argmax.tolist()  # [g + 1]
@@ -318,7 +337,8 @@ def tiered_step(eng: Decoder, run: Run, g: int) -> StepResult:
     def target_agrees(j: int) -> bool:
         if not target_argmax:
             t = eng.clock()
-            target_argmax.extend(eng.target.extend(eng.ids, n + g, g + 1).argmax(-1).tolist())
+            target_logits = penalized(eng, run, eng.target.extend(eng.ids, n + g, g + 1), draft_tokens)
+            target_argmax.extend(target_logits.argmax(-1).tolist())
             stats.time_verify += eng.clock() - t
             stats.target_passes += 1
         return target_argmax[j] == block[j]
