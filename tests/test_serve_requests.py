@@ -114,7 +114,7 @@ def test_min_p_reaches_the_sampler(session, viasd_home):  # noqa: F811
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
 REFUSED = [  # (path, fields over a good body, param, code)
     (CHAT, {"min_p": 1.5}, "min_p", None),
-    (CHAT, {"repetition_penalty": 1.1}, "repetition_penalty", None),  # per-position histories: not passed yet
+    (CHAT, {"repetition_penalty": 0}, "repetition_penalty", None),  # honoured (test_repetition_penalty.py), > 0
     (CHAT, {"min_p": "0.1"}, "min_p", None),
     (CHAT, {"presence_penalty": 0.5}, "presence_penalty", None),
     (CHAT, {"ignore_eos": True}, "ignore_eos", None),

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from viasd_core.frontends.serve_errors import bad_request
 
-BOTH = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream",
-                  "stream_options", "mode", "draft"})
+BOTH = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
+                  "stream", "stream_options", "mode", "draft"})
 GRAMMARS = frozenset({"response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "json_schema",
                       "grammar"})  # serve_tools.GRAMMAR_FIELDS: constrained decoding (llguidance)
 READ = {"chat": BOTH | GRAMMARS | {"messages", "max_completion_tokens", "chat_template_kwargs", "tools", "tool_choice",
@@ -43,10 +43,6 @@ NEUTRAL = {  # name -> (is it neutral?, the neutral value as the message says it
     "suffix": (_absent_or(""), "''"),
     "presence_penalty": (_absent_or(0, 0.0), "0"),
     "frequency_penalty": (_absent_or(0, 0.0), "0"),
-    "repetition_penalty": (_absent_or(1, 1.0), "1 (the penalty depends on each position's own history: exact "
-                                               "in speculative modes only if every verified row gets the committed "
-                                               "tokens plus the draft tokens before it, which the decoding steps do "
-                                               "not pass to the sampler yet)"),
     "length_penalty": (_absent_or(1, 1.0), "1"),
     "use_beam_search": (_absent_or(False), "false"),
     "logit_bias": (_empty, "{}"),

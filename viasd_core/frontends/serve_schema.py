@@ -6,7 +6,7 @@ GenerationConfig (the server's, with the request's sampling values, mode and dra
 Every refusal is an ApiError 400 naming the field (`param`), or 404 for an unknown model.
 
 Which fields are read, refused unless neutral, refused, or ignored (and why): serve_fields. The
-extension fields are `mode`, `draft`, `top_k`, `min_p` and `chat_template_kwargs`.
+extension fields are `mode`, `draft`, `top_k`, `min_p`, `repetition_penalty` and `chat_template_kwargs`.
 """
 
 from __future__ import annotations
@@ -102,6 +102,8 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad_request(f"'{name}' must be a number, not {_kind(value)}", name)
     if not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo):
+        if hi == math.inf:
+            raise bad_request(f"'{name}' must be a finite number {'>' if lo_open else '>='} {lo:g} (got {value})", name)
         raise bad_request(f"'{name}' must be in {'(' if lo_open else '['}{lo:g}, {hi:g}] (got {value})", name)
     return float(value)
 
@@ -166,7 +168,9 @@ def _common(body: dict, served: ServedModel, kind: str, messages, prompt) -> Gen
         base, mode=mode, max_new_tokens=_int(body, limit, base.max_new_tokens, lo=1),
         temperature=_number(body, "temperature", base.temperature, 0.0, 2.0),
         top_p=_number(body, "top_p", base.top_p, 0.0, 1.0, lo_open=True),
-        top_k=_int(body, "top_k", base.top_k, lo=0), min_p=_number(body, "min_p", base.min_p, 0.0, 1.0), seed=_int(body, "seed", None, lo=-(2**63), hi=2**64 - 1),
+        top_k=_int(body, "top_k", base.top_k, lo=0), min_p=_number(body, "min_p", base.min_p, 0.0, 1.0),
+        repetition_penalty=_number(body, "repetition_penalty", base.repetition_penalty, 0.0, math.inf, lo_open=True),
+        seed=_int(body, "seed", None, lo=-(2**63), hi=2**64 - 1),
         stop=_stops(body, base.stop), thresholds=served.thresholds,
     )
     config.grammar, tools = request_output(body, kind, served.tool_style)
