@@ -128,7 +128,7 @@ def answer_agreement(args) -> None:
     from viasd_core.loading.models import load_model
     from viasd_core.training import campaign_store as store
 
-    from viasd_core.training import eagle_train
+    from viasd_core.training import eagle_data
 
     def load(quant: str):
         return load_model(args.target, device="cpu", quant=quant, dtype="float32" if quant == "none" else None)
@@ -136,7 +136,7 @@ def answer_agreement(args) -> None:
     torch.set_num_threads(args.threads)
     loaded = load(args.quant)
     fm = FastModel(loaded.model, max_len=4096)
-    layers = eagle_train.default_feature_layers(loaded.model.config.num_hidden_layers)
+    layers = eagle_data.default_feature_layers(loaded.model.config.num_hidden_layers)
     teachers = {q: load(q).model for q in args.teacher_quant}
     hits = total = whole = count = 0
     labels = {q: 0 for q in teachers}
@@ -144,7 +144,7 @@ def answer_agreement(args) -> None:
         seqs = store.SequenceShard.load(Path(shard))
         pairs = list(zip(seqs.sequences, seqs.prompt_lens))[: args.n]
         # the feature stage's labels (teacher_pass's top-1, batches of 8) at each --teacher-quant
-        taught = {q: eagle_train.teacher_pass(m, [(s.tolist(), p, "") for s, p in pairs], layers, batch_size=8)
+        taught = {q: eagle_data.teacher_pass(m, [(s.tolist(), p, "") for s, p in pairs], layers, batch_size=8)
                   for q, m in teachers.items()}
         for k, (seq, plen) in enumerate(pairs):
             fed = torch.from_numpy(seq.astype("int64"))

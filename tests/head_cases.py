@@ -11,7 +11,7 @@ from viasd_core.decoding.engine import Engine
 from viasd_core.decoding.feature_drafter import FeatureDrafter
 from viasd_core.decoding.hybrid_drafter import HybridDrafter
 from viasd_core.decoding.model import FastModel
-from viasd_core.training import eagle_train
+from viasd_core.training import eagle_init
 
 LAYERS = (1, 2, 3)
 
@@ -20,7 +20,7 @@ def make_head(target, draft_vocab=64, seed=0, full=False):
     g = torch.Generator().manual_seed(seed)
     vocab = target.config.vocab_size
     vocab_map = torch.arange(vocab) if full else torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab]).values
-    head = eagle_train.init_head(target, LAYERS, vocab_map, seed=seed)
+    head = eagle_init.init_head(target, LAYERS, vocab_map, seed=seed)
     with torch.no_grad():  # a head that is not the identity-on-the-top-feature start
         for p in head.midlayer.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.02)

@@ -14,7 +14,7 @@ from conftest import tiny_model
 from viasd_core import paths
 from viasd_core.decoding import attention
 from viasd_core.decoding.model import FastModel
-from viasd_core.training import eagle_train
+from viasd_core.training import eagle_init, eagle_ttt
 
 
 def reference(q, k, v, mask, scale=None):
@@ -166,7 +166,7 @@ def test_every_user_attends_through_the_shared_routine(monkeypatch):
     target = tiny_model("llama", n_layers=3, seed=7)
     fast = FastModel(target, max_len=32)
     fast.row_attention = False  # one call a layer (as a slim view attends); by row below
-    head = eagle_train.init_head(target, (0, 1, 2), torch.arange(0, 256, 2), seed=0)
+    head = eagle_init.init_head(target, (0, 1, 2), torch.arange(0, 256, 2), seed=0)
     head.allocate(32)
     ids = torch.randint(3, 256, (12,), generator=torch.Generator().manual_seed(7))
     calls = Calls(monkeypatch)
@@ -191,14 +191,14 @@ def test_every_user_attends_through_the_shared_routine(monkeypatch):
     head.forward(ids[1:7], feats, 0)
     assert calls.take() == (1, 1)
 
-    eagle_train.ttt_logits(head, ids[None, :7], feats[None], steps=3)
+    eagle_ttt.ttt_logits(head, ids[None, :7], feats[None], steps=3)
     assert calls.take() == (3, 3)  # one call a drafting step
 
 
 # ---------------------------------------------------------------------- rollback
 def test_rollback_keeps_n_positions_in_the_model_and_the_head():
     target = tiny_model("llama", n_layers=3, seed=8)
-    head = eagle_train.init_head(target, (0, 1, 2), torch.arange(0, 256, 2), seed=0)
+    head = eagle_init.init_head(target, (0, 1, 2), torch.arange(0, 256, 2), seed=0)
     head.allocate(32)
     ids = torch.randint(3, 256, (12,), generator=torch.Generator().manual_seed(8))
     feats = torch.randn(10, 3 * target.config.hidden_size)

@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_model
 from viasd_core.machine import bf16 as bf16_choice
-from viasd_core.training import eagle_train
+from viasd_core.training import eagle_data, eagle_init, eagle_train
 from viasd_core.training.shared import resolve_bf16
 
 
@@ -69,9 +69,9 @@ def test_training_takes_an_explicit_choice_else_the_measured_one(monkeypatch):
 def test_head_training_records_the_precision_it_used():
     target = tiny_model("llama", n_layers=4, seed=2)
     seqs = [(torch.randint(3, 256, (16,), generator=torch.Generator().manual_seed(i)).tolist(), 5, "") for i in range(4)]
-    recs = eagle_train.teacher_pass(target, seqs, (1, 2, 3))
+    recs = eagle_data.teacher_pass(target, seqs, (1, 2, 3))
     for choice in (False, True):
-        head = eagle_train.init_head(target, (1, 2, 3), torch.arange(256))
+        head = eagle_init.init_head(target, (1, 2, 3), torch.arange(256))
         out = eagle_train.train_head(head, recs, eagle_train.HeadTrainConfig(steps=2, batch_size=2, warmup=1, bf16=choice,
                                                                               checkpoint_every=10 ** 9, eval_every=10 ** 9))
         assert out["bf16_autocast"] is choice

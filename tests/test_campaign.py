@@ -25,7 +25,7 @@ from viasd_core.errors import UsageError
 from viasd_core.loading.models import load_model
 from viasd_core.loading.prompts import load_prompts
 from viasd_core.training import campaign_store as store
-from viasd_core.training import eagle_train, teacher_answers
+from viasd_core.training import eagle_data, eagle_init, eagle_train, eagle_ttt, teacher_answers
 from viasd_core.training.campaign import CampaignConfig, run_campaign, status
 from viasd_core.training.campaign_answers import AnswerConfig
 from viasd_core.training.campaign_eval import EvalConfig, better
@@ -131,28 +131,28 @@ def test_rejections_weight_the_loss_where_the_draft_failed():
     assert torch.equal(focus("sd-00000", 1, 6), torch.ones(6, 3))  # draft 5 is past the trained steps
     target = tiny_model("llama", n_layers=4, seed=2)
     seqs = [(torch.randint(3, 256, (20,), generator=torch.Generator().manual_seed(i)).tolist(), 6, "") for i in range(2)]
-    recs = eagle_train.teacher_pass(target, seqs, (1, 2, 3))
-    head = eagle_train.init_head(target, (1, 2, 3), torch.arange(256))
+    recs = eagle_data.teacher_pass(target, seqs, (1, 2, 3))
+    head = eagle_init.init_head(target, (1, 2, 3), torch.arange(256))
     index = eagle_train.draft_index(head)
-    plain, _ = eagle_train.ttt_loss(head, recs, index, 3)
-    ones, _ = eagle_train.ttt_loss(head, [replace(r, focus=torch.ones(20, 3)) for r in recs], index, 3)
+    plain, _ = eagle_ttt.ttt_loss(head, recs, index, 3)
+    ones, _ = eagle_ttt.ttt_loss(head, [replace(r, focus=torch.ones(20, 3)) for r in recs], index, 3)
     torch.testing.assert_close(plain, ones)
     only = torch.zeros(20, 3)
     only[10, 0] = 1.0  # one position of step 0 alone: its soft cross-entropy, and nothing from steps 1-2
-    one, _ = eagle_train.ttt_loss(head, [replace(recs[0], focus=only)], index, 3)
-    logp = torch.log_softmax(eagle_train.ttt_logits(head, recs[0].tokens[None, :20], recs[0].features[None, :19], 1)[0][0, 10], -1)
-    probs, idx = eagle_train.soft_targets([recs[0]], index, 19)
+    one, _ = eagle_ttt.ttt_loss(head, [replace(recs[0], focus=only)], index, 3)
+    logp = torch.log_softmax(eagle_ttt.ttt_logits(head, recs[0].tokens[None, :20], recs[0].features[None, :19], 1)[0][0, 10], -1)
+    probs, idx = eagle_ttt.soft_targets([recs[0]], index, 19)
     torch.testing.assert_close(one, -(probs[0, 10] * logp[idx[0, 10]]).sum())
 
 
 
 def _loss_over_every_row(head, records, index, steps, decay=0.8):
     """The plain loss: logits on every head position, the rows without a label masked out."""
-    tokens, feats, T = eagle_train.make_batch(records, 512)
-    probs, idx = eagle_train.soft_targets(records, index, T)
-    focus = eagle_train.focus_weights(records, T, steps)
+    tokens, feats, T = eagle_ttt.make_batch(records, 512)
+    probs, idx = eagle_ttt.soft_targets(records, index, T)
+    focus = eagle_ttt.focus_weights(records, T, steps)
     total = 0.0
-    for s, lg in enumerate(eagle_train.ttt_logits(head, tokens, feats, steps)):
+    for s, lg in enumerate(eagle_ttt.ttt_logits(head, tokens, feats, steps)):
         logp = torch.log_softmax(lg[:, s:].float(), dim=-1).gather(-1, idx[:, s:])
         w = (probs[:, s:].sum(-1) > 0) * focus[:, s:, s]
         total = total + decay ** s * (-(probs[:, s:] * logp).sum(-1) * w).sum() / w.sum().clamp(min=1)
@@ -165,26 +165,26 @@ def test_the_loss_computes_logits_only_where_there_are_labels_and_equals_the_pla
     shapes = [(1, 12), (9, 5), (14, 2), (4, 9)]
     g = torch.Generator().manual_seed(4)
     seqs = [(torch.randint(3, 256, (p + a,), generator=g).tolist(), p, "") for p, a in shapes]
-    recs = eagle_train.teacher_pass(target, seqs, (1, 2, 3))
+    recs = eagle_data.teacher_pass(target, seqs, (1, 2, 3))
     focus = torch.ones(16, 3)
     focus[6, 1] = 5.0
     recs[1] = replace(recs[1], focus=focus)
-    head = eagle_train.init_head(target, (1, 2, 3), torch.arange(200))  # some labels outside the draft vocabulary
+    head = eagle_init.init_head(target, (1, 2, 3), torch.arange(200))  # some labels outside the draft vocabulary
     index = eagle_train.draft_index(head)
-    fast, acc = eagle_train.ttt_loss(head, recs, index, 3)
+    fast, acc = eagle_ttt.ttt_loss(head, recs, index, 3)
     fast_grads = torch.autograd.grad(fast, [head.fc.weight, head.lm_head.weight])
     plain = _loss_over_every_row(head, recs, index, 3)
     plain_grads = torch.autograd.grad(plain, [head.fc.weight, head.lm_head.weight])
     torch.testing.assert_close(fast, plain, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(eagle_train.ttt_loss(head, recs, index, 3, rows_only=False)[0], plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(eagle_ttt.ttt_loss(head, recs, index, 3, rows_only=False)[0], plain, atol=1e-5, rtol=1e-5)
     for a, b in zip(fast_grads, plain_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     assert len(acc) == 3 and all(0.0 <= a <= 1.0 for a in acc)
-    tokens, feats, T = eagle_train.make_batch(recs, 512)
-    labelled = eagle_train.soft_targets(recs, index, T)[0].sum(-1) > 0
-    rows = eagle_train.ttt_logits(head, tokens, feats, 1, rows=labelled)[0]
+    tokens, feats, T = eagle_ttt.make_batch(recs, 512)
+    labelled = eagle_ttt.soft_targets(recs, index, T)[0].sum(-1) > 0
+    rows = eagle_ttt.ttt_logits(head, tokens, feats, 1, rows=labelled)[0]
     assert rows.shape == (int(labelled.sum()), head.draft_vocab_size) and rows.shape[0] < 4 * T  # prompt rows skipped
-    torch.testing.assert_close(rows, eagle_train.ttt_logits(head, tokens, feats, 1)[0][labelled])
+    torch.testing.assert_close(rows, eagle_ttt.ttt_logits(head, tokens, feats, 1)[0][labelled])
 
 
 # ---------------------------------------------------------------------- the campaign, killed and resumed
@@ -234,7 +234,7 @@ def test_every_stage_resumes_after_a_kill_and_ends_as_an_uninterrupted_run(tiny_
     killed = tiny_config(tiny_target, tmp_path / "b", tmp_path)
     target = AutoModelForCausalLM.from_pretrained(tiny_target)
     for cfg in (straight, killed):  # the shipped head: the same fresh one in both
-        save_feature_head(eagle_train.init_head(target, (1, 2, 3), torch.arange(0, 256, 4), seed=9), cfg.ship_to)
+        save_feature_head(eagle_init.init_head(target, (1, 2, 3), torch.arange(0, 256, 4), seed=9), cfg.ship_to)
     report = run_campaign(straight)
 
     pending = list(KILLS)
@@ -295,7 +295,7 @@ def test_every_stage_resumes_after_a_kill_and_ends_as_an_uninterrupted_run(tiny_
     assert not (alone.work / "on_policy").exists() and not (alone.work / "heads" / "on_policy").exists()
     assert status(alone)[-1] == "eval: done"
     # a cached measurement holds for its weights only: other weights under the same name are measured again
-    save_feature_head(eagle_train.init_head(target, (1, 2, 3), torch.arange(0, 256, 2), seed=11), alone.ship_to)
+    save_feature_head(eagle_init.init_head(target, (1, 2, 3), torch.arange(0, 256, 2), seed=11), alone.ship_to)
     logs.clear()
     again = run_campaign(alone, log=logs.append)
     assert any(m.startswith("eval shipped:") for m in logs) and not any(m.startswith("eval data:") for m in logs)
@@ -471,8 +471,8 @@ def test_a_campaign_for_a_weight_format_answers_with_that_target_and_refuses_ano
     # the features come from the int4 target; the head records the format it was trained for
     run_campaign(q, until="train")
     shard = store.SequenceShard.load(q.data / "answers" / "greedy-00000.npz")
-    recs = eagle_train.teacher_pass(int4.model, [(s.tolist(), p, "") for s, p in zip(shard.sequences, shard.prompt_lens)],
-                                    eagle_train.default_feature_layers(4), batch_size=q.teacher_batch_size)
+    recs = eagle_data.teacher_pass(int4.model, [(s.tolist(), p, "") for s, p in zip(shard.sequences, shard.prompt_lens)],
+                                    eagle_data.default_feature_layers(4), batch_size=q.teacher_batch_size)
     stored = store.FeatureShard(q.work / "features" / "greedy-00000").rows(0, shard.positions)
     assert torch.equal(stored[0], torch.cat([r.features for r in recs]))
     assert torch.equal(stored[1], torch.cat([r.top_ids for r in recs]))

@@ -31,10 +31,10 @@ def head_files(tiny_dirs, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from viasd_core.decoding.eagle_files import save_feature_head
-    from viasd_core.training import eagle_train
+    from viasd_core.training import eagle_init
 
     target = AutoModelForCausalLM.from_pretrained(tiny_dirs["target"])
-    head = eagle_train.init_head(target, (0, 1, 2), torch.arange(0, 256, 2), seed=1)
+    head = eagle_init.init_head(target, (0, 1, 2), torch.arange(0, 256, 2), seed=1)
     return folder_files(save_feature_head(head, tmp_path_factory.mktemp("heads") / "head"))
 
 

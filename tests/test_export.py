@@ -18,7 +18,7 @@ from viasd_core.decoding.eagle import FeatureHead
 from viasd_core.decoding.eagle_files import load_feature_head, save_feature_head
 from viasd_core.errors import ViasdError
 from viasd_core.loading.head_export import draft_length, export_head
-from viasd_core.training.eagle_train import head_config
+from viasd_core.training.eagle_init import head_config
 
 H, I, HEADS, KV, D, VOCAB, DRAFT_VOCAB, LAYERS = 32, 64, 4, 2, 8, 96, 40, (1, 3, 4)
 TARGET = LlamaConfig(hidden_size=H, intermediate_size=I, num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=D,

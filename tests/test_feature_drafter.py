@@ -12,7 +12,7 @@ import torch
 
 from conftest import FAMILIES, tiny_model
 from head_cases import LAYERS, engine_with_head, make_head, prompt_for
-from viasd_core.training import eagle_train
+from viasd_core.training import eagle_data, eagle_init, eagle_train, eagle_ttt
 from viasd_core.training.shared import cosine_lr
 from viasd_core.decoding import engine as engine_module
 from viasd_core.decoding.draft_policy import DraftPolicy
@@ -82,7 +82,7 @@ def test_parallel_training_steps_equal_drafting_through_the_cache():
     feats = torch.cat([hs[l][0] for l in LAYERS], dim=-1)  # [16, 3H]
     T, steps = 15, 3
     with torch.no_grad():
-        par = eagle_train.ttt_logits(head, ids[None], feats[None, :T], steps)
+        par = eagle_ttt.ttt_logits(head, ids[None], feats[None, :T], steps)
     for anchor in (0, 4, 9):
         # Drafting: catch up on the target's features up to the anchor, then feed own features with
         # the teacher's tokens (what training feeds).
@@ -263,7 +263,7 @@ def teacher_records(target, n=24, length=40, seed=0):
         with torch.no_grad():
             out = target.generate(torch.tensor([prompt]), max_new_tokens=length, do_sample=False, pad_token_id=0)
         seqs.append((out[0].tolist(), len(prompt), "t"))
-    return eagle_train.teacher_pass(target, seqs, LAYERS, batch_size=8)
+    return eagle_data.teacher_pass(target, seqs, LAYERS, batch_size=8)
 
 
 def trained_head(target, steps, checkpoint=None, config=None):
@@ -271,7 +271,7 @@ def trained_head(target, steps, checkpoint=None, config=None):
     from viasd_core.training.teacher_answers import choose_vocab
 
     vocab_map = choose_vocab(records, 96)
-    head = eagle_train.init_head(target, LAYERS, vocab_map, seed=0)
+    head = eagle_init.init_head(target, LAYERS, vocab_map, seed=0)
     config = config or eagle_train.HeadTrainConfig(steps=steps, batch_size=4, lr=3e-3, warmup=10, bf16=False,
                                                    checkpoint_every=10, eval_every=10 ** 9)
     log = eagle_train.train_head(head, records, config, checkpoint=checkpoint)
@@ -284,8 +284,8 @@ def test_training_fits_the_targets_choices_at_every_draft_position():
     measured on the real model, docs/distill.md): here training must fit them, position 2 included."""
     target = tiny_model("llama", n_layers=5, seed=6)
     head, log, records = trained_head(target, steps=300)
-    before = eagle_train.evaluate_head(eagle_train.init_head(target, LAYERS, head_vocab(head)), records, steps=3)
-    after = eagle_train.evaluate_head(head, records, steps=3)
+    before = eagle_ttt.evaluate_head(eagle_init.init_head(target, LAYERS, head_vocab(head)), records, steps=3)
+    after = eagle_ttt.evaluate_head(head, records, steps=3)
     assert log["steps"] == 300
     assert log["losses"][-1]["loss"] < 0.8 * log["losses"][0]["loss"]
     for s in range(3):
@@ -307,7 +307,7 @@ def test_training_resumes_from_its_checkpoint_exactly(tmp_path):
                                       eval_every=12)
 
     def fresh():
-        return eagle_train.init_head(target, LAYERS, vocab_map, seed=0)
+        return eagle_init.init_head(target, LAYERS, vocab_map, seed=0)
 
     straight = fresh()
     eagle_train.train_head(straight, records, cfg)
@@ -342,7 +342,7 @@ def test_a_finished_training_extends_with_a_warm_restart_and_resumes_exactly(tmp
     more = replace(cfg, steps=20, lr=1e-3, extend=True)
 
     def fresh():
-        return eagle_train.init_head(target, LAYERS, vocab_map, seed=0)
+        return eagle_init.init_head(target, LAYERS, vocab_map, seed=0)
 
     def killed(head):
         raise KeyboardInterrupt  # the session ends at the first evaluation

@@ -9,7 +9,7 @@ import torch
 
 from viasd_core.decoding.hybrid_drafter import HybridDrafter
 from viasd_core.decoding.feature_drafter import FeatureDrafter
-from viasd_core.training import eagle_train
+from viasd_core.training import eagle_init
 
 
 # ---------------------------------------------------------------------- through the session and the CLI
@@ -21,7 +21,7 @@ def head_dir(tiny_dirs, tmp_path_factory):
     from viasd_core.decoding.eagle_files import save_feature_head
 
     target = AutoModelForCausalLM.from_pretrained(tiny_dirs["target"])
-    head = eagle_train.init_head(target, (0, 1, 2), torch.arange(0, 256, 2), seed=1)
+    head = eagle_init.init_head(target, (0, 1, 2), torch.arange(0, 256, 2), seed=1)
     return save_feature_head(head, tmp_path_factory.mktemp("heads") / "head")
 
 

@@ -10,7 +10,7 @@ from conftest import FAMILIES, TinyTokenizer, tiny_model
 from viasd_core.decoding.engine import Engine
 from viasd_core.decoding.feature_drafter import FeatureDrafter
 from viasd_core.decoding.model import FastModel
-from viasd_core.training import eagle_train
+from viasd_core.training import eagle_data, eagle_init, eagle_train
 from viasd_core.training.on_policy import BlockWalk, OnPolicyConfig, sd_rollouts, simulate_blocks, walk_blocks
 
 LAYERS = (1, 2, 3)
@@ -49,7 +49,7 @@ def _records(target, seqs, prompt_lens):
             ids = torch.tensor(s)
             hs = target(ids[None], output_hidden_states=True).hidden_states
             feats = torch.cat([hs[l][0] for l in LAYERS], dim=-1)  # float32, as `sd` sees them
-            out.append(eagle_train.FeatureRecord(ids, feats, torch.zeros(len(s), 1, dtype=torch.long),
+            out.append(eagle_data.FeatureRecord(ids, feats, torch.zeros(len(s), 1, dtype=torch.long),
                                                  torch.zeros(len(s), 1), p))
     return out
 
@@ -59,13 +59,13 @@ def test_simulated_blocks_find_the_rejections_sd_finds(family):
     """A head fitted to the target's answers to these prompts (so that it agrees often and misses at
     every draft index), then greedy `sd` in the engine against the walk over its parallel drafts."""
     target = tiny_model(family, n_layers=5, seed=11)
-    head = eagle_train.init_head(target, LAYERS, torch.arange(target.config.vocab_size), seed=3)
+    head = eagle_init.init_head(target, LAYERS, torch.arange(target.config.vocab_size), seed=3)
     config = OnPolicyConfig(max_new_tokens=40, gamma=4, batch_size=3)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 256, (int(n),), generator=g).tolist() for n in (5, 12, 9, 16)]
     head.allocate(256)
     seqs, _ = sd_rollouts(_engine(target, head), prompts, config)  # the target's greedy answers
-    teacher = eagle_train.teacher_pass(target, [(s, len(p), "") for s, p in zip(seqs, prompts)], LAYERS)
+    teacher = eagle_data.teacher_pass(target, [(s, len(p), "") for s, p in zip(seqs, prompts)], LAYERS)
     eagle_train.train_head(head, teacher, eagle_train.HeadTrainConfig(steps=60, batch_size=4, lr=3e-3, warmup=5,
                                                                       bf16=False, checkpoint_every=10 ** 9,
                                                                       eval_every=10 ** 9))

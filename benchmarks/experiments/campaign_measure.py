@@ -35,7 +35,7 @@ from viasd_core.loading.models import load_model
 from viasd_core.loading.prompts import load_prompts
 from viasd_core.training import campaign_store as store
 from viasd_core.decoding.eagle_files import load_feature_head
-from viasd_core.training import eagle_train, teacher_answers
+from viasd_core.training import eagle_data, eagle_init, eagle_train, eagle_ttt, teacher_answers
 from viasd_core.training.campaign_eval import head_session
 from viasd_core.training.campaign_features import CampaignRecords
 from viasd_core.training.on_policy import OnPolicyConfig, sd_rollouts, simulate_blocks
@@ -59,20 +59,20 @@ def gen_batch(target, prompts: list[str], batches: list[str]) -> None:
 
 
 def teacher_vs_train(target, shard: Path) -> None:
-    layers = eagle_train.default_feature_layers(target.model.config.num_hidden_layers)
+    layers = eagle_data.default_feature_layers(target.model.config.num_hidden_layers)
     seqs = store.SequenceShard.load(shard)
     batch = [(s.tolist(), p, "") for s, p in zip(seqs.sequences[:8], seqs.prompt_lens[:8])]
     for _ in range(2):  # the second one is timed
         t0 = time.perf_counter()
-        recs = eagle_train.teacher_pass(target.model, batch, layers, batch_size=8)
+        recs = eagle_data.teacher_pass(target.model, batch, layers, batch_size=8)
         teacher = time.perf_counter() - t0
-    head = eagle_train.init_head(target.model, layers, torch.arange(8192))
+    head = eagle_init.init_head(target.model, layers, torch.arange(8192))
     index = eagle_train.draft_index(head)
     opt = torch.optim.AdamW([p for n, p in head.named_parameters() if not n.startswith("embed_tokens.")], lr=1e-4)
     for _ in range(3):  # the last one is timed
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, _ = eagle_train.ttt_loss(head, recs, index, 3)
+            loss, _ = eagle_ttt.ttt_loss(head, recs, index, 3)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -83,7 +83,7 @@ def teacher_vs_train(target, shard: Path) -> None:
 
 
 def batching(target, shard: Path) -> None:
-    layers = eagle_train.default_feature_layers(target.model.config.num_hidden_layers)
+    layers = eagle_data.default_feature_layers(target.model.config.num_hidden_layers)
     seqs = store.SequenceShard.load(shard)
     batch = [(s.tolist(), p, "") for s, p in zip(seqs.sequences[:32], seqs.prompt_lens[:32])]
     every_row = [(s, 0, c) for s, _, c in batch]  # prompt length 0: the output layer on every position
@@ -92,13 +92,13 @@ def batching(target, shard: Path) -> None:
     for _ in range(2):
         for name, data in (("every position", every_row), ("from the prompt's end", batch)):
             t0 = time.perf_counter()
-            out = eagle_train.teacher_pass(target.model, data, layers, batch_size=8)
+            out = eagle_data.teacher_pass(target.model, data, layers, batch_size=8)
             seconds[name].append(time.perf_counter() - t0)
             recs = out if data is batch else recs
     print(json.dumps({"teacher_sequences": len(batch), "positions": sum(len(s) for s, _, _ in batch),
                       "prompt_positions": sum(p for _, p, _ in batch),
                       "teacher_s": {k: [round(x, 2) for x in v] for k, v in seconds.items()}}))
-    head = eagle_train.init_head(target.model, layers, torch.arange(8192))
+    head = eagle_init.init_head(target.model, layers, torch.arange(8192))
     index = eagle_train.draft_index(head)
     opt = torch.optim.AdamW([p for n, p in head.named_parameters() if not n.startswith("embed_tokens.")], lr=1e-4)
     by_length = sorted(range(len(recs)), key=lambda i: len(recs[i].tokens))
@@ -108,7 +108,7 @@ def batching(target, shard: Path) -> None:
         for name, idx in picks.items():
             t0 = time.perf_counter()
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss, _ = eagle_train.ttt_loss(head, [recs[i] for i in idx], index, 3)
+                loss, _ = eagle_ttt.ttt_loss(head, [recs[i] for i in idx], index, 3)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -120,12 +120,12 @@ def batching(target, shard: Path) -> None:
 
 
 def train_step(target, shard: Path, features: Path, bf16: bool, rounds: int = 4) -> None:
-    layers = eagle_train.default_feature_layers(target.model.config.num_hidden_layers)
+    layers = eagle_data.default_feature_layers(target.model.config.num_hidden_layers)
     records = CampaignRecords([shard], features, keep=lambda i: True)
     lengths = records.lengths()
     by_length = sorted(range(len(records)), key=lengths.__getitem__)
     picks = [by_length[k : k + 8] for k in range(len(by_length) // 2, len(by_length), len(by_length) // 8)][:rounds]
-    head = eagle_train.init_head(target.model, layers, torch.arange(8192))
+    head = eagle_init.init_head(target.model, layers, torch.arange(8192))
     index = eagle_train.draft_index(head)
     opt = torch.optim.AdamW([p for n, p in head.named_parameters() if not n.startswith("embed_tokens.")], lr=1e-4)
     seconds: dict[str, list[float]] = {"labelled rows": [], "every row": []}
@@ -134,7 +134,7 @@ def train_step(target, shard: Path, features: Path, bf16: bool, rounds: int = 4)
         for name, rows_only in (("labelled rows", True), ("every row", False)):
             t0 = time.perf_counter()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss, _ = eagle_train.ttt_loss(head, recs, index, 3, rows_only=rows_only)
+                loss, _ = eagle_ttt.ttt_loss(head, recs, index, 3, rows_only=rows_only)
             opt.zero_grad()
             loss.backward()
             opt.step()

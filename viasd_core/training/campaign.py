@@ -50,7 +50,7 @@ from viasd_core.training.campaign_eval import EvalConfig, better, eval_records, 
 from viasd_core.training.campaign_features import CampaignRecords, run_feature_stage
 from viasd_core.training.campaign_prompts import PROMPTS, PromptConfig, raw_shards, run_prompt_stage
 from viasd_core.training.campaign_train import TrainConfig, rejection_focus, train_on_data, train_on_policy
-from viasd_core.training.eagle_train import default_feature_layers
+from viasd_core.training.eagle_data import default_feature_layers
 from viasd_core.training.on_policy import OnPolicyConfig, run_on_policy_stage
 
 STAGES = ("prompts", "answers", "features", "train", "on_policy", "eval")

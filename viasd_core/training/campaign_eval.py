@@ -36,7 +36,7 @@ from viasd_core.loading.models import Loaded
 from viasd_core.loading.options import ModelOptions
 from viasd_core.loading.prompts import encode, load_prompts
 from viasd_core.session import build_session
-from viasd_core.training import eagle_train
+from viasd_core.training import eagle_data, eagle_ttt
 from viasd_core.training.teacher_answers import build_dataset
 
 
@@ -50,17 +50,17 @@ class EvalConfig:
     fixed_gamma: int = 4  # the head alone, blocks of this many drafts
 
 
-def eval_records(target: Loaded, layers, config: EvalConfig, work: Path) -> list[eagle_train.FeatureRecord]:
+def eval_records(target: Loaded, layers, config: EvalConfig, work: Path) -> list[eagle_data.FeatureRecord]:
     """The target's greedy answers to the evaluation prompts, teacher-forced (cached in `work/eval`)."""
     path = work / "eval" / "features.pt"
     if path.exists():
-        return eagle_train.load_records(path)
+        return eagle_data.load_records(path)
     prompts = load_prompts(config.prompts)
     recs = build_dataset(target, [p.text for p in prompts], config.answer_tokens, batch_size=32,
                          categories=[p.category for p in prompts])
-    feats = eagle_train.teacher_pass(target.model, [(r.input_ids.tolist(), r.prompt_len, r.category) for r in recs], layers)
+    feats = eagle_data.teacher_pass(target.model, [(r.input_ids.tolist(), r.prompt_len, r.category) for r in recs], layers)
     path.parent.mkdir(parents=True, exist_ok=True)
-    eagle_train.save_records(feats, path)
+    eagle_data.save_records(feats, path)
     return feats
 
 
@@ -131,8 +131,8 @@ def measure(name: str, head: Path, target: Loaded, target_ref: str, records, con
             return cached
     model = target.model
     h = load_feature_head(head, model.config, embed=model.get_input_embeddings(), dtype=torch.float32)
-    scores = eagle_train.evaluate_head(h, records, steps=config.positions)
-    by_cat = {c: eagle_train.evaluate_head(h, [r for r in records if r.category == c])["agreement"][0]
+    scores = eagle_ttt.evaluate_head(h, records, steps=config.positions)
+    by_cat = {c: eagle_ttt.evaluate_head(h, [r for r in records if r.category == c])["agreement"][0]
               for c in sorted({r.category for r in records})}
     result = {"head": name, "weights_sha256": weights, "measured_with": MEASURED_WITH, "agreement": scores["agreement"], "tokens": scores["tokens"], "first_by_category": by_cat,
               "tau_fixed": tau_fixed(target_ref, head, config)}

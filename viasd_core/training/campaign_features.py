@@ -5,9 +5,9 @@ a training step of the head (the target's 30 layers and 49k-row output against o
 output), and training reads every sequence several times. At ~2M positions x 1728 x 2 bytes
 (bfloat16) they take ~7 GB in the work folder, never committed; the token ids they come from are.
 
-`run_feature_stage` teacher-forces each answer shard (eagle_train.teacher_pass) into a feature shard
+`run_feature_stage` teacher-forces each answer shard (eagle_data.teacher_pass) into a feature shard
 folder of the same name (campaign_store.FeatureShard). `CampaignRecords` reads them back as
-eagle_train.FeatureRecords, one sequence at a time (memory-mapped), for training and evaluation.
+eagle_data.FeatureRecords, one sequence at a time (memory-mapped), for training and evaluation.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from viasd_core.training import campaign_store as store
-from viasd_core.training.eagle_train import FeatureRecord, teacher_pass
+from viasd_core.training.eagle_data import FeatureRecord, teacher_pass
 
 
 def run_feature_stage(model, layers: Sequence[int], shards: Sequence[Path], features: Path, batch_size: int,

@@ -5,7 +5,7 @@ weights so far) every `checkpoint_every` steps and resumes from it, so a killed 
 that many steps and ends with the same weights as an uninterrupted one. A stage is done when its
 head folder exists (published layout, bfloat16, recipe and figures in config.json).
 
-- `train_on_data`: a new head (eagle_train.init_head) over the 8192 ids the target emits most in the
+- `train_on_data`: a new head (eagle_init.init_head) over the 8192 ids the target emits most in the
   training sequences (chosen once, kept in the work folder), trained on them; the held-out
   prompts' greedy answers pick the best weights.
 - `train_on_policy`: the data head, fine-tuned on a mix of the on-policy sequences (loss weighted
@@ -27,7 +27,7 @@ import torch
 from viasd_core.decoding.eagle import FeatureHead
 from viasd_core.decoding.eagle_files import load_feature_head, save_feature_head
 from viasd_core.errors import UsageError
-from viasd_core.training import eagle_train
+from viasd_core.training import eagle_data, eagle_init, eagle_train, eagle_ttt
 from viasd_core.training.campaign_features import CampaignRecords
 from viasd_core.training.teacher_answers import choose_vocab
 
@@ -60,8 +60,8 @@ def _vocab(records: CampaignRecords, size: int, eos: Optional[int], path: Path) 
     return vocab
 
 
-def _held_score(held: Sequence[eagle_train.FeatureRecord]) -> Callable[[FeatureHead], float]:
-    return lambda h: eagle_train.evaluate_head(h, held)["agreement"][0]
+def _held_score(held: Sequence[eagle_data.FeatureRecord]) -> Callable[[FeatureHead], float]:
+    return lambda h: eagle_ttt.evaluate_head(h, held)["agreement"][0]
 
 
 def _save(head: FeatureHead, folder: Path, info: dict) -> Path:
@@ -99,7 +99,7 @@ def train_on_data(model, layers: Sequence[int], train: CampaignRecords, held: Ca
         log(f"train: extending the data training from step {done} to {config.data.steps}; the earlier head is {earlier}"
             + (f", its on-policy outputs are in {aside}" if aside.exists() else ""))
     vocab = _vocab(train, config.draft_vocab, eos, work / "train" / "vocab.npy")
-    head = eagle_train.init_head(model, layers, vocab, seed=config.seed)
+    head = eagle_init.init_head(model, layers, vocab, seed=config.seed)
     held_few = [held[n] for n in range(min(config.held_out_eval, len(held)))]
     all_pos, gen_pos = train.positions()
     log(f"train: {len(train)} sequences ({all_pos} positions, {gen_pos} generated), {len(held)} held out")
@@ -131,7 +131,7 @@ def rejection_focus(rejections: dict[str, list[tuple[int, int, int]]], steps: in
     return focus
 
 
-class Mixed(Sequence[eagle_train.FeatureRecord]):
+class Mixed(Sequence[eagle_data.FeatureRecord]):
     """The on-policy sequences followed by as many training sequences (drawn once, seeded)."""
 
     def __init__(self, on_policy: CampaignRecords, train: CampaignRecords, seed: int):
@@ -141,7 +141,7 @@ class Mixed(Sequence[eagle_train.FeatureRecord]):
     def __len__(self) -> int:
         return len(self.a) + len(self.pick)
 
-    def __getitem__(self, n: int) -> eagle_train.FeatureRecord:  # type: ignore[override]
+    def __getitem__(self, n: int) -> eagle_data.FeatureRecord:  # type: ignore[override]
         return self.a[n] if n < len(self.a) else self.b[self.pick[n - len(self.a)]]
 
     def lengths(self) -> list[int]:

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from viasd_core.training import eagle_train
+from viasd_core.training import eagle_data, eagle_init, eagle_train, eagle_ttt
 from viasd_core.training.teacher_answers import DEFAULT_PROMPTS, Record, build_dataset, choose_vocab
 from viasd_core.decoding.eagle_files import save_feature_head
 from viasd_core.errors import UsageError
@@ -93,7 +93,7 @@ def run_feature_distill(target_ref: str, out: str | Path, config: FeatureDistill
     torch.set_num_threads(config.threads)
     target = load_model(target_ref, dtype="float32", device=device, trust_remote_code=trust_remote_code)
     model = target.model
-    layers = eagle_train.default_feature_layers(model.config.num_hidden_layers)
+    layers = eagle_data.default_feature_layers(model.config.num_hidden_layers)
     timings: dict[str, float] = {}
 
     def generate(split: str, items, temperature: float) -> list[Record]:
@@ -104,21 +104,21 @@ def run_feature_distill(target_ref: str, out: str | Path, config: FeatureDistill
                                  categories=[p.category for p in items], progress=lambda i, n: log(f"{split}: {i}/{n} prompts"))
             timings[f"generate_{split}_s"] = round(time.perf_counter() - t0, 1)
             return recs
-        return _cached(work / f"{split}.pt", make, eagle_train.save_records, _load_records, log)
+        return _cached(work / f"{split}.pt", make, eagle_data.save_records, _load_records, log)
 
-    def features(split: str, records: list[Record]) -> list[eagle_train.FeatureRecord]:
+    def features(split: str, records: list[Record]) -> list[eagle_data.FeatureRecord]:
         def make():
             t0 = time.perf_counter()
             seqs = [(r.input_ids.tolist(), r.prompt_len, r.category) for r in records]
-            feats = eagle_train.teacher_pass(model, seqs, layers, batch_size=config.teacher_batch_size,
+            feats = eagle_data.teacher_pass(model, seqs, layers, batch_size=config.teacher_batch_size,
                                              progress=lambda i, n: log(f"teacher pass {split}: {i}/{n} sequences"))
             timings[f"teacher_{split}_s"] = round(time.perf_counter() - t0, 1)
             return feats
-        return _cached(work / f"features-{split}.pt", make, eagle_train.save_records, eagle_train.load_records, log)
+        return _cached(work / f"features-{split}.pt", make, eagle_data.save_records, eagle_data.load_records, log)
 
     held_out = [i % config.held_out_every == 0 for i in range(len(prompts))]
-    train_recs: list[eagle_train.FeatureRecord] = []
-    held: list[eagle_train.FeatureRecord] = []
+    train_recs: list[eagle_data.FeatureRecord] = []
+    held: list[eagle_data.FeatureRecord] = []
     splits = [("greedy", 0.0)] + ([("sampled", config.sampled_temperature)] if config.sampled else [])
     for split, temperature in splits:
         feats = features(split, generate(split, prompts, temperature))
@@ -132,10 +132,10 @@ def run_feature_distill(target_ref: str, out: str | Path, config: FeatureDistill
     vocab_map = choose_vocab(train_recs, config.draft_vocab, always=[eos] if eos is not None else [])
     labels = sum(r.tokens.numel() for r in train_recs)
     log(f"{len(train_recs)} training sequences ({labels} positions), {len(held)} held out; feature layers {layers}")
-    head = eagle_train.init_head(model, layers, vocab_map, seed=config.seed)
+    head = eagle_init.init_head(model, layers, vocab_map, seed=config.seed)
 
     def held_agreement(h) -> float:
-        return eagle_train.evaluate_head(h, held)["agreement"][0]
+        return eagle_ttt.evaluate_head(h, held)["agreement"][0]
 
     train_log = eagle_train.train_head(head, train_recs, config.train, checkpoint=work / "head.ckpt",
                                        eval_fn=held_agreement if held else None, log=log)
@@ -146,13 +146,13 @@ def run_feature_distill(target_ref: str, out: str | Path, config: FeatureDistill
             "loss": "soft cross-entropy to the target's top-20 distribution, training-time test over "
                     f"{config.train.ttt_steps} draft steps (weights 0.8^s)"}
     if held:
-        info["held_out_agreement"] = eagle_train.evaluate_head(head, held, steps=config.eval_steps)["agreement"]
+        info["held_out_agreement"] = eagle_ttt.evaluate_head(head, held, steps=config.eval_steps)["agreement"]
     if evaluation is not None:
         feats = features("eval", generate("eval", evaluation, 0.0))
-        scores = eagle_train.evaluate_head(head, feats, steps=config.eval_steps)
+        scores = eagle_ttt.evaluate_head(head, feats, steps=config.eval_steps)
         by_cat: dict[str, float] = {}
         for cat in sorted({r.category for r in feats}):
-            by_cat[cat] = eagle_train.evaluate_head(head, [r for r in feats if r.category == cat])["agreement"][0]
+            by_cat[cat] = eagle_ttt.evaluate_head(head, [r for r in feats if r.category == cat])["agreement"][0]
         info["eval"] = {"file": Path(config.eval_prompts).name, "prompts": len(feats), "tokens": scores["tokens"],
                         "agreement_by_position": scores["agreement"], "first_position_by_category": by_cat}
         log(f"evaluation: first-position agreement {scores['agreement'][0]:.3f} on {len(feats)} prompts")

@@ -11,7 +11,7 @@ Two ways to find those rejections, equal up to float rounding:
   pass per block: about 4 hours of this CPU for 1,200 answers of 192 tokens.
 - `simulate_blocks`, what the campaign runs: the target's greedy answers and their features are
   already stored (stages 2 and 3), and one training-time-test pass of the head over a sequence
-  (`eagle_train.ttt_logits` with `gamma` steps) gives, at every position, the chain of drafts a
+  (`eagle_ttt.ttt_logits` with `gamma` steps) gives, at every position, the chain of drafts a
   block starting there proposes (step j of head row q is the j-th draft of the block whose first
   draft is token q + 2 - j; the teacher tokens it is fed equal the head's own drafts wherever those
   were kept, which is all a greedy chain looks at). Walking the blocks over those drafts as the
@@ -37,7 +37,8 @@ import torch
 
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.training import campaign_store as store
-from viasd_core.training.eagle_train import FeatureRecord, make_batch, ttt_logits
+from viasd_core.training.eagle_data import FeatureRecord
+from viasd_core.training.eagle_ttt import make_batch, ttt_logits
 
 
 @dataclass
