@@ -8,6 +8,7 @@ import torch
 from conftest import FAMILIES, tiny_model
 from engine_cases import NEW, hf_greedy, make_engine, prompt_for
 from viasd_core.decoding import short_products as sp
+from viasd_core.machine import short_rows
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.decoding.model import FastModel
 
@@ -156,12 +157,12 @@ def test_the_rule_follows_the_timings():
 def test_a_session_measures_it_and_applies_it_to_every_model_and_the_head():
     target = tiny_model("llama", seed=5)
     engine = make_engine(target, draft_model=tiny_model("llama", n_layers=1, seed=6))
-    rows, why = sp.choose_rows(engine, repeats=1)
+    rows, why = short_rows.choose_rows(engine, repeats=1)
     assert tuple(rows) in sp._VALID and {m.short_rows for m in engine.all_models()} == {rows}
     assert "1-token" in why and "4-token" in why and "6-token" in why and engine.target.seen == 0  # cache left empty
     assert ("packed" in why) == ("prefill chunk" in why) == torch.backends.mkldnn.is_available()
     low = make_engine(tiny_model("llama", seed=5).to(torch.bfloat16))
-    assert sp.choose_rows(low) == (sp.PLAIN, "no float32 layers on a CPU") and low.target.short_rows == sp.PLAIN
+    assert short_rows.choose_rows(low) == (sp.PLAIN, "no float32 layers on a CPU") and low.target.short_rows == sp.PLAIN
 
 
 @pytest.mark.parametrize("rows", [sp.PLAIN, sp.BLOCKED, sp.ShortRows(1, 16)], ids=str)
@@ -189,14 +190,14 @@ def test_the_choice_is_cached_per_machine_and_measured_again_on_refresh(viasd_ho
     monkeypatch.setattr(pass_timing, "time_passes", lambda *a, **k: timed.append(1) or real(*a, **k))
     key = {"target": "tiny", "draft": "none", "format": "none", "dtype": "float32"}
     per = 2 * (3 + 2) if torch.backends.mkldnn.is_available() else 2 * 2  # 2 rounds x (each way + the prefill chunk twice)
-    rows, why = sp.choose_rows(engine, key, repeats=1)
+    rows, why = short_rows.choose_rows(engine, key, repeats=1)
     assert len(timed) == per and not why.endswith("(cached)")
     engine.set_short_rows(sp.ShortRows(5, 0))
-    again, why_again = sp.choose_rows(engine, key, repeats=1)
+    again, why_again = short_rows.choose_rows(engine, key, repeats=1)
     assert (again, why_again) == (rows, why + " (cached)") and len(timed) == per and engine.target.short_rows == rows
-    sp.choose_rows(engine, key, refresh=True, repeats=1)
+    short_rows.choose_rows(engine, key, refresh=True, repeats=1)
     assert len(timed) == 2 * per
-    sp.choose_rows(engine, {**key, "target": "other"}, repeats=1)  # other models: their own choice
+    short_rows.choose_rows(engine, {**key, "target": "other"}, repeats=1)  # other models: their own choice
     assert len(timed) == 3 * per
     path = next((viasd_home / "cache" / "machine").glob("short-rows-*.json"))
     for bad in ("{not json", '{"blocked": 3, "packed": 0, "prefill": false, "reason": "x"}',
@@ -205,7 +206,7 @@ def test_the_choice_is_cached_per_machine_and_measured_again_on_refresh(viasd_ho
         for f in (viasd_home / "cache" / "machine").glob("short-rows-*.json"):
             f.write_text(bad)
         before = len(timed)
-        sp.choose_rows(engine, key, repeats=1)
+        short_rows.choose_rows(engine, key, repeats=1)
         assert len(timed) == before + per
     assert path.exists()
 
@@ -220,16 +221,16 @@ def test_the_packed_copies_are_left_out_where_they_would_crowd_the_memory(viasd_
     assert need == sum(m.weight.numel() * 4 for m in layers) > 0  # every float32 layer once
     monkeypatch.setattr(devices, "free_memory_bytes", lambda device: int(need / sp.FREE_SHARE) - 1)
     key = {"target": "tiny", "draft": "none", "format": "none", "dtype": "float32"}
-    rows, why = sp.choose_rows(engine, key, repeats=1)
+    rows, why = short_rows.choose_rows(engine, key, repeats=1)
     assert rows.packed == 0 and "packed" not in why.split("; packed not taken")[0] and why.endswith("GiB)")  # not timed
     assert "packed not taken" in why
     # a cached choice with packed products, on a machine whose memory has filled since: packed dropped
     path = next((viasd_home / "cache" / "machine").glob("short-rows-*.json"))
     path.write_text('{"blocked": 1, "packed": 16, "prefill": true, "reason": "measured"}')
-    rows, why = sp.choose_rows(engine, key, repeats=1)
+    rows, why = short_rows.choose_rows(engine, key, repeats=1)
     assert rows == sp.ShortRows(1, 0) and why.startswith("measured (cached); packed not taken")
     monkeypatch.setattr(devices, "free_memory_bytes", lambda device: int(need / sp.FREE_SHARE) + 1)
-    assert sp.choose_rows(engine, key, repeats=1)[0] == sp.ShortRows(1, 16, True)  # room again: the cached choice as it was
+    assert short_rows.choose_rows(engine, key, repeats=1)[0] == sp.ShortRows(1, 16, True)  # room again: the cached choice as it was
 
 
 @needs_onednn

@@ -70,13 +70,3 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def __getattr__(name: str):
-    # TODO(#47): decoding/short_products.py still imports MachineRecord from here; its owner moves the
-    # short-products record to viasd_core.machine.record (machine/profile.py names the decision)
-    if name == "MachineRecord":
-        from viasd_core.machine.record import MachineRecord
-
-        return MachineRecord
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

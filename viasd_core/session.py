@@ -14,7 +14,7 @@ from viasd_core.errors import UsageError, ViasdError
 from viasd_core.loading.models import Loaded, eos_ids, forget_format, load_model
 from viasd_core.devices import free_memory_bytes, resolve_device, usable_cores
 from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.short_products import choose_rows
+from viasd_core.machine.short_rows import choose_rows
 from viasd_core.loading.drafter_factory import draft_choice, load_drafter
 from viasd_core.loading.options import DEFAULT_CONTEXT_CAP, ModelOptions
 from viasd_core.loading.profile import Profile, find_profile

@@ -21,7 +21,7 @@ Which product a pass of r rows takes is a `ShortRows` value per model: the block
 where neither applies), except that with `prefill` a prompt's chunks (long passes) take the packed
 product too: PyTorch's float32 F.linear ran at about half the packed product's speed on the AMD EPYC
 (a 768-token SmolLM2 prefill: 1.20 s against 0.67 s, docs/experiments/fp32-onednn-packed-on-policy-head.md).
-`choose_rows` times a 1-, a 4- and a WIDE-token pass each way and a prefill chunk packed and plain,
+`machine/short_rows.choose_rows` times a 1-, a 4- and a WIDE-token pass each way and a prefill chunk packed and plain,
 at the session's thread count, and `pick_rows` composes the value; a session caches it per machine,
 thread count and models, and `viasd doctor` measures again.
 
@@ -55,8 +55,7 @@ from viasd_core import paths
 
 SHORT_ROWS = 16  # passes of up to this many rows (PASS_WIDTHS[-1]) are short
 MID = 4  # the blocked product's last fast width on the CPUs measured
-WIDE = 6  # the verify pass choose_rows times beside a 1-token and a MID-token pass
-CACHE_VERSION = 2
+WIDE = 6  # the verify pass machine/short_rows.choose_rows times beside a 1-token and a MID-token pass
 CHUNKS = 4  # blocks of the weight's rows; 2-16 measured alike, 4 divides every layer of the supported families
 FREE_SHARE = 0.5  # the packed copies may take at most this share of the free memory
 
@@ -287,62 +286,3 @@ def pick_rows(seconds: dict[tuple[str, int], float]) -> tuple[ShortRows, str]:
     if long is not None:
         shown += f"; {long}-token prefill chunk packed {seconds[('packed', long)] * 1e3:.0f}, plain {seconds[('plain', long)] * 1e3:.0f} ms"
     return ShortRows(blocked, packed, prefill), shown
-
-
-def choose_rows(engine, key: dict | None = None, refresh: bool = False, repeats: int = 3) -> tuple[ShortRows, str]:
-    """Time a 1-, a MID- and a WIDE-token pass (and a prefill chunk, packed and plain) of the first
-    of the engine's models (target, slim, draft) whose output head `applies`, each way (blocked;
-    packed where the build has oneDNN and its copies fit in FREE_SHARE of the free memory;
-    F.linear), and give every model and the drafter what `pick_rows` makes of them
-    (Engine.set_short_rows): (rows, reason). Without such a model (a GPU, low-bit or bfloat16
-    weights) rows is PLAIN.
-
-    With `key` (what the session runs: models, format, dtype) the choice is cached per machine and
-    thread count (devices.MachineRecord; `refresh` measures again): the timing costs a few seconds."""
-    from viasd_core.decoding.model_pass import PREFILL_CHUNK
-    from viasd_core.decoding.pass_timing import time_passes
-    from viasd_core.devices import MachineRecord, free_memory_bytes
-
-    timed = next((m for m in engine.all_models() if applies(m.lm_head)), None)
-    record = MachineRecord("short-rows", engine.device, key, CACHE_VERSION) if key is not None else None
-    cached = _cached(record.load()) if timed is not None and record is not None and not refresh else None
-    need, free = (packed_bytes(engine.all_models()), free_memory_bytes(engine.device)) if timed is not None else (0, 0)
-    fits = need <= FREE_SHARE * free
-    crowded = f"; packed not taken: its copies ({need / 2**30:.2f} GiB) would fill over half the free memory ({free / 2**30:.2f} GiB)"
-    if timed is None:
-        rows, reason = PLAIN, "no float32 layers on a CPU"
-    elif cached is not None:
-        rows, reason = cached
-        if (rows.packed or rows.prefill) and not fits:  # memory is not what it was when measured
-            rows, reason = rows._replace(packed=0, prefill=False), reason + crowded
-    else:
-        ways = {w: r for w, r in WAYS.items() if w != "packed" or (packs(timed.lm_head) and fits)}
-        # a prefill chunk, packed and plain (one pass each a round: about 0.3 s for SmolLM2 in float32)
-        long = min(PREFILL_CHUNK, timed.max_len - 2) if "packed" in ways else 0
-        seconds = {}
-        for _ in range(2):  # interleaved rounds, each way's best kept
-            for way, rows in ways.items():
-                timed.short_rows = rows
-                timings = time_passes(timed, TIMED, context=64, repeats=repeats)
-                if long > SHORT_ROWS and way != "blocked":
-                    timings[long] = time_passes(timed, (long,), context=1, repeats=1)[long]
-                for w, s in timings.items():
-                    seconds[(way, w)] = min(s, seconds.get((way, w), float("inf")))
-        rows, reason = pick_rows(seconds)
-        if record is not None:
-            record.store({"blocked": rows.blocked, "packed": rows.packed, "prefill": rows.prefill, "reason": reason})
-        if packs(timed.lm_head) and not fits:
-            reason += crowded
-    engine.set_short_rows(rows)
-    return rows, reason
-
-
-def _cached(data: dict | None) -> tuple[ShortRows, str] | None:
-    """(rows, reason) of a stored choice; None when there is none or its fields do not fit (measured again)."""
-    try:
-        rows = ShortRows(int(data["blocked"]), int(data["packed"]), data["prefill"])
-        if tuple(rows) not in _VALID or not isinstance(rows.prefill, bool):
-            return None
-        return rows, str(data["reason"]) + " (cached)"
-    except (ValueError, KeyError, TypeError):
-        return None

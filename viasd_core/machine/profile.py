@@ -34,16 +34,12 @@ from typing import Callable
 
 import torch
 
-from viasd_core.decoding import short_products
-from viasd_core.machine import bf16, first_block, threads, tree
+from viasd_core.machine import bf16, first_block, short_rows, threads, tree
 from viasd_core.machine import compile as compiling
 from viasd_core.machine import format as formats
 from viasd_core.machine.record import Decision, machine_identity, machine_records
 
-# TODO(#47): its record is still kept in decoding/short_products.py (choose_rows, CACHE_VERSION)
-SHORT_ROWS = Decision("short-rows", "", short_products.CACHE_VERSION, short_products.choose_rows,
-                      "which products short float32 passes take (blocked, packed, plain), timed here at the chosen "
-                      "thread count")
+SHORT_ROWS = short_rows.DECISION
 
 ORDER: tuple[Decision, ...] = (formats.DECISION, threads.DECISION, SHORT_ROWS, compiling.DECISION, tree.DECISION,
                                first_block.DECISION)
