@@ -11,7 +11,7 @@ import torch
 from viasd_core.machine import format as format_choice
 from viasd_core.decoding.weight_format import INT4, INT8, NONE
 from viasd_core.machine.format import TIE, choose_format, pick
-from viasd_core.loading.models import forget_format, resolve_format
+from viasd_core.loading.models import forget_format, format_loader, resolve_format
 
 from conftest import needs_torchao
 CPU = torch.device("cpu")
@@ -107,7 +107,7 @@ def test_auto_measures_only_a_model_whose_formats_quality_was_measured_on_a_cpu(
 # ---------------------------------------------------------------------- a real timing
 @needs_torchao
 def test_every_candidate_is_loaded_and_timed(tiny_dirs):
-    seconds = format_choice.measure(str(tiny_dirs["target"]), CANDIDATES, CPU)
+    seconds = format_choice.measure(format_loader(str(tiny_dirs["target"]), CPU), CANDIDATES, CPU)
     assert list(seconds) == list(CANDIDATES)
     assert all(math.isfinite(s) and 0 < s < 5 for s in seconds.values()), seconds
 

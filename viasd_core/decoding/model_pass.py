@@ -15,7 +15,7 @@ from viasd_core.decoding.kernel_binding import LayerKernels, PassCalls
 from viasd_core.decoding.layer_calls import LayerCalls
 from viasd_core.decoding.pass_widths import PASS_WIDTHS
 from viasd_core.decoding.rope import apply_rope
-from viasd_core.decoding.weight_formats import widen_once
+from viasd_core.decoding.packed_linear import widen_once
 
 PREFILL_CHUNK = 256  # longer passes run in chunks of this many positions (bounded memory)
 

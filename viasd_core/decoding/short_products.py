@@ -48,7 +48,6 @@ import weakref
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from viasd_kernels import cpu_f32_mm
 
 from viasd_core import paths

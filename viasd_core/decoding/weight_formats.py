@@ -41,7 +41,7 @@ import importlib.util
 import torch
 
 from viasd_core.decoding.packed_cpu import PACKED_KERNEL, _int4_cpu_block
-from viasd_core.decoding.packed_linear import PackedLinear, widen_once  # noqa: F401 (widen_once: model.py's)
+from viasd_core.decoding.packed_linear import PackedLinear
 from viasd_core.decoding.weight_format import PACKED, WeightFormat
 from viasd_core.errors import UsageError, ViasdError
 

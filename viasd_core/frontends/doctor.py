@@ -21,7 +21,7 @@ from viasd_core.devices import device_name
 from viasd_core.decoding import attention, packed_cpu, short_products, weight_formats
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.session import Session, choose_first_block, choose_tree
-from viasd_core.loading.models import auto_candidates
+from viasd_core.loading.models import auto_candidates, format_loader
 from viasd_core.machine.format import time_formats
 from viasd_core.machine.tree import CURVE_WIDTHS, shape_for_size
 from viasd_core.decoding.stats import RunStats
@@ -108,7 +108,8 @@ def format_curves(session: Session) -> dict[str, dict[str, float]] | None:
     candidates, why_not = auto_candidates(opts.model, session.engine.device, opts.dtype)
     if why_not:
         return None
-    curves = time_formats(opts.model, candidates, session.engine.device, CURVE_WIDTHS, context=128, repeats=5, rounds=1)
+    curves = time_formats(format_loader(opts.model, session.engine.device), candidates, session.engine.device,
+                          CURVE_WIDTHS, context=128, repeats=5, rounds=1)
     return {str(fmt): {str(w): seconds for w, seconds in curve.items()} for fmt, curve in curves.items()}
 
 

@@ -14,7 +14,7 @@ from viasd_core.decoding.feature_drafter import FeatureDrafter
 from viasd_core.decoding.weight_format import WeightFormat
 from viasd_core.decoding.model import FastModel
 from viasd_core.errors import UsageError
-from viasd_core.loading.draft_choice import EMBEDDED_DRAFT, EMBEDDED_HEAD, HYBRID_SUFFIX, DraftChoice, choose_draft
+from viasd_core.loading.draft_choice import EMBEDDED_DRAFT, EMBEDDED_HEAD, DraftChoice, choose_draft
 from viasd_core.loading.models import EMBEDDED_TARGET, Loaded, check_same_vocab, load_model
 from viasd_core.loading.options import ModelOptions
 from viasd_core.loading.vocab_rows import cap_vocab, emittable, token_rows
@@ -85,7 +85,7 @@ def _feature_head_folder(ref: str, progress=None):
     from viasd_core.loading import catalog
     from viasd_core.loading import hub
     from viasd_core.loading.hub_pull import fetch
-    from viasd_core.loading.models import shows_progress
+    from viasd_core.loading.progress import shows_progress
     from viasd_core.decoding.eagle_files import is_feature_head_folder
 
     if ref in _EMBEDDED_HEAD_ALIASES:

@@ -64,7 +64,7 @@ def gguf_source(ref: str) -> Path:
     """The GGUF file `--quant gguf` reads for model reference `ref` (the embedded model's own file
     for its names); a UsageError for any reference that is not a .gguf file."""
     from viasd_core.loading.gguf_files import is_gguf_path
-    from viasd_core.loading.models import EMBEDDED_ALIASES, embedded_gguf
+    from viasd_core.loading.embedded import EMBEDDED_ALIASES, embedded_gguf
 
     if (ref or "").lower() in EMBEDDED_ALIASES:
         return embedded_gguf()

@@ -61,7 +61,7 @@ def convert(gguf: Path, out: Path, source: dict | None = None, progress=None, na
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from viasd_core.loading.models import quiet_transformers
+    from viasd_core.loading.progress import quiet_transformers
 
     with open(gguf, "rb") as f:
         if f.read(4) != b"GGUF":

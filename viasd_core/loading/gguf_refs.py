@@ -144,7 +144,7 @@ def gguf_file_ref(ref: str, revision: str | None = None, progress=None) -> str:
     """What `-m`/`-d` load for `ref`: for a hub GGUF reference, its .gguf file in the HF cache (downloaded
     on first use), which then runs as any local .gguf file (gguf_files.convert; `--quant gguf`); any
     other reference unchanged. `progress`: the loader's callback (bars unless it is quiet)."""
-    from viasd_core.loading.models import shows_progress
+    from viasd_core.loading.progress import shows_progress
 
     hub_gguf = parse(ref)
     if hub_gguf is None:

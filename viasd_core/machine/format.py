@@ -54,23 +54,23 @@ def pick(seconds: dict[WeightFormat, float]) -> tuple[WeightFormat, str]:
     return best, f"{best}: {ground} here ({shown} for a 1-token plus a 4-token pass)"
 
 
-def measure(ref: str, candidates: tuple[WeightFormat, ...], device: torch.device) -> dict[WeightFormat, float]:
-    """Seconds of a 1-token plus a 4-token pass of model `ref` at each format on `device`. All are
-    loaded, then timed in turn for ROUNDS rounds, and each keeps its best round: a neighbour's burst
-    of load on a shared machine then slows one round, not one format."""
-    curves = time_formats(ref, candidates, device, WIDTHS, CONTEXT, REPEATS, ROUNDS)
+def measure(load: Callable[[WeightFormat], torch.nn.Module], candidates: tuple[WeightFormat, ...],
+            device: torch.device) -> dict[WeightFormat, float]:
+    """Seconds of a 1-token plus a 4-token pass of the model `load(fmt)` gives at each format on
+    `device`. All are loaded, then timed in turn for ROUNDS rounds, and each keeps its best round: a
+    neighbour's burst of load on a shared machine then slows one round, not one format."""
+    curves = time_formats(load, candidates, device, WIDTHS, CONTEXT, REPEATS, ROUNDS)
     return {fmt: sum(curve.values()) for fmt, curve in curves.items()}
 
 
-def time_formats(ref: str, candidates: tuple[WeightFormat, ...], device: torch.device, widths: tuple[int, ...],
-                 context: int, repeats: int, rounds: int) -> dict[WeightFormat, dict[int, float]]:
+def time_formats(load: Callable[[WeightFormat], torch.nn.Module], candidates: tuple[WeightFormat, ...],
+                 device: torch.device, widths: tuple[int, ...], context: int, repeats: int,
+                 rounds: int) -> dict[WeightFormat, dict[int, float]]:
     """Median seconds of a pass over each of `widths` tokens after `context` cached positions, for
-    model `ref` at each format (decoding/pass_timing.py): the round, and for float32 the short
-    product, of the least total (a session picks its short product: decoding/short_products.py)."""
-    from viasd_core.loading.models import load_model  # it resolves --quant auto here (resolve_format): a circle
-
-    models = {fmt: FastModel(load_model(ref, device=str(device), quant=fmt, with_tokenizer=False).model,
-                             max_len=context + max(widths) + 1) for fmt in candidates}
+    the model `load(fmt)` gives at each format (loading/models.format_loader: the loading wing loads,
+    this one times) (decoding/pass_timing.py): the round, and for float32 the short product, of the
+    least total (a session picks its short product: decoding/short_products.py)."""
+    models = {fmt: FastModel(load(fmt), max_len=context + max(widths) + 1) for fmt in candidates}
     for model in models.values():
         time_passes(model, widths, context, repeats=1)  # warm-up: first-call allocations and probes
     best: dict[WeightFormat, dict[int, float]] = {}
@@ -101,8 +101,10 @@ def cache_record(ref: str, device: torch.device) -> MachineRecord:
 
 
 def choose_format(ref: str, device: torch.device, candidates: tuple[WeightFormat, ...], progress=None,
-                  timer: Callable[..., dict[WeightFormat, float]] | None = None) -> FormatChoice:
-    """The fastest of `candidates` for model `ref` on this machine: cached, else timed (`timer`)."""
+                  timer: Callable[..., dict[WeightFormat, float]] | None = None,
+                  load: Callable[[WeightFormat], torch.nn.Module] | None = None) -> FormatChoice:
+    """The fastest of `candidates` for model `ref` on this machine: cached, else timed (`timer(ref,
+    candidates, device)`; by default `measure` over the models `load(fmt)` gives)."""
     record = cache_record(ref, device)
     names = [fmt.name for fmt in candidates]
     cached = record.read(lambda data: _from_json(data, candidates))
@@ -110,7 +112,9 @@ def choose_format(ref: str, device: torch.device, candidates: tuple[WeightFormat
         return cached
     if progress:
         progress(f"timing {', '.join(names)} passes on this machine for --quant auto (once; cached)...")
-    seconds = (timer or measure)(ref, candidates, device)
+    if timer is None and load is None:
+        raise ValueError("choose_format needs a timer or a loader")
+    seconds = timer(ref, candidates, device) if timer is not None else measure(load, candidates, device)
     chosen, reason = pick(seconds)
     named = {fmt.name: s for fmt, s in seconds.items()}
     record.store({"model": ref, "format": chosen.name, "reason": reason, "seconds": named})
