@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from viasd_cli.app import get_app
 from viasd_core.machine import compile as compile_choice
 from viasd_core.decoding import attention, packed_cpu, short_products
-from viasd_kernels import cpu_build, cpu_int4_widen
+from viasd_kernels import cpu_int4_widen, instruction_set
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.frontends.doctor import environment, run_doctor
 from viasd_core.frontends.doctor_checks import FAIL, PASS, SKIP, check_exact_mode
@@ -379,9 +379,10 @@ def width_dependent_head(session, near: float = 0.1):
     """Make the target's output head width-dependent, as a product that rounds by pass width would
     be: in a pass of r > 1 rows a row whose two best logits are within `near` of each other gets
     them swapped (the runner-up ends 0.01 * r above), the way such rounding flips a near-tie; a
-    1-row pass (ar's) is untouched."""
-    head = session.engine.target.lm_head
-    inner = head.forward
+    1-row pass (ar's) is untouched. The eager passes' bound head call is wrapped (FastModel binds
+    its calls once: kernel_binding.py), as a product bound that way would behave."""
+    target = session.engine.target
+    inner = target._head
 
     def forward(x):
         y = inner(x)
@@ -397,7 +398,7 @@ def width_dependent_head(session, near: float = 0.1):
                 flat[r, top.indices[r, 1]] = first + 0.01 * rows
         return y
 
-    head.forward = forward
+    target._head = forward
     return session
 
 
