@@ -2,7 +2,7 @@
 
 Three users attend through `attend`: `FastModel` (target, slim verifier, draft model: a static
 cache per layer), `FeatureHead` (the EAGLE-3 head's own one-layer cache) and
-`eagle_train.ttt_logits` (the head's training-time test, no cache). They differ only in their masks,
+`eagle_ttt.ttt_logits` (the head's training-time test, no cache). They differ only in their masks,
 all made here from positions:
 
     causal_mask(query_pos, key_pos, window)   [T, L]: key p is seen from query q iff p <= q (and

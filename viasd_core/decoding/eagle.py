@@ -171,7 +171,7 @@ class FeatureHead(nn.Module, attention.CachedPositions):
 
     def qkv(self, emb: torch.Tensor, fused: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The layer's attention inputs: emb, fused [B, T, H] -> q [B, heads, T, D], k, v [B, kv_heads, T, D],
-        RoPE applied (cos, sin [T, D], sin as rope.signed_sin makes it). Shared by drafting (one cache) and training (eagle_train)."""
+        RoPE applied (cos, sin [T, D], sin as rope.signed_sin makes it). Shared by drafting (one cache) and training (eagle_ttt)."""
         cfg = self.llama_config
         B, T = emb.shape[:2]
         layer, attn = self.midlayer, self.midlayer.self_attn

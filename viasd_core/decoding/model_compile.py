@@ -63,7 +63,7 @@ class CompiledPasses:
     @contextlib.contextmanager
     def eager(self):
         """Run every pass eagerly inside the block; a compiled model keeps its graphs for after it
-        (timing the two on the same model: compile_choice.py)."""
+        (timing the two on the same model: machine/compile.py)."""
         compiled, self._compiled = self._compiled, None
         try:
             yield self
