@@ -3,15 +3,18 @@
 # without llama.cpp's AMX kernels; the x86 vector extensions the CPU has are turned on one by one.
 #
 # Why: on 2026-11-28, on a 2-core Intel Xeon (Sapphire Rapids under KVM: AVX-512 BF16, AMX-TILE/INT8),
-# llama-cpp-python 0.3.36 built by `pip install llama-cpp-python` (GGML_NATIVE, Debian's GCC 12.2)
-# died of SIGSEGV in Llama.__call__ -> decode on a prompt of several tokens. The fault is the
-# `ldtilecfg` in ggml_backend_amx_mul_mat: GCC 12.2's _tile_loadconfig (amxtileintrin.h) declares the
-# 64-byte tile configuration as an 8-byte memory operand, so at -O3 the stores of its rows and column
-# widths are dropped and the CPU loads stack garbage (general-protection fault). With n_batch =
-# n_ubatch = 1 (one-row products, another kernel) the prompt ran; n_threads=1, use_mmap=False and
-# flash_attn on/off still crashed; the package index has no prebuilt wheel. The build below (these
-# flags on that CPU: AVX-512 with VBMI/VNNI/BF16, no AMX) ran there, and `viasd bench --methods
-# ar,llama.cpp` ran end to end with it (viasd_core/bench/llama_cpp_proc.py).
+# llama-cpp-python 0.3.36 built by `pip install llama-cpp-python` (GGML_NATIVE, Debian's GCC 12.2) died
+# of SIGSEGV in Llama.__call__ -> decode on a prompt of several tokens. The fault is the `ldtilecfg` in
+# ggml_backend_amx_mul_mat: GCC 12.2's _tile_loadconfig (amxtileintrin.h) declares the 64-byte tile
+# configuration as an 8-byte memory operand, so at -O3 the stores of its rows and column widths are
+# dropped and the CPU loads stack garbage (general-protection fault): the same native GCC build of
+# libggml-cpu with that one `ldtilecfg` given the whole 64-byte struct as its operand ran (AMX works in
+# that VM). clang 14 spells the macro __AMXINT8__, so its native build has no AMX kernels (ggml tests
+# __AMX_INT8__) and ran too. With n_batch = n_ubatch = 1 (one-row products, another kernel) the prompt
+# ran; n_threads=1, use_mmap=False and flash_attn on/off still crashed; the package index has no
+# prebuilt wheel. The build below (these flags on that CPU: AVX-512 with VBMI/VNNI/BF16, no AMX) ran
+# there, and `viasd bench --methods ar,llama.cpp` ran end to end with it
+# (viasd_core/bench/llama_cpp_proc.py).
 #
 #   bash scripts/install_llama_cpp.sh                      # llama-cpp-python==0.3.36 from the index
 #   bash scripts/install_llama_cpp.sh ./llama_cpp_python-0.3.36.tar.gz   # a source archive

@@ -76,6 +76,7 @@ def test_skipped_with_a_reason_without_the_package_or_a_gguf(monkeypatch, fake_l
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
     missing = llama_cpp_runner("smollm2-135m", {2}, 8, 64)
     assert isinstance(missing, Skip) and "pip install llama-cpp-python" in str(missing)
+    assert "scripts/install_llama_cpp.sh" in str(missing)
 
 
 FAKE_MODULE = """

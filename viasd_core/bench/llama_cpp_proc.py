@@ -3,15 +3,16 @@
 llama.cpp is native code that can crash the process it runs in. Measured 2026-11-28 on a 2-core Xeon
 (Sapphire Rapids under KVM: AVX-512 BF16, AMX): llama-cpp-python 0.3.36 built from source with its
 default `-march=native` by Debian's GCC 12.2 ended in a segmentation fault on a prompt of several
-tokens (with n_batch = n_ubatch = 1 the same prompt ran). The fault is `ldtilecfg` in llama.cpp's AMX kernel
-(ggml_backend_amx_mul_mat): GCC 12.2's `_tile_loadconfig` declares the 64-byte tile configuration as an
-8-byte memory operand, so at -O3 the compiler drops the stores of its rows and column widths and the
-CPU loads stack garbage (a general-protection fault, SIGSEGV); clang keeps the stores. A build without
-the AMX kernels runs (scripts/install_llama_cpp.sh). In a child process such a crash fails the
-llama.cpp method alone, in one line that names the signal and the fix (`crash_line`), instead of
-killing the whole `viasd bench` run with the other methods' results; and each library runs its own
-threads, as a user's llama.cpp would. The bench times the call from its side, so a pipe message each
-way per prompt (well under a millisecond against seconds of generation) is inside llama.cpp's figure.
+tokens (with n_batch = n_ubatch = 1 the same prompt ran). The fault is `ldtilecfg` in llama.cpp's AMX
+kernel (ggml_backend_amx_mul_mat): GCC 12.2's `_tile_loadconfig` declares the 64-byte tile
+configuration as an 8-byte memory operand, so at -O3 the compiler drops the stores of its rows and
+column widths and the CPU loads stack garbage (a general-protection fault, SIGSEGV); the same build
+with that `ldtilecfg` given the whole 64-byte struct as its operand ran. A build without the AMX
+kernels runs (scripts/install_llama_cpp.sh). In a child process such a crash fails the llama.cpp method
+alone, in one line that names the signal and the fix (`crash_line`), instead of killing the whole
+`viasd bench` run with the other methods' results; and each library runs its own threads, as a user's
+llama.cpp would. The bench times the call from its side, so a pipe message each way per prompt (well
+under a millisecond against seconds of generation) is inside llama.cpp's figure.
 
 `InProcess` is the plain reference (the tests drive it with a stand-in module); `OwnProcess` runs
 the same `greedy` in a spawned child.

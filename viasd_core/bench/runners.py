@@ -218,7 +218,8 @@ def llama_cpp_runner(target_ref: str, eos: set[int], max_new_tokens: int, n_ctx:
     from viasd_core.loading.models import EMBEDDED_ALIASES, embedded_gguf
 
     if importlib.util.find_spec("llama_cpp") is None:
-        return Skip("llama-cpp-python is not installed (pip install llama-cpp-python; it builds llama.cpp from source)")
+        return Skip("llama-cpp-python is not installed (pip install llama-cpp-python builds llama.cpp from source; "
+                    "scripts/install_llama_cpp.sh builds it without the AMX kernels that GCC 12 miscompiles)")
     if target_ref.lower() not in EMBEDDED_ALIASES:
         return Skip("llama.cpp runs a GGUF file: only the embedded target has one (its Q4_1 file)")
     return LlamaCppRunner(str(embedded_gguf()), eos, max_new_tokens, n_ctx, torch.get_num_threads())
