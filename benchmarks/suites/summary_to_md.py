@@ -66,14 +66,20 @@ PERFORMANCE = [
         ("cpu-avx2-bench-int4-summary.json", "int4", "avx2-cpu-bf16-products"),
         ("cpu-avx2-bench-none-summary.json", "float32", "avx2-cpu-bf16-products"),
     ]),
-    ("Intel Xeon (Sapphire Rapids), AVX-512 BF16 + AMX, 2026-11-28", "2 cores, 24 GiB, torch 2.13.0+cpu, 2 threads, 8 prompts x 48 tokens", [
+    ("Intel Xeon (Sapphire Rapids), AVX-512 BF16 + AMX, 2026-11-28", "2 cores, 24 GiB, torch 2.13.0+cpu, 2 threads; 13 held-out prompts x 64 tokens (session 28's runs, nothing else running) and 8 prompts x 48 tokens (the first row); llama.cpp: llama-cpp-python 0.3.36 built by scripts/install_llama_cpp.sh (AVX-512 VBMI/VNNI/BF16, no AMX), the same build in every class's row (the cap applies to viasd, not to llama.cpp)", [
         ("cpu-xeon-spr-cap-native-fp32-ar-hf-summary.json", "float32 (`--quant none`), the machine's own class", "instruction-set-classes-capped"),
+        ("cpu-xeon-spr-20261128-native-fp32-ar-hf-summary.json", "float32 (`--quant none`), 13 x 64", "llama-cpp-baseline-xeon"),
+        ("cpu-xeon-spr-20261128-native-default-ar-sd-summary.json", "default (`--quant auto` chose int4), 13 x 64", "llama-cpp-baseline-xeon"),
+        ("cpu-xeon-spr-20261128-native-int4-llamacpp-summary.json", "int4 against llama.cpp on the same GGUF file, 13 x 64", "llama-cpp-baseline-xeon"),
+        ("cpu-xeon-spr-20261128-native-gguf-llamacpp-summary.json", "`--quant gguf` (the file's own Q4_1 blocks) against llama.cpp, 13 x 64", "llama-cpp-baseline-xeon"),
     ]),
-    ("AVX-512F/VNNI without BF16 (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx512`)", "2 cores, 24 GiB, torch 2.13.0+cpu, 2 threads, 8 prompts x 48 tokens; no native machine of this kind measured", [
+    ("AVX-512F/VNNI without BF16 (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx512`)", "2 cores, 24 GiB, torch 2.13.0+cpu, 2 threads, 8 prompts x 48 tokens (fp32) and 13 x 64 (int4); no native machine of this kind measured; llama.cpp: llama-cpp-python 0.3.36 built by scripts/install_llama_cpp.sh (AVX-512 VBMI/VNNI/BF16, no AMX), the same build in every class's row (the cap applies to viasd, not to llama.cpp)", [
         ("cpu-xeon-spr-cap-avx512-fp32-ar-hf-summary.json", "float32 (`--quant none`)", "instruction-set-classes-capped"),
+        ("cpu-xeon-spr-20261128-avx512-int4-llamacpp-summary.json", "int4 against llama.cpp, 13 x 64", "llama-cpp-baseline-xeon"),
     ]),
-    ("AVX2+FMA (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx2`)", "2 cores, 24 GiB, torch 2.13.0+cpu, 2 threads, 8 prompts x 48 tokens; the native AVX2 EPYC's figures are in its own table above", [
+    ("AVX2+FMA (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx2`)", "2 cores, 24 GiB, torch 2.13.0+cpu, 2 threads, 8 prompts x 48 tokens (fp32) and 13 x 64 (int4); the native AVX2 EPYC's figures are in its own table above; llama.cpp: llama-cpp-python 0.3.36 built by scripts/install_llama_cpp.sh (AVX-512 VBMI/VNNI/BF16, no AMX), the same build in every class's row (the cap applies to viasd, not to llama.cpp) (an AVX2-only llama.cpp build was not measured)", [
         ("cpu-xeon-spr-cap-avx2-fp32-ar-hf-summary.json", "float32 (`--quant none`)", "instruction-set-classes-capped"),
+        ("cpu-xeon-spr-20261128-avx2-int4-llamacpp-summary.json", "int4 against llama.cpp, 13 x 64", "llama-cpp-baseline-xeon"),
     ]),
 ]
 
