@@ -87,7 +87,7 @@ def test_sd_and_exact_on_a_quantized_target_equal_ar_on_it(quant_dir, quant):
 
 
 def test_unknown_quantization_is_a_usage_error():
-    with pytest.raises(UsageError, match=r"unknown quantization .3bit.: use none, int8, int4 \(torchao\) or 8bit, 4bit \(bitsandbytes\)"):
+    with pytest.raises(UsageError, match=r"unknown quantization .3bit.: use none, int8, int4, gguf \(torchao\) or 8bit, 4bit \(bitsandbytes\)"):
         quantization_config(WeightFormat.parse("3bit"), torch.float32)
 
 

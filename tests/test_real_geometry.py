@@ -18,6 +18,7 @@ process peaked at 6.7 GB), one model at a time.
 from __future__ import annotations
 
 import functools
+import gc
 
 import pytest
 import torch
@@ -64,7 +65,7 @@ FAMILY_GEOMETRY = {
     "mixtral-8x7b": dict(family="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                          num_local_experts=8, num_experts_per_tok=2, num_attention_heads=32, num_key_value_heads=8,
                          rope_theta=1000000.0, sliding_window=None, max_position_embeddings=32768,
-                         num_hidden_layers=1),
+                         layers_built=1),
 }
 PROMPT = [1, 9000, 15, 80000, 321, 4242]
 NEW = 8
@@ -94,9 +95,12 @@ def real_shaped(name: str, seed: int = 0):
     an init pass."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    gc.collect()  # the model before it, let go by its fixture (`released`), is gone before this one is built
     spec = dict({**GEOMETRY, **FAMILY_GEOMETRY}[name])
     family = spec.pop("family")
-    spec.update(num_hidden_layers=spec.get("num_hidden_layers", 2), tie_word_embeddings=True, bos_token_id=1,
+    # the layers built: 2, or what the entry says (`layers_built`), never the checkpoint's own count
+    # (GEOMETRY's configs carry num_hidden_layers 28-32: 30 GB in float32)
+    spec.update(num_hidden_layers=spec.pop("layers_built", 2), tie_word_embeddings=True, bos_token_id=1,
                 eos_token_id=2, pad_token_id=0)
     cfg = AutoConfig.for_model(family, **spec)
     with torch.device("meta"):
@@ -122,9 +126,18 @@ def both_cores():
     torch.set_num_threads(before)
 
 
+def released(model):
+    """Yield `model`, then let it go: dynamo's graphs of the compiled tests hold its parameters (a
+    4 GB model each) until its caches are reset, and this module builds seven such models."""
+    yield model
+    del model
+    torch._dynamo.reset()
+    gc.collect()
+
+
 @pytest.fixture(scope="module", params=list(GEOMETRY))
 def model(request):
-    return real_shaped(request.param)
+    yield from released(real_shaped(request.param))
 
 
 def engine(model, compiled: bool = False) -> Engine:
@@ -262,7 +275,7 @@ def test_a_short_calibration_on_real_shapes(model, monkeypatch):
 
 @pytest.fixture(scope="module", params=list(FAMILY_GEOMETRY))
 def family_model(request):
-    return real_shaped(request.param)
+    yield from released(real_shaped(request.param))
 
 
 def test_the_new_families_compute_transformers_logits_and_greedy_tokens(family_model):

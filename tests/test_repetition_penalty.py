@@ -11,7 +11,8 @@ import torch
 from conftest import TinyTokenizer, tiny_model
 from engine_cases import make_engine, prompt_for
 from serve_support import N, client, generate_texts, running, session  # noqa: F401
-from viasd_core.decoding.drafters import Drafter, ModelDrafter, Proposal
+from tree_cases import FutureTrees
+from viasd_core.decoding.drafters import ModelDrafter
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.decoding.model import FastModel
 from viasd_core.decoding.router import Thresholds
@@ -96,24 +97,10 @@ def test_viasd_slim_rows_are_penalized():
         assert got.stats.tier_counts["slim"] > 0
 
 
-class OracleTrees(Drafter):
+class OracleTrees(FutureTrees):
     """Knows penalized ar's continuation and hides it in a tree: root -> [X, RIGHT0], X -> RIGHT1,
     RIGHT0 -> [Y, RIGHT1], RIGHT1 -> RIGHT2, with X = RIGHT1 and Y = RIGHT2 where siblings allow: a
     row penalized over the nodes before it (not over its ancestors) would penalize its own answer."""
-
-    supports_tree = True
-
-    def __init__(self, future: list[int], start: int, vocab: int):
-        self.future, self.start, self.vocab = future, start, vocab
-
-    def propose(self, ids, n, gamma, params, sampler, host_tokens=None, stop_below=0.0) -> Proposal:
-        return Proposal(tokens=ids[n:n], probs=None)
-
-    def rollback(self, n):
-        pass
-
-    def reset(self):
-        pass
 
     def propose_tree(self, ids, n, shape, params, sampler, host_tokens=None) -> TokenTree:
         k = n - self.start

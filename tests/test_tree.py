@@ -10,8 +10,8 @@ import torch
 
 from conftest import FAMILIES, TinyTokenizer, tiny_model
 from head_cases import engine_with_head, make_head, prompt_for
+from tree_cases import FutureTrees
 from viasd_core.decoding import graph_outputs
-from viasd_core.decoding.drafters import Drafter, Proposal
 from viasd_core.decoding.engine import Engine, GenerationConfig
 from viasd_core.decoding.feature_drafter import FeatureDrafter
 from viasd_core.decoding.model import FastModel
@@ -54,24 +54,10 @@ def walk(tree: TokenTree, choices: list[int]) -> list[int]:
         node = children[0]
 
 
-class OracleTrees(Drafter):
+class OracleTrees(FutureTrees):
     """Knows ar's continuation `future` of a prompt of `start` tokens and hides it in a tree off the
     first branch: [wrong, RIGHT], under wrong one node, under RIGHT [wrong, RIGHT], under that RIGHT.
     The accepted path is nodes 1, 4, 5: their K/V must move from slots n+1, n+4, n+5 to n..n+2."""
-
-    supports_tree = True
-
-    def __init__(self, future: list[int], start: int, vocab: int):
-        self.future, self.start, self.vocab = future, start, vocab
-
-    def propose(self, ids, n, gamma, params, sampler, host_tokens=None, stop_below=0.0) -> Proposal:
-        return Proposal(tokens=ids[n:n], probs=None)
-
-    def rollback(self, n):
-        pass
-
-    def reset(self):
-        pass
 
     def propose_tree(self, ids, n, shape, params, sampler, host_tokens=None) -> TokenTree:
         k = n - self.start
