@@ -18,3 +18,11 @@ def prompt_file(tmp_path):
     words = [f"w{i}" for i in range(10, 60)]
     path.write_text("\n".join(" ".join(words[i : i + 6]) for i in range(0, 48, 6)) + "\n")
     return path
+
+
+def one_line_error(r, code: int, message: str) -> None:
+    """A command's refusal: exit `code`, one `Error:` line naming `message` on stderr, nothing on stdout."""
+    assert r.exit_code == code, (r.exit_code, r.stderr)
+    assert message in r.stderr, r.stderr
+    assert r.stderr.startswith("Error: ") and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert r.stdout == ""

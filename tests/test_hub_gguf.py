@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest_hub import FakeHub, commit_of, fake_hub, hub_env, repo_folder  # noqa: F401  (fixtures)
+from cli_cases import one_line_error
 from gguf_tiny import CHAT, write_tiny_gguf
 from typer.testing import CliRunner
 
@@ -24,13 +25,6 @@ GEN = ("--mode", "ar", "-n", "6", "--json", "--threads", "1")
 
 def run(*args):
     return CliRunner().invoke(get_app(), [*map(str, args)])
-
-
-def one_line_error(r, message: str, code: int = 1) -> None:
-    assert r.exit_code == code, (r.exit_code, r.stderr)
-    assert message in r.stderr, r.stderr
-    assert r.stderr.startswith("Error: ") and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
-    assert r.stdout == ""
 
 
 @pytest.fixture(scope="module")
@@ -170,15 +164,15 @@ def test_the_revision_picks_that_commits_file(fake_hub, local_files):
     ("org/missing-GGUF:Q4_0", "model org/missing-GGUF was not found on the Hugging Face Hub"),
 ])
 def test_a_tag_or_file_that_does_not_fit_is_one_line_naming_the_choices(repo, ref, message):
-    one_line_error(run("generate", PROMPT, "-m", ref), message)
+    one_line_error(run("generate", PROMPT, "-m", ref), 1, message)
     assert gguf_downloads(repo) == []
 
 
 def test_offline_and_not_cached_is_one_line_naming_the_reference(hub_env):  # HF_HUB_OFFLINE=1 from hub_env
-    one_line_error(run("generate", PROMPT, "-m", f"{REPO}:Q4_0"),
+    one_line_error(run("generate", PROMPT, "-m", f"{REPO}:Q4_0"), 1,
                    f"cannot pull {REPO}:Q4_0: offline mode is on (HF_HUB_OFFLINE=1; unset it to download); "
                    f"pull it on a machine with network access (or copy its models--org--tiny-GGUF folder into")
-    one_line_error(run("pull", f"{REPO}/tiny-Q4_0.gguf"), f"cannot pull {REPO}/tiny-Q4_0.gguf: offline mode is on")
+    one_line_error(run("pull", f"{REPO}/tiny-Q4_0.gguf"), 1, f"cannot pull {REPO}/tiny-Q4_0.gguf: offline mode is on")
 
 
 def test_offline_a_cached_file_runs(repo, monkeypatch):
@@ -190,7 +184,7 @@ def test_offline_a_cached_file_runs(repo, monkeypatch):
     r = run("pull", f"{REPO}:Q4_0", "-q")
     assert r.exit_code == 0, r.stderr
     # a tag no cached file fits is not looked up on the Hub when offline
-    one_line_error(run("generate", PROMPT, "-m", f"{REPO}:Q4_1"), f"cannot pull {REPO}:Q4_1: offline mode is on")
+    one_line_error(run("generate", PROMPT, "-m", f"{REPO}:Q4_1"), 1, f"cannot pull {REPO}:Q4_1: offline mode is on")
 
 
 # ---------------------------------------------------------------------- viasd pull
@@ -205,7 +199,7 @@ def test_pull_takes_a_repo_and_tag_and_prints_the_file(repo, local_files):
     assert r.exit_code == 0 and Path(r.stdout.strip()) == path, r.stderr
     assert "already in the cache" in r.stderr
     assert gguf_downloads(repo) == ["tiny-Q4_0.gguf"]  # listed again, not downloaded again
-    one_line_error(run("pull", f"{REPO}:Q4_0", "--draft", "org/other"), "--draft does not apply to a GGUF file", code=2)
+    one_line_error(run("pull", f"{REPO}:Q4_0", "--draft", "org/other"), 2, "--draft does not apply to a GGUF file")
 
 
 def test_pull_checks_disk_space_before_downloading(repo, monkeypatch):
@@ -214,5 +208,5 @@ def test_pull_checks_disk_space_before_downloading(repo, monkeypatch):
     from viasd_core.loading import hub_pull
 
     monkeypatch.setattr(hub_pull.shutil, "disk_usage", disk_usage_with_free(1000))
-    one_line_error(run("pull", f"{REPO}:Q4_0"), f"not enough disk space for {REPO}:Q4_0")
+    one_line_error(run("pull", f"{REPO}:Q4_0"), 1, f"not enough disk space for {REPO}:Q4_0")
     assert gguf_downloads(repo) == []

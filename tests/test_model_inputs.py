@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest_hub import commit_of, fake_hub, hub_env, put_in_cache  # noqa: F401  (fixtures)
+from cli_cases import one_line_error
 from gguf_tiny import CHAT, write_tiny_gguf
 from typer.testing import CliRunner
 
@@ -22,13 +23,6 @@ PROMPT = "hello world"
 
 def run(*args, input=None):
     return CliRunner().invoke(get_app(), [*map(str, args)], input=input)
-
-
-def one_line_error(r, code: int, message: str) -> None:
-    assert r.exit_code == code, (r.exit_code, r.stderr)
-    assert message in r.stderr, r.stderr
-    assert r.stderr.startswith("Error: ") and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
-    assert r.stdout == ""
 
 
 @pytest.fixture(scope="module")
