@@ -394,25 +394,33 @@ def test_save_writes_the_published_layout_atomically_and_round_trips(tmp_path, t
     assert torch.equal(again.forward(ids, feats, 0)[0], head.forward(ids, feats, 0)[0])
 
 
-def test_drafting_norms_take_the_norm_kernel_and_agree_with_the_modules(tmp_path, target):
-    """After `allocate`, a bfloat16 head's four RMSNorms run as norms.norm_call makes them (the C
-    kernel where it builds here); its drafts agree with the modules' within a bfloat16 step's drift."""
+def test_drafting_calls_take_the_norm_kernel_and_agree_with_the_traced_calls(tmp_path, target):
+    """The head's calls are bound when it allocates and again after a cast (head_calls.bind): a
+    bfloat16 head's four eager RMSNorms are the C kernel where it builds here, bound to the
+    bfloat16 weights, its traced ones the modules; eager drafts agree with the traced calls' within
+    a bfloat16 step's drift."""
     from viasd_kernels import cpu_rms_norm
     from viasd_core import paths
 
     head = load_feature_head(write_head(tmp_path / "head", published_tensors(seed=4)), target.config,
                              embed=target.get_input_embeddings(), max_len=32)
-    head.to(torch.bfloat16)
-    head.allocate(32)
-    norms = head.__dict__["_norms"]
+    float_calls = head.eager_calls
+    head.to(torch.bfloat16)  # after allocate: bound again
+    assert head.eager_calls is not float_calls
+    eager, traced = head.eager_calls, head.traced_calls
     layer = head.midlayer
-    assert set(norms) == {layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, head.norm}
+    modules = {"input_norm": layer.input_layernorm, "hidden_norm": layer.hidden_norm,
+               "post_norm": layer.post_attention_layernorm, "final_norm": head.norm}
     kernel = cpu_rms_norm.bind(head.norm.weight.detach(), 1e-5, build_dir=paths.kernel_dir()) is not None
-    assert all((call != module.forward) == kernel for module, call in norms.items())
+    for name, module in modules.items():
+        assert getattr(traced, name) == module.forward
+        assert (getattr(eager, name) != module.forward) == kernel, name
+        if kernel:
+            assert getattr(eager, name).dtype == torch.bfloat16
     ids = torch.randint(3, VOCAB, (10,), generator=torch.Generator().manual_seed(5))
     feats = target_features(target, ids)[:-1].to(torch.bfloat16)
     got, hidden = head.forward(ids[1:], feats, 0)
-    head.__dict__["_norms"] = {}  # the modules' forward
+    head.__dict__["eager_calls"] = traced  # PyTorch's operators throughout
     head.reset()
     want, want_hidden = head.forward(ids[1:], feats, 0)
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)

@@ -3,9 +3,9 @@
 The kernel against transformers' formula (PyTorch's operators): float32 within float32 rounding,
 bfloat16 within one rounding step and nearly always bit for bit (only the order of the sum of
 squares differs); a row's result alone and among other rows bit for bit; what it refuses. Then
-`norm_call`: it takes the kernel for transformers' RMSNorm and keeps the module's forward where the
-formula differs (Gemma's `1 + weight`), the dtype differs, the weight was replaced or the pass is
-traced. A kernel that does not build fails these tests under CI.
+`norm_calls`: its eager call takes the kernel for transformers' RMSNorm and keeps the module's
+forward where the formula differs (Gemma's `1 + weight`); its traced call is the module's forward.
+A kernel that does not build fails these tests under CI.
 """
 
 from __future__ import annotations
@@ -82,14 +82,16 @@ def test_no_compiler_means_no_kernel_and_a_reason(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_call_takes_the_kernel_for_transformers_rmsnorm(build_dir, monkeypatch, dtype):
+def test_norm_calls_take_the_kernel_for_transformers_rmsnorm(build_dir, monkeypatch, dtype):
     monkeypatch.setattr(norms.paths, "kernel_dir", lambda: build_dir)
     module = LlamaRMSNorm(576, eps=1e-5).to(dtype)
     module.weight.data = case(1, 576, dtype, seed=2)[1]
     calls = []
     real = rn.Norm.__call__
     monkeypatch.setattr(rn.Norm, "__call__", lambda self, x: calls.append(x.shape) or real(self, x))
-    call = norms.norm_call(module)
+    bound = norms.norm_calls(module)
+    call = bound.eager
+    assert bound.kernel is call and bound.traced == module.forward
     calls.clear()
     x = case(5, 576, dtype, seed=3)[0]
     got = call(x)
@@ -98,30 +100,19 @@ def test_norm_call_takes_the_kernel_for_transformers_rmsnorm(build_dir, monkeypa
         want = module(x)
     assert ((got.float() - want.float()).abs() <= 2.0**-7 * want.float().abs()).all()
     calls.clear()
-    assert torch.equal(call(x.float() if dtype == torch.bfloat16 else x.to(torch.bfloat16)),
-                       module.forward(x.float() if dtype == torch.bfloat16 else x.to(torch.bfloat16)))  # another dtype
-    x_grad = x.clone().requires_grad_(True)  # the kernel has no backward: the module keeps autograd working
-    got_grad = call(x_grad)
-    assert got_grad.grad_fn is not None and calls == []
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert torch.equal(call(x), module.forward(x))  # traced: the module's forward
-    monkeypatch.undo()
-    monkeypatch.setattr(norms.paths, "kernel_dir", lambda: build_dir)
-    monkeypatch.setattr(rn.Norm, "__call__", lambda self, x: calls.append(x.shape) or real(self, x))
-    module.weight = torch.nn.Parameter(torch.full((576,), 2.0, dtype=dtype))  # replaced after the call was made
-    assert torch.equal(call(x), module.forward(x))
-    assert calls == []
+    x_grad = x.clone().requires_grad_(True)  # the traced call (training's too) keeps autograd working
+    assert bound.traced(x_grad).grad_fn is not None and calls == []
 
 
-def test_norm_call_keeps_the_forward_of_another_formula(build_dir, monkeypatch):
+def test_norm_calls_keep_the_forward_of_another_formula(build_dir, monkeypatch):
     monkeypatch.setattr(norms.paths, "kernel_dir", lambda: build_dir)
     gemma = GemmaRMSNorm(576, eps=1e-6)  # (1 + weight) times the normalized row
     gemma.weight.data = 0.1 * torch.randn(576, generator=torch.Generator().manual_seed(4))
-    assert norms.norm_call(gemma) == gemma.forward
+    assert norms.norm_calls(gemma).eager == gemma.forward
     layer_norm = torch.nn.LayerNorm(576)  # a weight and a float eps, but the mean subtracted
-    assert norms.norm_call(layer_norm) == layer_norm.forward
+    assert norms.norm_calls(layer_norm).eager == layer_norm.forward
     llama = LlamaRMSNorm(576, eps=1e-6)
-    assert norms.norm_call(llama) != llama.forward
+    assert norms.norm_calls(llama).eager != llama.forward
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])

@@ -1,6 +1,6 @@
 """A decoder layer's calls looked up once (viasd_core/decoding/layer_calls.py): the pass computes
 bit for bit what it computes through nn.Module calls and attribute lookups at every pass (the RMSNorms
-through norms.norm_call in both; the residual adds of o and down inside a packed layer's call against
+through norms.norm_calls' eager call in both; the residual adds of o and down inside a packed layer's call against
 PyTorch's add), in every family and format, and float products follow the model's short-pass
 products as they are at the call."""
 
@@ -16,8 +16,7 @@ from viasd_core.decoding import weight_formats as wf
 from viasd_core import paths
 from viasd_core.decoding.model import FastModel
 from viasd_kernels import cpu_packed_mm
-from viasd_core.decoding.norms import norm_call
-from viasd_core.decoding.short_products import linear, mlp
+from viasd_core.decoding.norms import norm_calls
 from viasd_core.decoding.weight_format import WeightFormat
 
 SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
@@ -25,9 +24,17 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_
 
 def module_calls(layer, fused, model) -> lc.LayerCalls:
     """The reference: every submodule called through nn.Module.__call__, looked up at each call."""
+    def linear(x, module):  # what the module takes looked up at the call
+        return sp.eager_linear(x, module, model.pass_rows, lambda way: sp.TAKES[way](module))
+
     def prod(name):
-        return lambda x: linear(x, getattr(layer.self_attn, name) if name != "down_proj" else layer.mlp.down_proj,
-                                model.pass_rows)
+        return lambda x: linear(x, getattr(layer.self_attn, name) if name != "down_proj" else layer.mlp.down_proj)
+
+    def mlp(x):
+        m = layer.mlp
+        if model.pass_rows == sp.PLAIN or not sp.gated(m):
+            return m(x)
+        return linear(m.act_fn(linear(x, m.gate_proj)) * linear(x, m.up_proj), m.down_proj)
 
     def prod_add(name):  # o and down: the residual added by PyTorch (the pass adds it inside a packed call)
         call = prod(name)
@@ -36,8 +43,8 @@ def module_calls(layer, fused, model) -> lc.LayerCalls:
     qkv = fused is not None and fused.qkv is not None
     gate_up = fused is not None and fused.gate_up is not None
     return lc.LayerCalls(
-        # the norms as the pass calls them (norms.norm_call: a kernel on CPU, tested in test_kernels_cpu_rms_norm.py)
-        input_norm=norm_call(layer.input_layernorm), post_norm=norm_call(layer.post_attention_layernorm),
+        # the norms as the pass calls them (a kernel on CPU, tested in test_kernels_cpu_rms_norm.py)
+        input_norm=norm_calls(layer.input_layernorm).eager, post_norm=norm_calls(layer.post_attention_layernorm).eager,
         q_norm=(lambda x: layer.self_attn.q_norm(x)) if hasattr(layer.self_attn, "q_norm") else None,
         k_norm=(lambda x: layer.self_attn.k_norm(x)) if hasattr(layer.self_attn, "k_norm") else None,
         qkv=(lambda x: fused.qkv(x)) if qkv else None, qkv_split=fused.qkv_split if qkv else (0, 0, 0),
@@ -45,7 +52,7 @@ def module_calls(layer, fused, model) -> lc.LayerCalls:
         gate_up=(lambda x: fused.gate_up(x)) if gate_up else None,
         gate_up_split=fused.gate_up_split if gate_up else (0, 0),
         act=(lambda x: layer.mlp.act_fn(x)) if gate_up else None, down=prod_add("down_proj") if gate_up else None,
-        mlp=lambda x: mlp(x, layer.mlp, model.pass_rows), scaling=layer.self_attn.scaling)
+        mlp=mlp, scaling=layer.self_attn.scaling)
 
 
 @pytest.mark.parametrize("fmt", ["none", "int8", "int4"])

@@ -2,6 +2,8 @@
 against their plain reference (the layers themselves), the rule that decides where each runs, and
 exactness with them."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -10,7 +12,18 @@ from engine_cases import NEW, hf_greedy, make_engine, prompt_for
 from viasd_core.decoding import short_products as sp
 from viasd_core.machine import short_rows
 from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.decoding.layer_calls import mlp_call
 from viasd_core.decoding.model import FastModel
+
+
+def linear(x, layer, up_to=sp.BLOCKED):
+    """An eager pass's product of `layer` for x's rows over `up_to` (bound as layer_calls binds it)."""
+    return sp.eager_linear(x, layer, sp.as_short_rows(up_to), sp.takes_of(layer))
+
+
+def mlp_over(module, up_to):
+    """The MLP as an eager pass over the products `up_to` gives calls it (layer_calls.mlp_call)."""
+    return mlp_call(module, SimpleNamespace(pass_rows=sp.as_short_rows(up_to)))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 16])
@@ -23,10 +36,10 @@ def test_the_blocked_product_is_the_layers_product(rows, bias, monkeypatch):
     real = torch.bmm
     monkeypatch.setattr(torch, "bmm", lambda *a: calls.append(a[0].shape) or real(*a))
     with torch.no_grad():
-        got = sp.linear(x, layer, up_to=16)
+        got = linear(x, layer, up_to=16)
         assert got.shape == (1, rows, 96) and calls == [(sp.CHUNKS, 96 // sp.CHUNKS, 48)]  # it ran, in blocks
         torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-5)
-        assert torch.equal(sp.linear(x, layer, up_to=rows - 1), layer(x)) and len(calls) == 1  # over up_to: the layer
+        assert torch.equal(linear(x, layer, up_to=rows - 1), layer(x)) and len(calls) == 1  # over up_to: the layer
 
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
@@ -43,10 +56,10 @@ def test_the_packed_product_is_the_layers_product(rows, bias, monkeypatch):
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(a[0].shape) or real(*a))
     with torch.no_grad():
-        got = sp.linear(x, layer, sp.PACKED)
+        got = linear(x, layer, sp.PACKED)
         assert got.shape == (1, rows, 90) and calls == [(rows, 48)]  # it ran, packed
         torch.testing.assert_close(got, layer(x), rtol=1e-5, atol=1e-5)
-        assert torch.equal(sp.linear(x, layer, sp.ShortRows(0, rows - 1)), layer(x)) and len(calls) == 1
+        assert torch.equal(linear(x, layer, sp.ShortRows(0, rows - 1)), layer(x)) and len(calls) == 1
         # the blocked product up to its rows, the packed one above them
         assert sp.ShortRows(1, 16).way(1) == "blocked" and sp.ShortRows(1, 16).way(rows) == ("packed" if rows > 1 else "blocked")
 
@@ -60,8 +73,8 @@ def test_the_packed_copy_follows_the_weight_and_stays_out_of_autograd():
         assert sp.packed_weight(layer) is first  # made once
         layer.weight.mul_(2)  # changed in place (an optimizer step): packed again
         assert sp.packed_weight(layer) is not first
-        torch.testing.assert_close(sp.linear(x, layer, sp.PACKED), layer(x), rtol=1e-5, atol=1e-5)
-    y = sp.linear(x, layer, sp.PACKED)  # with grad: the layer itself, so gradients flow
+        torch.testing.assert_close(linear(x, layer, sp.PACKED), layer(x), rtol=1e-5, atol=1e-5)
+    y = linear(x, layer, sp.PACKED)  # with grad: the layer itself, so gradients flow
     y.sum().backward()
     assert layer.weight.grad is not None and layer.weight.grad.shape == (8, 16)
 
@@ -75,7 +88,7 @@ def test_only_cpu_float32_linear_layers_take_it():
     assert not sp.applies(strided)
     layer = torch.nn.Linear(8, 18)
     x = torch.randn(3, 8)
-    assert torch.equal(sp.linear(x, layer), layer(x))
+    assert torch.equal(linear(x, layer), layer(x))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -84,8 +97,8 @@ def test_the_mlp_over_it_is_the_familys_mlp(family):
     mlp = model.model.layers[0].mlp
     x = torch.randn(1, 6, model.config.hidden_size)
     with torch.no_grad():
-        torch.testing.assert_close(sp.mlp(x, mlp, up_to=16), mlp(x), rtol=1e-5, atol=1e-5)
-        assert torch.equal(sp.mlp(x, mlp, up_to=0), mlp(x))
+        torch.testing.assert_close(mlp_over(mlp, 16)(x), mlp(x), rtol=1e-5, atol=1e-5)
+        assert torch.equal(mlp_over(mlp, 0)(x), mlp(x))
 
 
 def test_a_pass_with_it_matches_the_pass_without():

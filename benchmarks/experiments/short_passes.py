@@ -42,7 +42,9 @@ def raw_products(widths: tuple[int, ...]) -> dict:
     with torch.no_grad():
         for rows in widths:
             x = torch.randn(rows, 576)
-            out[rows] = {way: round(size / best_seconds(lambda: [short_products.linear(x, layer, up_to) for layer in layers]) / 1e9, 1)
+            takes = short_products.takes_of(layers[0])  # the layers are alike
+            out[rows] = {way: round(size / best_seconds(lambda: [short_products.eager_linear(x, layer, up_to, takes)
+                                                                 for layer in layers]) / 1e9, 1)
                          for way, up_to in short_products.WAYS.items() if way != "packed" or short_products.packs(layers[0])}
         out["sum"] = round(big.numel() * 4 / best_seconds(lambda: big.sum()) / 1e9, 1)
     return out  # GB/s of weights read

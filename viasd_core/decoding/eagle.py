@@ -45,10 +45,10 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from viasd_core.errors import ViasdError
-from viasd_core.decoding import attention, graph_outputs
-from viasd_core.decoding.norms import norm_call
+from viasd_core.decoding import attention, graph_outputs, head_calls
+from viasd_core.decoding.head_calls import HeadCalls
 from viasd_core.decoding.rope import apply_rope, signed_sin
-from viasd_core.decoding.short_products import DEFAULT, linear, mlp
+from viasd_core.decoding.short_products import DEFAULT, ShortRows, as_short_rows
 from viasd_core.decoding.weight_format import WeightFormat
 from viasd_core.decoding.weight_formats import apply_weight_format
 
@@ -135,6 +135,25 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         """The layer's and the output head's products in `fmt` (int8 or int4, weight_formats), in
         place; `fc` stays as it is (its weight gives the head's dtype and device)."""
         apply_weight_format(self, fmt, keep=("fc",))
+        self._bind_calls()
+
+    @property
+    def pass_rows(self) -> ShortRows:
+        """The products float32 short passes take, as layer_calls' bound products read it at the call."""
+        return as_short_rows(self.short_rows)
+
+    def _bind_calls(self) -> None:
+        """The eager and the traced calls (head_calls.bind), made again whenever a weight may have
+        been replaced: at `allocate`, after packing, a cast or a move (`_apply`). The eager norms'
+        kernels bind the weights as they are now (a 1-token step 346 -> 292 us on a CPU)."""
+        self.__dict__["eager_calls"] = head_calls.bind(self, traced=False)
+        self.__dict__["traced_calls"] = head_calls.bind(self, traced=True)
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)
+        if "eager_calls" in self.__dict__:  # bound before this cast or move: bind the new weights
+            self._bind_calls()
+        return out
 
     def allocate(self, max_len: int) -> None:
         """Allocate the one layer's KV cache and the RoPE tables for `max_len` positions (empties the cache)."""
@@ -145,52 +164,46 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         self.register_buffer("rope_cos", cos[0].to(self.dtype), persistent=False)  # [max_len, D]
         self.register_buffer("rope_sin_signed", signed_sin(sin[0].to(self.dtype)), persistent=False)  # apply_rope's form
         self.cache = attention.LayerCache(cfg.num_key_value_heads, max_len, cfg.head_dim, self.dtype, device)
-        # The RMSNorms as drafting calls them (norms.norm_call: one C call each on a CPU, a 1-token
-        # step 346 -> 292 us; made here, after any cast; traced and training calls keep the modules)
-        layer = self.midlayer
-        self.__dict__["_norms"] = {m: norm_call(m) for m in (layer.input_layernorm, layer.hidden_norm,
-                                                             layer.post_attention_layernorm, self.norm)}
         self.max_len = int(max_len)
+        self._bind_calls()
         self.seen = 0
         if self._compiled_step is not None:  # new buffers: a new graph
             self.compile(self.compile_mode)
 
     # ------------------------------------------------------------------ forward
-    def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        """The target's three layer states [T, 3H] -> one feature [T, H]."""
-        return linear(features.to(self.dtype), self.fc, self.short_rows)
-
-    def _norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """RMSNorm `module` of x: its call made at `allocate` (the module's forward before; training)."""
-        call = self.__dict__.get("_norms", {}).get(module)
-        return module(x) if call is None else call(x)
+    def fuse(self, features: torch.Tensor, calls: HeadCalls | None = None) -> torch.Tensor:
+        """The target's three layer states [T, 3H] -> one feature [T, H]. `calls`, here and below:
+        the set the pass runs with (head_calls), by default the traced one (PyTorch's operators:
+        training, whose autograd the kernels lack)."""
+        return (calls or self.traced_calls).fc(features.to(self.dtype))
 
     def to_target_ids(self, draft_idx: torch.Tensor) -> torch.Tensor:
         """Draft vocabulary indices -> target token ids (same shape)."""
         return draft_idx + self.d2t[draft_idx]
 
-    def qkv(self, emb: torch.Tensor, fused: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def qkv(self, emb: torch.Tensor, fused: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            calls: HeadCalls | None = None):
         """The layer's attention inputs: emb, fused [B, T, H] -> q [B, heads, T, D], k, v [B, kv_heads, T, D],
         RoPE applied (cos, sin [T, D], sin as rope.signed_sin makes it). Shared by drafting (one cache) and training (eagle_ttt)."""
+        c = calls or self.traced_calls
         cfg = self.llama_config
         B, T = emb.shape[:2]
-        layer, attn = self.midlayer, self.midlayer.self_attn
-        x = torch.cat((self._norm(layer.input_layernorm, emb), self._norm(layer.hidden_norm, fused)),
-                      dim=-1)  # [B, T, 2H]
-        q = linear(x, attn.q_proj, self.short_rows).view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
-        k = linear(x, attn.k_proj, self.short_rows).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
-        v = linear(x, attn.v_proj, self.short_rows).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        x = torch.cat((c.input_norm(emb), c.hidden_norm(fused)), dim=-1)  # [B, T, 2H]
+        q = c.q(x).view(B, T, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+        k = c.k(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
+        v = c.v(x).view(B, T, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def finish(self, fused: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def finish(self, fused: torch.Tensor, attn_out: torch.Tensor, calls: HeadCalls | None = None) -> torch.Tensor:
         """The residual and MLP after attention: the head's output feature [..., H]."""
-        layer = self.midlayer
-        h = (self._norm(layer.hidden_norm, fused) if self.norm_before_residual else fused) + linear(attn_out, layer.self_attn.o_proj, self.short_rows)
-        return h + mlp(self._norm(layer.post_attention_layernorm, h), layer.mlp, self.short_rows)
+        c = calls or self.traced_calls
+        h = (c.hidden_norm(fused) if self.norm_before_residual else fused) + c.o(attn_out)
+        return h + c.mlp(c.post_norm(h))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, calls: HeadCalls | None = None) -> torch.Tensor:
         """Draft-vocabulary logits (float32) of output features."""
-        return linear(self._norm(self.norm, hidden), self.lm_head, self.short_rows).float()
+        c = calls or self.traced_calls
+        return c.lm_head(c.final_norm(hidden)).float()
 
     # ------------------------------------------------------------------ the compiled drafting step
     def compile(self, mode: str | None = "default") -> bool:
@@ -199,9 +212,9 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         if mode == "default" and self.fc.weight.device.type == "cuda":
             mode = "reduce-overhead"
         self.compile_mode = mode
-        fn = torch.compile(self._step, fullgraph=True, dynamic=False, mode=mode)
+        fn = torch.compile(self._traced_step, fullgraph=True, dynamic=False, mode=mode)
         self._compiled_step = graph_outputs.guard(fn, static=list(self.cache.buffers()))
-        rows = torch.compile(self._rows, fullgraph=True, dynamic=False, mode=mode)
+        rows = torch.compile(self._traced_rows, fullgraph=True, dynamic=False, mode=mode)
         self._compiled_rows = graph_outputs.guard(rows, static=list(self.cache.buffers()))
         return True
 
@@ -236,31 +249,39 @@ class FeatureHead(nn.Module, attention.CachedPositions):
         self.reset()
         return time.perf_counter() - t0
 
-    def _step(self, token_id: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor):
+    def _traced_step(self, token_id: torch.Tensor, hidden: torch.Tensor, pos: torch.Tensor):
         """One drafted token at position pos [1] from the head's own previous feature hidden [1, H]:
-        (logits [1, draft_vocab] float32, hidden [1, H]). Static shapes: every key of the cache,
-        those after pos masked, so one graph serves every position."""
+        (logits [1, draft_vocab] float32, hidden [1, H]), as torch.compile traces it (the traced
+        calls, read when traced). Static shapes: every key of the cache, those after pos masked, so
+        one graph serves every position."""
         mask = attention.causal_mask(pos, torch.arange(self.max_len, device=pos.device))  # [1, max_len]
-        return self._rows(token_id, hidden, pos, pos, mask)
+        return self._rows(token_id, hidden, pos, pos, mask, self.traced_calls)
+
+    def _traced_rows(self, token_ids: torch.Tensor, hidden: torch.Tensor, rope_pos: torch.Tensor, slots: torch.Tensor,
+                     key_mask: torch.Tensor):
+        """`_rows` as torch.compile traces it (the traced calls)."""
+        return self._rows(token_ids, hidden, rope_pos, slots, key_mask, self.traced_calls)
 
     def _rows(self, token_ids: torch.Tensor, hidden: torch.Tensor, rope_pos: torch.Tensor, slots: torch.Tensor,
-              key_mask: torch.Tensor):
+              key_mask: torch.Tensor, calls: HeadCalls):
         """K drafted rows at once: tokens [K] with the features they read hidden [K, H], at RoPE
         positions rope_pos [K], written at cache slots slots [K], row i attending the slots
         key_mask[i] marks ([K, max_len]). Returns (logits [K, draft_vocab] float32, hidden [K, H])."""
         emb = self.embedding(token_ids).to(self.dtype)
-        q, k, v = self.qkv(emb[None], hidden[None], self.rope_cos[rope_pos], self.rope_sin_signed[rope_pos])
+        q, k, v = self.qkv(emb[None], hidden[None], self.rope_cos[rope_pos], self.rope_sin_signed[rope_pos], calls)
         k_cache, v_cache = self.cache.update(slots, k, v)
-        out = self.finish(hidden, attention.attend(q, k_cache, v_cache, key_mask)[0])
-        return self.logits(out), out
+        out = self.finish(hidden, attention.attend(q, k_cache, v_cache, key_mask)[0], calls)
+        return self.logits(out, calls), out
 
     @torch.inference_mode()
     def tree_rows(self, token_ids: torch.Tensor, hidden: torch.Tensor, rope_pos: torch.Tensor, slots: torch.Tensor,
                   key_mask: torch.Tensor):
         """One level of a token tree (tree.py): `_rows`, compiled when the head is (one graph per K).
         The rows' slots lie past `seen`: the cache's committed positions are untouched."""
-        fn = self._compiled_rows if self._compiled_rows is not None else self._rows
-        logits, out = fn(token_ids, hidden.to(self.dtype), rope_pos, slots, key_mask)
+        if self._compiled_rows is not None:
+            logits, out = self._compiled_rows(token_ids, hidden.to(self.dtype), rope_pos, slots, key_mask)
+        else:
+            logits, out = self._rows(token_ids, hidden.to(self.dtype), rope_pos, slots, key_mask, self.eager_calls)
         return logits, out.clone()  # a compiled call's next run may overwrite its outputs (CUDA graphs)
 
     @torch.inference_mode()
@@ -286,15 +307,16 @@ class FeatureHead(nn.Module, attention.CachedPositions):
             logits, hidden = self._compiled_step(token_ids, features.to(self.dtype), pos)
             self.seen = end
             return logits, hidden
-        fused = self.fuse(features) if features.shape[-1] != self.hidden_size else features.to(self.dtype)
+        calls = self.eager_calls
+        fused = self.fuse(features, calls) if features.shape[-1] != self.hidden_size else features.to(self.dtype)
         emb = self.embedding(token_ids).to(self.dtype)
-        q, k, v = self.qkv(emb[None], fused[None], self.rope_cos[start:end], self.rope_sin_signed[start:end])
+        q, k, v = self.qkv(emb[None], fused[None], self.rope_cos[start:end], self.rope_sin_signed[start:end], calls)
         pos = torch.arange(start, end, device=token_ids.device)
         k_cache, v_cache = self.cache.update(pos, k, v)
         mask = attention.causal_mask(pos, torch.arange(end, device=pos.device)) if T > 1 else None  # [T, end]
         o = attention.attend(q, k_cache[:, :, :end], v_cache[:, :, :end], mask)  # [1, T, heads * D]; scale 1/sqrt(D)
-        hidden = self.finish(fused, o[0])
+        hidden = self.finish(fused, o[0], calls)
         rows = hidden if n_logits is None else hidden[T - n_logits:]
-        logits = self.logits(rows)
+        logits = self.logits(rows, calls)
         self.seen = end
         return logits, hidden

@@ -7,10 +7,8 @@ decides once what a pass calls instead of `module.forward`: viasd_kernels.cpu_rm
 module's weight where the module is a CPU RMSNorm whose output the kernel reproduces on a probe
 (within a rounding step: the kernel sums the squares in its own order), else the module's own
 forward (other norms, such as Gemma's `1 + weight`, other devices, a kernel that cannot be built);
-traced passes call the module. FastModel's passes call one or the other as their plan says (no call
-asks which). `norm_call(module)` is the one call for callers that bind nothing (the EAGLE head): it
-calls the module inside torch.compile's tracing, for inputs of another dtype and inputs that need
-gradients (the kernel has no backward), and once the module's weight was replaced after the call was made.
+traced passes call the module. FastModel's passes and the EAGLE head's (head_calls.py) call one or
+the other as their plan says (no call asks which); each binds again when a weight is replaced.
 """
 
 from __future__ import annotations
@@ -62,24 +60,3 @@ def norm_calls(module: torch.nn.Module) -> NormCalls:
     if norm is None or not _agrees(module, norm):
         return NormCalls(forward, forward, None)
     return NormCalls(norm, forward, norm)
-
-
-def norm_call(module: torch.nn.Module) -> Call:
-    """`module`'s norm for callers that bind nothing (the EAGLE head, in drafting and in training):
-    `norm_calls`' eager call, except inside torch.compile's tracing, for inputs of another dtype or
-    that need gradients (the kernel has no backward), and once the module's weight was replaced
-    after the call was made: then the module's forward."""
-    calls = norm_calls(module)
-    if calls.kernel is None:
-        return calls.traced
-    params, weight = module._parameters, module._parameters["weight"]
-    kernel, forward, dtype = calls.kernel, calls.traced, calls.kernel.dtype
-
-    def call(x: torch.Tensor) -> torch.Tensor:
-        if (x.dtype is not dtype or params["weight"] is not weight or x.requires_grad
-                or torch.compiler.is_compiling()):
-            return forward(x)
-        return kernel(x)
-
-    call.kernel = kernel  # the bound kernel
-    return call

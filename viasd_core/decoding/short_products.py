@@ -25,9 +25,10 @@ product too: PyTorch's float32 F.linear ran at about half the packed product's s
 at the session's thread count, and `pick_rows` composes the value; a session caches it per machine,
 thread count and models, and `viasd doctor` measures again.
 
-`linear(x, layer, up_to)` is `layer(x)` (F.linear: the plain reference the tests compare both
-products with) wherever `up_to` gives it no other product; `mlp` is the gated MLP of every supported
-family (down(act(gate(x)) * up(x))) over `linear`.
+`eager_linear(x, layer, up_to, takes)` is `layer(x)` (F.linear: the plain reference the tests compare
+both products with) wherever `up_to` gives it no other product, and `traced_linear` what a traced
+pass runs; callers bind one or the other once (layer_calls.product: FastModel's layers and the EAGLE
+head's, head_calls.py), so no call asks whether it is traced.
 
 Row invariance: F.linear, the blocked and the packed product each round a row differently with the
 number of rows in the pass (every row of SmolLM2-135M's float32 passes of 2-16 rows differed from the
@@ -129,7 +130,8 @@ def packed_bytes(models) -> int:
     return sum(m.weight.numel() * m.weight.element_size() for m in layers.values())
 
 
-def _short_rows(up_to: ShortRows | int) -> ShortRows:
+def as_short_rows(up_to: ShortRows | int) -> ShortRows:
+    """`up_to` as ShortRows (an int n: the blocked product up to n rows, ShortRows(n))."""
     return ShortRows(up_to) if isinstance(up_to, int) else up_to
 
 
@@ -232,25 +234,6 @@ def takes_of(layer: torch.nn.Module):
     """`eager_linear`'s `takes` for `layer`, decided now from its weight (a model binds its products
     once: layer_calls.product)."""
     return {way: bool(test(layer)) for way, test in TAKES.items()}.__getitem__
-
-
-def linear(x: torch.Tensor, layer: torch.nn.Module, up_to: ShortRows | int = BLOCKED) -> torch.Tensor:
-    """`layer(x)` for x [..., in]; through the product `up_to` gives a pass of x's rows where the
-    layer takes it: `eager_linear`, or inside torch.compile's tracing `traced_linear`. For callers
-    that bind nothing (the EAGLE head, the model's tests): what the layer takes is looked at at the
-    call, only for the way the pass takes. FastModel binds its products once instead (layer_calls)."""
-    up_to = _short_rows(up_to)
-    if torch.compiler.is_compiling():
-        return traced_linear(x, layer, up_to)
-    return eager_linear(x, layer, up_to, lambda way: TAKES[way](layer))
-
-
-def mlp(x: torch.Tensor, module: torch.nn.Module, up_to: ShortRows | int = BLOCKED) -> torch.Tensor:
-    """The gated MLP `module` (gate_proj, up_proj, down_proj, act_fn) applied to x, over `linear`."""
-    if _short_rows(up_to) == PLAIN or not gated(module):
-        return module(x)
-    return linear(module.act_fn(linear(x, module.gate_proj, up_to)) * linear(x, module.up_proj, up_to),
-                  module.down_proj, up_to)
 
 
 def gated(module: torch.nn.Module) -> bool:
