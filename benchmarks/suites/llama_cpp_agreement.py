@@ -7,6 +7,11 @@ file's chat template as viasd applies it), llama.cpp (llama-cpp-python, same tok
 writes `-n` tokens. Then each viasd weight format reads the prompt plus llama.cpp's tokens in one
 pass and its greedy choice at every position of that continuation is compared with llama.cpp's
 token there: teacher-forced agreement (1.0: viasd would have written the same text token by token).
+Two ways to read the continuation (`--passes`): `short` (default) runs the prompt as a prefill and
+the continuation in passes of up to 16 positions, the kernels that generate tokens (`ar`'s 1-row
+passes and `sd`'s verify blocks compute every row alike: the row-invariance rule), so it scores
+what viasd writes; `one` reads prompt and continuation in one pass, the prefill's products (on a
+CPU whose bfloat16 products pay, the weights widened to bfloat16), which no generated token uses.
 `gguf` runs the file's own 4-bit blocks, `int4` re-quantizes the dequantized weights, `none` runs the
 dequantized weights in float32. Writes DIR/llama_cpp_agreement.json (temporary file, then rename).
 Agreement, not speed: it may run on a loaded machine.
@@ -42,14 +47,40 @@ def llama_cpp_continuations(gguf: str, prompts: list[list[int]], new: int, threa
     return out
 
 
-def agreement(fast: FastModel, prompt: list[int], cont: list[int]) -> int:
+SHORT_PASS = 16  # positions per pass of the continuation in `short` mode (a verify block's width at most)
+
+
+def agreement(fast: FastModel, prompt: list[int], cont: list[int], passes: str = "short") -> int:
     """Positions of `cont` where `fast`'s greedy choice after prompt + cont[:i] is cont[i]."""
-    ids = torch.tensor(prompt + cont, device=fast.device)
     fast.reset()
     with torch.inference_mode():
-        logits = fast.forward(ids, 0, len(cont) + 1)  # rows for positions len(prompt) - 1 ... end
-    choice = logits[: len(cont)].argmax(-1).tolist()
+        if passes == "one":
+            ids = torch.tensor(prompt + cont, device=fast.device)
+            logits = fast.forward(ids, 0, len(cont) + 1)[: len(cont)]  # positions len(prompt) - 1 ...
+        else:
+            rows = [fast.forward(torch.tensor(prompt, device=fast.device), 0, 1)]
+            for i in range(0, len(cont) - 1, SHORT_PASS):
+                chunk = cont[i : min(i + SHORT_PASS, len(cont) - 1)]
+                rows.append(fast.forward(torch.tensor(chunk, device=fast.device), len(prompt) + i, len(chunk)))
+            logits = torch.cat(rows)
+    choice = logits.argmax(-1).tolist()
     return sum(a == b for a, b in zip(choice, cont))
+
+
+def continuations(path: Path | None, gguf: str, prompts: list[list[int]], new: int, threads: int) -> list[list[int]]:
+    """llama.cpp's continuations, read from `path` where it holds them for these prompts, else
+    generated (and written there: a temporary file, then renamed)."""
+    if path is not None and path.exists():
+        saved = json.loads(path.read_text())
+        if saved["prompts"] == prompts and saved["max_new_tokens"] == new and saved["gguf"] == Path(gguf).name:
+            return saved["continuations"]
+    conts = llama_cpp_continuations(gguf, prompts, new, threads)
+    if path is not None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"gguf": Path(gguf).name, "max_new_tokens": new, "prompts": prompts,
+                                   "continuations": conts}))
+        tmp.replace(path)
+    return conts
 
 
 def main() -> None:
@@ -60,19 +91,22 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=13)
     ap.add_argument("-n", "--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--passes", choices=("short", "one"), default="short",
+                    help="how viasd reads the continuation: generation's short passes, or one prefill pass")
+    ap.add_argument("--continuations", type=Path, help="llama.cpp's continuations: read from here if saved, else written")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()][: args.limit]
     first = load_model(args.gguf, quant="none")
     prompts = [encode(first.tokenizer, r["turns"][0]) for r in rows]
-    conts = llama_cpp_continuations(args.gguf, prompts, args.max_new_tokens, args.threads)
+    conts = continuations(args.continuations, args.gguf, prompts, args.max_new_tokens, args.threads)
     result = {"gguf": Path(args.gguf).name, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "llama_cpp_tokens": sum(map(len, conts)), "formats": {}}
+              "passes": args.passes, "llama_cpp_tokens": sum(map(len, conts)), "formats": {}}
     for name in args.formats.split(","):
         loaded = first if name == "none" else load_model(args.gguf, quant=name)
         fast = FastModel(loaded.model, max_len=max(len(p) + len(c) for p, c in zip(prompts, conts)) + 8)
-        same = [agreement(fast, p, c) for p, c in zip(prompts, conts)]
+        same = [agreement(fast, p, c, args.passes) for p, c in zip(prompts, conts)]
         total = sum(map(len, conts))
         result["formats"][name] = {"agreement": round(sum(same) / total, 4), "per_prompt": same,
                                    "format_reason": getattr(loaded, "format_reason", None)}
