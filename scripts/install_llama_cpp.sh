@@ -18,6 +18,12 @@
 #
 #   bash scripts/install_llama_cpp.sh                      # llama-cpp-python==0.3.36 from the index
 #   bash scripts/install_llama_cpp.sh ./llama_cpp_python-0.3.36.tar.gz   # a source archive
+#   LLAMA_CPP_ISA=avx2 LLAMA_CPP_TARGET=/opt/llama-avx2 bash scripts/install_llama_cpp.sh ...
+#
+# LLAMA_CPP_ISA caps the extensions turned on, to build the baseline of another instruction-set class
+# on this CPU (as VIASD_MAX_CPU_ISA caps viasd): avx2 (AVX2+FMA, no AVX-512) or avx512 (AVX-512
+# F/BW/VL/DQ/VNNI/VBMI, no BF16). LLAMA_CPP_TARGET installs into that folder instead (pip --target;
+# the installed llama-cpp-python stays): put it first on PYTHONPATH to run that build.
 #
 # The build takes 15-40 minutes on two cores.
 set -euo pipefail
@@ -36,13 +42,25 @@ args+=" -DGGML_FMA=$(has fma) -DGGML_F16C=$(has f16c)"
 args+=" -DGGML_AVX512=$(has avx512f) -DGGML_AVX512_VBMI=$(has avx512vbmi)"
 args+=" -DGGML_AVX512_VNNI=$(has avx512_vnni) -DGGML_AVX512_BF16=$(has avx512_bf16)"
 args+=" -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+case "${LLAMA_CPP_ISA:-native}" in
+    native) ;;
+    avx512) args+=" -DGGML_AVX512_BF16=OFF" ;;
+    avx2) args+=" -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF" ;;
+    *) echo "install_llama_cpp.sh: LLAMA_CPP_ISA is native, avx512 or avx2, not '$LLAMA_CPP_ISA'" >&2; exit 2 ;;
+esac
 echo "CMAKE_ARGS=$args"
 
 # uninstalled first (not --force-reinstall, which would reinstall numpy and the other dependencies too);
 # no cache, so that a wheel built with other flags is not taken again
-python3 -m pip uninstall -y llama-cpp-python
+target=()
+if [ -n "${LLAMA_CPP_TARGET:-}" ]; then
+    target=(--target "$LLAMA_CPP_TARGET" --no-deps)
+    export PYTHONPATH="$LLAMA_CPP_TARGET${PYTHONPATH:+:$PYTHONPATH}"  # the check below runs this build
+else
+    python3 -m pip uninstall -y llama-cpp-python
+fi
 CMAKE_ARGS="$args" CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
-    python3 -m pip install --no-cache-dir --no-binary llama-cpp-python "$source"
+    python3 -m pip install --no-cache-dir --no-binary llama-cpp-python "${target[@]}" "$source"
 
 # the crash's own check: a prompt of several tokens through decode, on the embedded GGUF file
 python3 - <<'EOF'
