@@ -63,6 +63,9 @@ def main() -> None:
             rows = bench(env, args.out / f"{side}-{r}", bench_args)
             by_method: dict[str, list[dict]] = {}
             for row in rows:
+                if row["status"] != "ok":  # skipped (a method this setting cannot run): said once, not timed
+                    print(side, r, row["method"], row["status"], row["reason"], file=sys.stderr)
+                    continue
                 by_method.setdefault(row["method"], []).append(row)
             for method, mrows in by_method.items():
                 wall = sum(x["wall_s"] for x in mrows)
