@@ -71,15 +71,18 @@ PERFORMANCE = [
         ("cpu-xeon-spr-20261128-native-fp32-ar-hf-summary.json", "float32 (`--quant none`), 13 x 64", "llama-cpp-baseline-xeon"),
         ("cpu-xeon-spr-20261128-native-default-ar-sd-summary.json", "default (`--quant auto` chose int4), 13 x 64", "llama-cpp-baseline-xeon"),
         ("cpu-xeon-spr-20261128-native-int4-llamacpp-summary.json", "int4 against llama.cpp on the same GGUF file, 13 x 64", "llama-cpp-baseline-xeon"),
+        ("cpu-xeon-spr-20261201-native-int4-llamacpp-own-class-summary.json", "int4 against llama.cpp's default build (this class), 13 x 64, 2026-12-01 (a slower day)", "own-class-llama-cpp-and-before-after"),
         ("cpu-xeon-spr-20261128-native-gguf-llamacpp-summary.json", "`--quant gguf` (the file's own Q4_1 blocks) against llama.cpp, 13 x 64", "llama-cpp-baseline-xeon"),
     ]),
     ("AVX-512F/VNNI without BF16 (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx512`)", "2 cores, 24 GiB, torch 2.13.0+cpu, 2 threads, 8 prompts x 48 tokens (fp32) and 13 x 64 (int4); no native machine of this kind measured; llama.cpp: llama-cpp-python 0.3.36 built by scripts/install_llama_cpp.sh (AVX-512 VBMI/VNNI/BF16, no AMX), the same build in every class's row (the cap applies to viasd, not to llama.cpp)", [
         ("cpu-xeon-spr-cap-avx512-fp32-ar-hf-summary.json", "float32 (`--quant none`)", "instruction-set-classes-capped"),
         ("cpu-xeon-spr-20261128-avx512-int4-llamacpp-summary.json", "int4 against llama.cpp, 13 x 64", "llama-cpp-baseline-xeon"),
+        ("cpu-xeon-spr-20261201-avx512-int4-llamacpp-own-class-summary.json", "int4 against llama.cpp built for this class (LLAMA_CPP_ISA=avx512), 13 x 64, 2026-12-01 (a slower day)", "own-class-llama-cpp-and-before-after"),
     ]),
     ("AVX2+FMA (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx2`)", "2 cores, 24 GiB, torch 2.13.0+cpu, 2 threads, 8 prompts x 48 tokens (fp32) and 13 x 64 (int4); the native AVX2 EPYC's figures are in its own table above; llama.cpp: llama-cpp-python 0.3.36 built by scripts/install_llama_cpp.sh (AVX-512 VBMI/VNNI/BF16, no AMX), the same build in every class's row (the cap applies to viasd, not to llama.cpp) (an AVX2-only llama.cpp build was not measured)", [
         ("cpu-xeon-spr-cap-avx2-fp32-ar-hf-summary.json", "float32 (`--quant none`)", "instruction-set-classes-capped"),
         ("cpu-xeon-spr-20261128-avx2-int4-llamacpp-summary.json", "int4 against llama.cpp, 13 x 64", "llama-cpp-baseline-xeon"),
+        ("cpu-xeon-spr-20261201-avx2-int4-llamacpp-own-class-summary.json", "int4 against llama.cpp built for this class (LLAMA_CPP_ISA=avx2), 13 x 64, 2026-12-01 (a slower day)", "own-class-llama-cpp-and-before-after"),
     ]),
 ]
 
