@@ -372,8 +372,14 @@ int viasd_int8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale, int
  * pass takes more outputs at once, so that enough loads are in flight to stream the weights at the
  * memory's speed); where a pass holds more rows than a tile, the first tile keeps what it widened in
  * a small buffer (a group's, or a tile of outputs') that the others read, so every weight is widened
- * once a pass. The tiling changes which registers hold a lane, never the lane's operations: a row's
- * outputs are the same in a pass of 1 or 16 rows and on any thread count (threads split the outputs).
+ * once a pass. A 1-row pass on AVX2 runs two groups of a block side by side (each output's D of each
+ * group its own sequence, the groups finished in order), so that 8 accumulators, not 4, hide the
+ * multiply-add's latency; there each group's nibbles are first split into signed bytes q - 8 for the
+ * whole group (stage_nibbles), then widened 8 at a time from memory (the widening bounds that pass:
+ * the mask or shift and the subtraction now take 5 byte operations for 64 weights, not 2 for every 8
+ * in 32-bit lanes). The tiling changes which registers hold a lane, never the lane's operations: a
+ * row's outputs are the same in a pass of 1 or 16 rows and on any thread count (threads split the
+ * outputs).
  * The numbers differ from the BF16 path's (float32 products of float32 weights here) by rounding. */
 
 typedef int8_t vs16 __attribute__((vector_size(16)));
@@ -403,6 +409,7 @@ typedef int16_t vw16 __attribute__((vector_size(32)));
 #define P8_OUTS 2
 #define P8_ROW1_OUTS 4
 #endif
+#define P_PAIR_GROUPS (VL == 8)  /* whether a 1-row pass runs two groups at once (p4_tile) */
 #define P8_AHEAD 1      /* int8 tiles ahead that a tile asks for its weights */
 #define NV (16 / VL)    /* vectors of 16 outputs */
 
@@ -427,21 +434,15 @@ int viasd_packed_mm_fma(void) {
 #endif
 }
 
+#if VL != 8
 /* An input's 16 bytes of a block, widened exactly: w[0 .. NV) the low nibbles - 8 (outputs j),
- * w[NV .. 2 NV) the high nibbles - 8 (outputs j + B / 2), float32 */
+ * w[NV .. 2 NV) the high nibbles - 8 (outputs j + B / 2), float32 (AVX2: stage_nibbles below) */
 static inline __attribute__((always_inline)) void widen_nibbles(const uint8_t *p, vfn *w) {
 #if defined(__AVX512F__)
     const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));  /* the lookup reads 4 bits */
     w[0] = (vfn)_mm512_permutexvar_ps(d, table);
     w[1] = (vfn)_mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table);
-#elif defined(__AVX2__)
-    for (int h = 0; h < 2; h++) {
-        const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h)));
-        const __m256i eight = _mm256_set1_epi32(8);
-        w[h] = (vfn)_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(d, _mm256_set1_epi32(15)), eight));
-        w[2 + h] = (vfn)_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(d, 4), eight));
-    }
 #else
     vb16 b;
     memcpy(&b, p, sizeof b);
@@ -452,57 +453,108 @@ static inline __attribute__((always_inline)) void widen_nibbles(const uint8_t *p
     memcpy(w + NV, &hi, sizeof hi);
 #endif
 }
+#endif
 
-/* One group of a block of B outputs, slices slice0 .. slice0 + S - 1, for R rows (R, S, B and MODE
- * constants where inlined): xf the rows' float32 inputs of the group (K apart), `bytes` the group's
- * weights, xs the rows' group sums (`groups` apart), gsz the group's B (scale, zero) pairs, tot the
- * rows' running outputs (B apart). MODE 0: widen; 1: widen and keep in buf; 2: read buf. */
-static inline __attribute__((always_inline)) void p4_tile(const int R, const int S, const int B, const int MODE,
-                                                          const float *xf, int64_t K, const uint8_t *bytes,
-                                                          int64_t G, int slice0, vfn *buf, const float *xs,
-                                                          int64_t groups, const uint16_t *gsz, float *tot) {
-    vfn acc[P_ROWS][2 * NV * P_SLICES];
-    for (int r = 0; r < P_ROWS; r++)  /* all of them: the ones past R and S are dropped when inlined */
-        for (int j = 0; j < 2 * NV * P_SLICES; j++)
-            acc[r][j] = (vfn){0};
-    for (int64_t k = 0; k < G; k++) {
-        vfn w[2 * NV * P_SLICES];
-        if (MODE == 2) {
-            for (int j = 0; j < 2 * NV * S; j++)
-                w[j] = buf[k * 2 * NV * S + j];
+#if VL == 8
+/* AVX2: a group's nibbles of one 16-byte slice (an input's bytes `stride` apart) as signed bytes
+ * q - 8, two inputs a step in 32-byte vectors: lo[k] the low nibbles (outputs j), hi[k] the high
+ * ones (outputs j + B / 2). p4_tile widens them 8 at a time from memory (vpmovsxbd, then
+ * vcvtdq2ps). Exact: q - 8 is -8 .. 7. */
+static inline __attribute__((always_inline)) void stage_nibbles(const uint8_t *at, const int64_t stride, int64_t G,
+                                                                int8_t (*lo)[16], int8_t (*hi)[16]) {
+    const __m256i low4 = _mm256_set1_epi8(15), eight = _mm256_set1_epi8(8);
+    for (int64_t k = 0; k < G; k += 2) {  /* G is even */
+        __m256i b;
+        if (stride == 16) {
+            b = _mm256_loadu_si256((const __m256i *)(at + k * 16));
+            __builtin_prefetch(at + k * 16 + PREFETCH, 0, 3);
         } else {
-            const uint8_t *at = bytes + k * (B / 2) + slice0 * 16;
-            __builtin_prefetch(at + PREFETCH, 0, 3);
-            for (int s = 0; s < S; s++)
-                widen_nibbles(at + 16 * s, w + 2 * NV * s);
-            if (MODE == 1)
+            b = _mm256_loadu2_m128i((const __m128i *)(at + (k + 1) * stride), (const __m128i *)(at + k * stride));
+            __builtin_prefetch(at + k * stride + PREFETCH, 0, 3);
+            __builtin_prefetch(at + (k + 1) * stride + PREFETCH, 0, 3);
+        }
+        _mm256_store_si256((__m256i *)lo[k], _mm256_sub_epi8(_mm256_and_si256(b, low4), eight));
+        _mm256_store_si256((__m256i *)hi[k], _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(b, 4), low4), eight));
+    }
+}
+
+/* the 8 staged weights at p as float32 */
+static inline __attribute__((always_inline)) vfn staged8(const int8_t *p) {
+    return (vfn)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#endif
+
+/* NG groups (1, or 2 for a 1-row tile) of a block of B outputs, slices slice0 .. slice0 + S - 1, for
+ * R rows (R, NG, S, B and MODE constants where inlined): xf the rows' float32 inputs of the first
+ * group (K apart), `bytes` its weights (the next group's G * B / 2 on), xs the rows' sums of the
+ * first group (`groups` apart), gsz its B (scale, zero) pairs (the next group's B * 2 on), tot the
+ * rows' running outputs (B apart). MODE 0: widen; 1: widen and keep in buf; 2: read buf. Two groups
+ * run their inputs side by side, each output's D of each group its own sequence, and are finished in
+ * order: a 1-row tile's 4 accumulators (AVX2) would otherwise wait on the multiply-add's latency. */
+static inline __attribute__((always_inline)) void p4_tile(const int R, const int NG, const int S, const int B,
+                                                          const int MODE, const float *xf, int64_t K,
+                                                          const uint8_t *bytes, int64_t G, int slice0, vfn *buf,
+                                                          const float *xs, int64_t groups, const uint16_t *gsz,
+                                                          float *tot) {
+    vfn acc[2][P_ROWS][2 * NV * P_SLICES];
+    for (int g = 0; g < 2; g++)  /* all of them: the ones past NG, R and S are dropped when inlined */
+        for (int r = 0; r < P_ROWS; r++)
+            for (int j = 0; j < 2 * NV * P_SLICES; j++)
+                acc[g][r][j] = (vfn){0};
+#if VL == 8
+    int8_t lo[MODE == 2 ? 1 : NG][MODE == 2 ? 1 : MAX_GROUP][16] __attribute__((aligned(32)));
+    int8_t hi[MODE == 2 ? 1 : NG][MODE == 2 ? 1 : MAX_GROUP][16] __attribute__((aligned(32)));
+    if (MODE != 2)
+        for (int g = 0; g < NG; g++)
+            stage_nibbles(bytes + g * G * (B / 2) + slice0 * 16, B / 2, G, lo[g], hi[g]);
+#endif
+    for (int64_t k = 0; k < G; k++)
+        for (int g = 0; g < NG; g++) {
+            vfn w[2 * NV * P_SLICES];
+            if (MODE == 2) {
                 for (int j = 0; j < 2 * NV * S; j++)
-                    buf[k * 2 * NV * S + j] = w[j];
+                    w[j] = buf[k * 2 * NV * S + j];
+            } else {
+#if VL == 8
+                w[0] = staged8(lo[g][k]);
+                w[1] = staged8(lo[g][k] + 8);
+                w[2] = staged8(hi[g][k]);
+                w[3] = staged8(hi[g][k] + 8);
+#else
+                const uint8_t *at = bytes + (g * G + k) * (B / 2) + slice0 * 16;
+                __builtin_prefetch(at + PREFETCH, 0, 3);
+                for (int s = 0; s < S; s++)
+                    widen_nibbles(at + 16 * s, w + 2 * NV * s);
+#endif
+                if (MODE == 1)
+                    for (int j = 0; j < 2 * NV * S; j++)
+                        buf[k * 2 * NV * S + j] = w[j];
+            }
+            for (int r = 0; r < R; r++) {
+                const float xv = xf[r * K + g * G + k];
+                for (int j = 0; j < 2 * NV * S; j++)
+                    acc[g][r][j] = acc[g][r][j] + xv * w[j];  /* the one update of every output's D */
+            }
         }
-        for (int r = 0; r < R; r++) {
-            const float xv = xf[r * K + k];
-            for (int j = 0; j < 2 * NV * S; j++)
-                acc[r][j] = acc[r][j] + xv * w[j];  /* the one update of every output's D */
+    for (int g = 0; g < NG; g++)
+        for (int j = 0; j < 2 * NV * S; j++) {
+            const int s = j / (2 * NV), h = j % (2 * NV) / NV, v = j % NV;
+            const int o = h * (B / 2) + (slice0 + s) * 16 + v * VL;  /* the VL outputs of acc[.][.][j] */
+            vun pairs, sb, zb;
+            memcpy(&pairs, gsz + g * B * 2 + 2 * o, sizeof pairs);  /* VL (scale, zero): scale the low half */
+            sb = pairs << 16;
+            zb = pairs & 0xFFFF0000u;
+            vfn scale, zero;
+            memcpy(&scale, &sb, sizeof scale);
+            memcpy(&zero, &zb, sizeof zero);
+            for (int r = 0; r < R; r++) {
+                vfn y;
+                memcpy(&y, tot + r * B + o, sizeof y);
+                y = y + acc[g][r][j] * scale;
+                y = y + xs[r * groups + g] * zero;
+                memcpy(tot + r * B + o, &y, sizeof y);
+            }
         }
-    }
-    for (int j = 0; j < 2 * NV * S; j++) {
-        const int s = j / (2 * NV), h = j % (2 * NV) / NV, v = j % NV;
-        const int o = h * (B / 2) + (slice0 + s) * 16 + v * VL;  /* the VL outputs of acc[.][j] */
-        vun pairs, sb, zb;
-        memcpy(&pairs, gsz + 2 * o, sizeof pairs);  /* VL (scale, zero): scale the low half */
-        sb = pairs << 16;
-        zb = pairs & 0xFFFF0000u;
-        vfn scale, zero;
-        memcpy(&scale, &sb, sizeof scale);
-        memcpy(&zero, &zb, sizeof zero);
-        for (int r = 0; r < R; r++) {
-            vfn y;
-            memcpy(&y, tot + r * B + o, sizeof y);
-            y = y + acc[r][j] * scale;
-            y = y + xs[r * groups] * zero;
-            memcpy(tot + r * B + o, &y, sizeof y);
-        }
-    }
 }
 
 /* The rows' float32 inputs xf [M, K] and group sums xsums [M, K / G] (float32, in input order); 0, -1
@@ -536,16 +588,16 @@ static int p4_setup(int64_t B, const uint16_t *x, int64_t M, int64_t N, int64_t 
 #if P_ROWS > 2
 #define P4_TILES(MODE)                                                                                          \
     switch (M - r0 < P_ROWS ? M - r0 : P_ROWS) {                                                                \
-    case 1: p4_tile(1, S, B, MODE, xr, K, bytes, G, s0, buf, xs, groups, gsz, t); break;                        \
-    case 2: p4_tile(2, S, B, MODE, xr, K, bytes, G, s0, buf, xs, groups, gsz, t); break;                        \
-    case 3: p4_tile(3, S, B, MODE, xr, K, bytes, G, s0, buf, xs, groups, gsz, t); break;                        \
-    default: p4_tile(P_ROWS, S, B, MODE, xr, K, bytes, G, s0, buf, xs, groups, gsz, t); break;                  \
+    case 1: p4_tile(1, 1, S, B, MODE, xr, K, bytes, G, s0, buf, xs, groups, gsz, t); break;                        \
+    case 2: p4_tile(2, 1, S, B, MODE, xr, K, bytes, G, s0, buf, xs, groups, gsz, t); break;                        \
+    case 3: p4_tile(3, 1, S, B, MODE, xr, K, bytes, G, s0, buf, xs, groups, gsz, t); break;                        \
+    default: p4_tile(P_ROWS, 1, S, B, MODE, xr, K, bytes, G, s0, buf, xs, groups, gsz, t); break;                  \
     }
 #else
 #define P4_TILES(MODE)                                                                                          \
     switch (M - r0 < P_ROWS ? M - r0 : P_ROWS) {                                                                \
-    case 1: p4_tile(1, S, B, MODE, xr, K, bytes, G, s0, buf, xs, groups, gsz, t); break;                        \
-    default: p4_tile(P_ROWS, S, B, MODE, xr, K, bytes, G, s0, buf, xs, groups, gsz, t); break;                  \
+    case 1: p4_tile(1, 1, S, B, MODE, xr, K, bytes, G, s0, buf, xs, groups, gsz, t); break;                        \
+    default: p4_tile(P_ROWS, 1, S, B, MODE, xr, K, bytes, G, s0, buf, xs, groups, gsz, t); break;                  \
     }
 #endif
 
@@ -570,14 +622,17 @@ static inline __attribute__((always_inline)) int p4_thread(const int B, const fl
         if (failed)
             continue;
         memset(tot, 0, sizeof(float) * M * B);
-        for (int64_t g = 0; g < groups; g++) {
+        for (int64_t g = 0, ng; g < groups; g += ng) {
             const uint8_t *bytes = q + (nb * K + g * G) * (B / 2);
             const uint16_t *gsz = sz + (nb * groups + g) * B * 2;
+            ng = P_PAIR_GROUPS && M == 1 && g + 1 < groups ? 2 : 1;
             for (int s0 = 0; s0 < B / 32; s0 += S)
                 for (int64_t r0 = 0; r0 < M; r0 += P_ROWS) {
                     const float *xr = xf + r0 * K + g * G, *xs = xsums + r0 * groups + g;
                     float *t = tot + r0 * B;
-                    if (r0 > 0) {
+                    if (ng == 2) {
+                        p4_tile(1, 2, S, B, 0, xr, K, bytes, G, s0, buf, xs, groups, gsz, t);
+                    } else if (r0 > 0) {
                         P4_TILES(2)
                     } else if (M > P_ROWS) {
                         P4_TILES(1)
