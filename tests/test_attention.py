@@ -59,6 +59,27 @@ def test_attend_equals_the_plain_reference(ratio, size, dtype):
             torch.testing.assert_close(got.double(), reference(q, k, v, mask, scale), **tol, msg=f"{name} {scale}")
 
 
+@pytest.mark.parametrize("ratio", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_a_mask_packed_once_gives_the_bool_masks_outputs_bit_for_bit(ratio, dtype, softcap):
+    # a pass packs each chunk's mask once for all of its layers (attention.packed_mask): every output
+    # must be the one attend computes from the bool mask at each call (the plain reference)
+    T, L, D, Hkv = 37, 300, 16, 2
+    q, k, v = qkv(1, Hkv * ratio, Hkv, T, L, D, dtype, seed=11 * ratio)
+    query_pos, key_pos = torch.arange(L - T, L), torch.arange(L)
+    random = torch.rand(T, L, generator=torch.Generator().manual_seed(3)) < 0.5
+    random[:, 0] = True
+    for mask in (attention.causal_mask(query_pos, key_pos), attention.causal_mask(query_pos, key_pos, 5), random):
+        packed = attention.packed_mask(mask, ratio, dtype)
+        assert packed.shape == (ratio * T, L) and packed.dtype == dtype
+        assert set(packed.float().unique().tolist()) <= {0.0, float("-inf")}
+        want = attention.attend(q, k, v, mask, 0.3, softcap)
+        got = attention.attend(q, k, v, packed, 0.3, softcap)
+        assert torch.equal(got, want)
+        assert not torch.equal(got, attention.attend(q, k, v, None, 0.3, softcap))  # the mask is applied
+
+
 def test_a_pass_over_a_static_cache_ignores_the_stale_positions_past_it():
     """Keys past the pass's positions (stale or garbage in a static cache) change nothing."""
     q, k, v = qkv(1, 8, 2, 4, 20, 16, torch.float64, seed=1)

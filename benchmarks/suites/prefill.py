@@ -26,7 +26,8 @@ import torch
 from viasd_kernels import cpu_int4_widen
 
 from viasd_core.decoding import packed_cpu
-from viasd_core.decoding.model import PREFILL_CHUNK, FastModel
+from viasd_core.decoding.model import FastModel
+from viasd_core.decoding.model_pass import PREFILL_CHUNK
 from viasd_core.decoding.short_products import ShortRows
 from viasd_core.decoding.weight_format import WeightFormat
 from viasd_core.decoding.weight_formats import packed_copy

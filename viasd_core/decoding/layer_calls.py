@@ -98,7 +98,7 @@ def mlp_call(module: torch.nn.Module, model, traced: bool = False) -> Call:
     def call(x: torch.Tensor) -> torch.Tensor:
         if model.pass_rows == PLAIN:
             return module(x)
-        return down(act(gate(x)) * up(x))
+        return down(act(gate(x)).mul_(up(x)))  # the product in act's output: no tensor more
 
     return call
 

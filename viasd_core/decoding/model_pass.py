@@ -58,13 +58,17 @@ class DecoderPass:
                   getattr(cache, "sin_signed" + t).index_select(0, rope_pos))
                  for t in [""] + [f"_{i}" for i in range(1, cache.tables)]]
         chunks = self._chunks(T, attn_len, masked, by_row) if key_mask is None else [(0, T, attn_len, masked, by_row)]
-        masks = []  # per chunk: window -> [rows, keys]; by_row slices its keys instead
+        # per chunk: window -> its mask as every layer's attention takes it (attention.packed_mask: made
+        # once a pass, not once a layer); by_row slices its keys instead
+        rep, masks = self.shape.n_heads // self.shape.n_kv_heads, []
         for lo, hi, end, chunk_masked, chunk_by_row in chunks:
             if key_mask is not None and not chunk_by_row:
-                masks.append({window: key_mask for window in set(self.windows)})  # trees: no sliding window
+                packed = attention.packed_mask(key_mask, rep, x.dtype)
+                masks.append({window: packed for window in set(self.windows)})  # trees: no sliding window
             elif chunk_masked and not chunk_by_row:
                 key_pos = cache.key_pos[:end]
-                masks.append({w: attention.causal_mask(input_pos[lo:hi], key_pos, w) for w in set(self.windows)})
+                masks.append({w: attention.packed_mask(attention.causal_mask(input_pos[lo:hi], key_pos, w), rep, x.dtype)
+                              for w in set(self.windows)})
             else:
                 masks.append({})
         captured: list = [None] * len(self.feature_layers)
@@ -143,7 +147,7 @@ class DecoderPass:
         h = c.post_norm(x)
         if c.gate_up is not None:
             gate, up = c.gate_up(h).split(c.gate_up_split, dim=-1)
-            return c.down(c.act(gate) * up, x)  # x + down_proj(...)
+            return c.down(c.act(gate).mul_(up), x)  # x + down_proj(...); the product in act's output
         return x + c.mlp(h)
     def _products(self, ci: int) -> list[torch.nn.Module]:
         """The linear layers run-layer `ci`'s pass calls (its fused projections where it has them)."""
