@@ -8,12 +8,16 @@ the engine and posts the events back into the job's event loop:
   ("done", Generation)        the generation ended by itself (eos, length, stop)
   ("error", ApiError)         it did not: bad prompt, time limit, shutdown, internal error
 
-Slots and turns. The engine's caches form a bounded set of KV slots (serve_slots.SlotPool): a job
-taken from the queue gets the free slot whose cache it may keep most of, and holds it until it
-ends; jobs beyond the slots wait, in order. The running jobs take turns, one engine step each
-(Engine.steps), their slot swapped in before each: a short request is not stuck behind a long
-one, and each slot's conversation survives the others' requests. A slot re-uses its KV cache
-only where a fresh server computes alike (serve_cache.PrefixReuse, one per slot): an answer
+Slots and turns. The engine's caches form a bounded set of KV slots (serve_slots.SlotPool). Every
+job taken from the queue is a candidate for each engine step (Engine.steps), in the order of
+serve_turns.turn_order (stopped, overdue, smallest remaining budget, least service, arrival): the
+first that can get a slot takes the step, its slot swapped in. A job starts on the free slot whose
+cache it may keep most of; when every slot is held, the holder that comes last in that order is
+parked (its used state copied out, serve_parking.py) while the parked bytes stay within the
+pool's limit, and its slot goes to the job whose turn it is; a parked job goes back into a free
+slot when its turn comes. So a short request is not stuck behind long ones, none starves, and
+each answer is the one the engine gives alone. A slot re-uses its KV cache only where a fresh
+server computes alike (serve_cache.PrefixReuse, which follows its job when parked): an answer
 never depends on what the earlier requests were, nor on which ran beside it.
 
 A job ends early when its `reason` is set, polled after every engine step (Engine.steps'
@@ -30,7 +34,6 @@ import math
 import queue
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from viasd_core.decoding.drafters import NgramDrafter
@@ -40,8 +43,10 @@ from viasd_core.errors import ViasdError
 from viasd_core.frontends.serve_errors import ApiError, bad_request, internal, queue_full, shutting_down, timed_out
 from viasd_core.frontends.serve_metrics import ServeMetrics
 from viasd_core.frontends.serve_schema import GenRequest
+from viasd_core.frontends.serve_parking import Parked
 from viasd_core.frontends.serve_slots import Slot, SlotPool
 from viasd_core.frontends.serve_text import StopAwareText
+from viasd_core.frontends.serve_turns import PATIENCE, took_turn, turn_order
 from viasd_core.loading.prompts import encode
 from viasd_core.session import Session
 
@@ -55,13 +60,19 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.monotonic)
-    state: str = "waiting"  # waiting -> running -> done (or waiting -> done when skipped)
+    state: str = "waiting"  # waiting -> running (started: on a slot or parked) -> done (or waiting -> done when skipped)
     reason: str | None = None  # why it is stopped early: abort, timeout, shutdown
     tokens: int = 0  # new tokens so far
     ids: list[int] | None = None  # the prompt's tokens, once tokenized (on the worker thread)
-    slot: Slot | None = None  # held while it runs
+    slot: Slot | None = None  # held while it runs, None while parked
+    parked: Parked | None = None  # its slot state while parked
     steps: object = None  # its generator of engine steps (EngineWorker._steps)
-    started: float = 0.0  # when it got its slot
+    started: float = 0.0  # when it first got a slot
+    budget: int = 0  # most new tokens: max_tokens cut to what the context leaves (serve_turns)
+    service: float = 0.0  # seconds on the engine so far
+    waited: int = 0  # engine steps of other jobs since its last step (or since the engine took it)
+    seq: int = 0  # the order the engine took jobs in
+    parks: int = 0  # times it was parked
 
     @property
     def deadline(self) -> float:
@@ -80,6 +91,7 @@ class EngineWorker:
         self.drafters = {"none": None, "ngram": drafter if served_draft == "ngram" else NgramDrafter(), served_draft: drafter}
         self._attached = {id(drafter)}  # drafters the engine has sized and compiled (Engine.drafter's setter)
         self.pool = SlotPool(self.engine, list(self.drafters.values()), slots)  # slots=None: by memory
+        self.patience = PATIENCE  # serve_turns.turn_order's starvation bound, in engine steps
         self.pool.live.drafter = served_draft
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -89,6 +101,8 @@ class EngineWorker:
         self._closing = False
         self._service_s = 1.0  # moving average of a job's time on the engine (for Retry-After)
         self.jobs_run = 0
+        self.parks = 0  # jobs parked so far
+        self._taken = 0  # jobs the engine has taken (their seq)
         self._thread: threading.Thread | None = None
         self._in_caller = False  # run_here(): the caller's thread runs the jobs, start() spawns nothing
 
@@ -192,58 +206,87 @@ class EngineWorker:
             pass
 
     def _run(self) -> None:
-        active: deque[Job] = deque()  # holding a slot: one engine step each, in turn
-        pending: deque[Job] = deque()  # taken from the queue, waiting for a slot
+        live: list[Job] = []  # taken from the queue: waiting for a first slot, running, or parked
         ending = False
         while True:
             while not ending:  # take what has arrived; wait only when there is nothing to run
                 try:
-                    job = self._queue.get(block=not active and not pending)
+                    job = self._queue.get(block=not live)
                 except queue.Empty:
                     break
                 if job is None:
                     ending = True
                 else:
-                    pending.append(job)
-            self._admit(pending, active)
-            if active:
-                job = active.popleft()
-                if self._step(job):
-                    active.append(job)
-            elif ending and not pending:
+                    self._take(job, live)
+            job = self._next(live)
+            if job is not None:
+                if not self._step(job, live):
+                    live.remove(job)
+            elif ending and not live:
                 break
 
-    def _admit(self, pending: deque, active: deque) -> None:
-        """Give waiting jobs free slots, in order (a job whose prompt is refused ends here)."""
-        while pending:
-            job = pending[0]
-            if job.state != "done" and job.ids is None:
-                try:
-                    job.ids = self._prompt_ids(job.request)
-                except ApiError as e:
-                    pending.popleft()
-                    self._end_waiting(job, ("error", e))
-                    continue
-            slot = self.pool.choose(job.ids) if job.state != "done" else None
-            with self._lock:
-                skipped = job.state == "done"
-                if not skipped and slot is not None:
-                    job.state = "running"
-                    self._waiting -= 1
-                    self._running += 1
-                    self.metrics.set_waiting(self._waiting)
-                    self.metrics.set_running(self._running)
-            if skipped:
-                pending.popleft()
+    def _take(self, job: Job, live: list[Job]) -> None:
+        """A job from the queue becomes a candidate for turns (a prompt that is refused ends here)."""
+        if job.state == "done":  # cancelled while queued
+            self._post(job, "error", self._stopped_error(job))
+            return
+        try:
+            job.ids = self._prompt_ids(job.request)
+        except ApiError as e:
+            self._end_waiting(job, ("error", e))
+            return
+        job.budget = min(job.request.config.max_new_tokens, self.engine.context_len - len(job.ids))
+        job.seq, self._taken = self._taken, self._taken + 1
+        live.append(job)
+
+    def _next(self, live: list[Job]) -> Job | None:
+        """The job that takes the next engine step, on its slot (serve_turns.turn_order; jobs that
+        were cancelled before they started leave here)."""
+        now = time.monotonic()
+        for job in list(live):
+            if job.state == "done":  # cancelled or timed out before it started: nothing ran
+                live.remove(job)
                 self._post(job, "error", self._stopped_error(job))
-                continue
-            if slot is None:
-                return  # every slot is held: the rest wait for one
-            pending.popleft()
-            self.pool.hold(slot, job)
-            job.slot, job.started = slot, time.monotonic()
+            elif job.state == "running" and job.reason is None and now >= job.deadline:
+                job.reason = "timeout"  # parked or not: its last step ends it
+        order = turn_order(live, self.patience)
+        for i, job in enumerate(order):
+            if self._place(job, order[i + 1:]):
+                return job
+        return None
+
+    def _place(self, job: Job, after: list[Job]) -> bool:
+        """Give `job` a slot if it has none: a free one, else that of the last job in `after` (the
+        jobs whose turn comes later) holding one whose parking fits the pool's limit. False: none."""
+        if job.slot is not None:
+            return True
+        slot = self.pool.choose(job.ids) if job.parked is None else self.pool.spare()
+        if slot is None:
+            freed = job.parked.nbytes if job.parked is not None else 0
+            victim = next((v for v in reversed(after) if v.slot is not None and self.pool.can_park(v.slot, freed)), None)
+            if victim is None:
+                return False
+            slot, victim.slot = victim.slot, None
+            victim.parked = self.pool.park(slot)
+            victim.parks += 1
+            self.parks += 1
+        if job.parked is None:  # its first slot
+            with self._lock:
+                if job.state != "waiting":  # cancelled meanwhile: _next drops it
+                    return False
+                job.state = "running"
+                self._waiting -= 1
+                self._running += 1
+                self.metrics.set_waiting(self._waiting)
+                self.metrics.set_running(self._running)
+            job.started = time.monotonic()
             job.steps = self._steps(job)
-            active.append(job)
+        else:
+            self.pool.restore(job.parked, slot)
+            job.parked = None
+        self.pool.hold(slot, job)
+        job.slot = slot
+        return True
 
     def _end_waiting(self, job: Job, last: tuple[str, object]) -> None:
         with self._lock:
@@ -251,10 +294,11 @@ class EngineWorker:
                 self._finish_waiting(job)
         self._post(job, *last)
 
-    def _step(self, job: Job) -> bool:
+    def _step(self, job: Job, live: list[Job]) -> bool:
         """Run one engine step of `job` on its slot; False once it has ended (its answer posted)."""
         self.pool.activate(job.slot)
         self._attach(job.request.draft)
+        t0 = time.perf_counter()
         try:
             next(job.steps)
             return True
@@ -266,6 +310,9 @@ class EngineWorker:
             job.slot.reuse.forget()
             job.slot.drafter = None
             last = "error", internal(e)
+        finally:
+            job.service += time.perf_counter() - t0
+            took_turn(live, job)
         self.pool.release(job.slot)
         with self._lock:  # the job leaves before its answer goes out: the client's next request fits
             job.state = "done"
@@ -329,7 +376,7 @@ class EngineWorker:
     def _steps(self, job: Job):
         """The job's engine steps (a generator: it pauses after each), posting 'started' and text;
         returns its last event. Runs with its slot live and its drafter attached."""
-        request, config, slot = job.request, job.request.config, job.slot
+        request, config, slot = job.request, job.request.config, job.slot  # its first slot (parking may move it)
         emitted: list[tuple[float, int]] = []  # (time, new tokens) of each step that emitted some
         stream = StopAwareText(self.session.tokenizer, config.stop) if request.stream else None
 
@@ -358,7 +405,8 @@ class EngineWorker:
             try:
                 gen: Generation = yield from self.engine.steps(ids, config, on_emit=on_emit, should_stop=should_stop)
             finally:
-                slot.reuse.after(ids)
+                if job.slot is not None:  # None: the generator was dropped while parked
+                    job.slot.reuse.after(ids)
         except ApiError as e:
             return "error", e
         except ViasdError as e:  # the engine's own checks
