@@ -469,7 +469,8 @@ static inline __attribute__((always_inline)) void stage_nibbles(const uint8_t *a
             b = _mm256_loadu_si256((const __m256i *)(at + k * 16));
             __builtin_prefetch(at + k * 16 + PREFETCH, 0, 3);
         } else {
-            b = _mm256_loadu2_m128i((const __m128i *)(at + (k + 1) * stride), (const __m128i *)(at + k * stride));
+            b = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(at + k * stride))),
+                                        _mm_loadu_si128((const __m128i *)(at + (k + 1) * stride)), 1);
             __builtin_prefetch(at + k * stride + PREFETCH, 0, 3);
             __builtin_prefetch(at + (k + 1) * stride + PREFETCH, 0, 3);
         }
