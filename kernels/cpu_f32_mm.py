@@ -24,7 +24,7 @@ gate/up (109 us against 119); at 1 row and at 4-16 rows otherwise this one is th
   (`why_not`), and the caller keeps its PyTorch product. The bound weight is read in place, never
   copied: a call after the weight's storage was replaced raises ValueError (bind again).
 - **Reference**: `f32_mm_reference`, the same sums in float64 before the kernel's roundings
-  (tests/test_kernels_cpu_f32_mm.py compares them, and checks each row bit for bit across pass
+  (tests/kernels/test_kernels_cpu_f32_mm.py compares them, and checks each row bit for bit across pass
   widths, thread counts and an AVX2-only build).
 """
 

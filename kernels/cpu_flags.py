@@ -22,7 +22,7 @@ from . import instruction_set
 
 # Warnings that are always errors: a signature that disagrees with the header cannot build. The rest
 # of -Wall stays a warning on users' machines (a newer compiler's new warning must not cost them the
-# kernels); tests/test_kernels_build.py builds every kernel with -Wall -Werror under gcc and clang.
+# kernels); tests/kernels/test_kernels_build.py builds every kernel with -Wall -Werror under gcc and clang.
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=gnu11", "-Wall", "-Werror=missing-prototypes",
          "-Werror=implicit-function-declaration", "-Werror=incompatible-pointer-types", "-Werror=int-conversion",
          "-Werror=return-type")

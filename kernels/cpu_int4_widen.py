@@ -12,7 +12,7 @@ result (cpu_int4_widen.c says how; docs/experiments/pass-python-int4-prefill-wid
 - **Kernel**: `widen(qdata, group, scale_and_zero, block, build_dir=...)`, a C function built once per
   machine (cpu_build.py); None where it does not apply or cannot be built (the caller then widens
   with PyTorch's operators).
-- **Reference**: packed_cpu._int4_dense_reference, the operators (tests/test_kernels_cpu_int4_widen.py
+- **Reference**: packed_cpu._int4_dense_reference, the operators (tests/kernels/test_kernels_cpu_int4_widen.py
   compares the two bit for bit).
 """
 

@@ -7,7 +7,7 @@ pass would call one by one, in the same order, over the same buffers: the input 
 (cpu_rms_norm), the fused q/k/v product (cpu_packed_mm), RoPE and the cache writes (cpu_rope_write),
 row attention (cpu_row_attention), the o product with its residual, the post-attention RMSNorm and
 the fused gate/up product. Each kernel is handed to it by address, so every number is the one the
-separate calls compute (tests/test_layer_calls.py compares the passes bit for bit).
+separate calls compute (tests/decoding/test_layer_calls.py compares the passes bit for bit).
 
 - **Kernel**: `bind(...)` -> `LayerFront` (`front(x, cos, sin, pos, end)` -> (x2, gate_up)), or None
   where a part is not the kernel it takes (the caller keeps the calls one by one).
@@ -19,7 +19,7 @@ separate calls compute (tests/test_layer_calls.py compares the passes bit for bi
   written. A bound tensor whose storage moved (`.data =` on a weight or the cache) is bound again
   (its part's `check`), or refused where the kernels do not take it now: ~1 us a call for all of it.
   The structs are viasd_kernels.h's (`struct viasd_layer_kernels`, `struct viasd_layer`), read from
-  the header; tests/test_kernels_contract.py compares their layout with the compiler's.
+  the header; tests/kernels/test_kernels_contract.py compares their layout with the compiler's.
 """
 
 from __future__ import annotations

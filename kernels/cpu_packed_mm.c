@@ -32,7 +32,8 @@
  * A row's arithmetic depends only on the row and the weights: the same instructions in the same
  * order whether the pass holds 1 or 16 rows and whichever thread runs its outputs (threads split the
  * outputs, never the inputs). So a position's logits do not depend on its pass, and `sd` stays exact
- * (tests/test_kernels_cpu_packed_mm.py checks rows bit for bit across pass widths and thread counts).
+ * (tests/kernels/test_kernels_cpu_packed_mm.py checks rows bit for bit across pass widths and thread
+ * counts, and the portable products against cpu_packed_mm.py's int4_mm_portable_reference).
  * The numbers differ from PyTorch's kernels by float32 and bfloat16 rounding (the products are exact
  * here; PyTorch rounds nothing to bfloat16 but multiplies in float32).
  *

@@ -10,7 +10,7 @@ norms on a 2-core AMD EPYC. `bind` returns the same formula as one C call over t
   module's own forward). Whether a module computes this formula at all is the caller's check
   (viasd_core/decoding/norms.py compares the two on a probe before it takes the kernel).
 - **Reference**: `rms_norm_reference`, transformers' formula with PyTorch's operators
-  (tests/test_kernels_cpu_rms_norm.py compares them, and checks that a row's result does not depend
+  (tests/kernels/test_kernels_cpu_rms_norm.py compares them, and checks that a row's result does not depend
   on the rows beside it).
 """
 

@@ -11,7 +11,7 @@ operators'.
   the rotated keys and the values at slots `pos`; None where it does not take the cache or cannot be
   built (the caller then runs the operators).
 - **Reference**: the operators themselves, `viasd_core.decoding.rope.apply_rope` and
-  `attention.LayerCache.update` (tests/test_kernels_cpu_rope_write.py compares the two bit for bit).
+  `attention.LayerCache.update` (tests/kernels/test_kernels_cpu_rope_write.py compares the two bit for bit).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ float32 and bfloat16.
   built once per machine (cpu_build.py); None where it cannot run (no compiler, a GPU tensor, another
   dtype), and the caller keeps its own path.
 - **Reference**: `row_attention_reference`, the same rows in float64 with PyTorch's ops: what the
-  kernel computes, up to float32 rounding (tests/test_kernels_cpu_row_attention.py compares them, and
+  kernel computes, up to float32 rounding (tests/kernels/test_kernels_cpu_row_attention.py compares them, and
   checks that a row's result is bit for bit the same in a pass of 1, 2, 6 or 16 rows).
 """
 

@@ -4,7 +4,7 @@ For a block of G drafted tokens the engine needs, per verifier row, the row max 
 and the log-sum-exp, and per drafted token its log-probability, the gate signal and the
 tier it goes to (docs/algorithm.md section 2), plus the greedy acceptance count of section 1.
 `route_block_reference` computes all of it with ordinary tensor ops; the fused Triton
-kernel in `triton_routing.py` must agree with it (tests/test_kernels_routing.py).
+kernel in `triton_routing.py` must agree with it (tests/kernels/test_kernels_routing.py).
 
 Glossary (shapes with R = G or G + 1 verifier rows, V = vocabulary size):
 - verifier_logits  [R, V]  row j scores the token at block position j; the optional

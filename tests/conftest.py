@@ -51,7 +51,7 @@ needs_torchao = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, 
 
 VOCAB = 256
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma")
-# The families issue 50 added (Gemma 2, Gemma 3 text, Phi-3/4, Qwen3-MoE, Mixtral): tests/test_families.py
+# The families issue 50 added (Gemma 2, Gemma 3 text, Phi-3/4, Qwen3-MoE, Mixtral): tests/loading/test_families.py
 # runs them through the exactness checks (transformers' logits and greedy tokens, sd == ar, row invariance).
 NEW_FAMILIES = ("gemma2", "gemma3_text", "phi3", "qwen3_moe", "mixtral")
 ALTERNATING = ["sliding_attention", "full_attention"]  # Gemma 2/3's layer types, repeated over the layers

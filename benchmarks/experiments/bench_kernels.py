@@ -72,7 +72,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit(
             "bench_kernels.py: no CUDA device is available; these timings need an NVIDIA GPU. "
-            "(Correctness on CPU: TRITON_INTERPRET=1 pytest tests/test_kernels_routing.py)"
+            "(Correctness on CPU: TRITON_INTERPRET=1 pytest tests/kernels/test_kernels_routing.py)"
         )
     try:
         import triton.testing

@@ -20,7 +20,7 @@ Reported: per kind the count and latencies, and the short requests' p95 latency 
 against their solo latencies (wall time seen by the client, to the last byte or chunk).
 
 The JSON goes to DIR/serve_load.json (written to a temporary file, then renamed); the exit status
-is 1 when a check failed. The same functions run on a tiny model in tests/test_serve_load.py.
+is 1 when a check failed. The same functions run on a tiny model in tests/serve/test_serve_load.py.
 """
 
 from __future__ import annotations

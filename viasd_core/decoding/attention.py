@@ -14,7 +14,7 @@ all made here from positions:
 Grouped-query packing: the `rep = Hq // Hkv` query heads that read one KV head are laid along the
 query axis, q [B, Hq, T, D] -> [B, Hkv, rep * T, D] (query head h reads KV head h // rep, as in
 transformers' `repeat_kv`), and the mask is repeated to match. SDPA then takes its fused path with a
-mask, with no `enable_gqa` and no K/V repeat (tests/test_attention.py compares it with a plain
+mask, with no `enable_gqa` and no K/V repeat (tests/decoding/test_attention.py compares it with a plain
 softmax(QK^T)V over repeated K/V).
 
 `attend_by_row` attends every query position over exactly the keys it sees, each row's numbers a

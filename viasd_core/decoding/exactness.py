@@ -9,7 +9,7 @@ a property of the passes, so it is decided here from the model as built, in one 
   model whose short passes are row-invariant (FastModel.row_attention: every row attends over exactly
   its keys and multiplies through products that compute each row alike at any row count) in float32,
   bfloat16, int8 or int4, on every instruction-set class and with or without viasd's C kernels
-  (tests/test_row_invariance.py);
+  (tests/machine/test_row_invariance.py);
 - **up to rounding** (a token may differ where two logits nearly tie): bitsandbytes' CPU formats
   (their kernels take another path for another number of rows), compiled passes (one graph per padded
   width), a model built without row attention (a slim view), and every pass on a GPU (not measured

@@ -5,7 +5,7 @@ than in them: calls, dispatch, and threads woken for a product of 192 outputs. g
 q, k and v into one weight for the same reason. Here the layers stay the model's own: for int8 and
 int4 on a CPU, `weight_formats.fuse_rows` concatenates the packed rows once and the original layers
 view them (no weight held twice), and FastModel's pass calls the fused layer and splits its output.
-Each output is computed exactly as the original layer computes it (tests/test_fused_projections.py
+Each output is computed exactly as the original layer computes it (tests/decoding/test_fused_projections.py
 compares the pass bit for bit with fusion off), so exactness and transformers' own forward (bench's
 baselines, fidelity) are unchanged. On SmolLM2 int4 (2 threads), 30 layers' q/k/v/gate/up products
 for one row took 5.33 ms as five calls and 3.73 ms as two (docs/experiments/fused-projections-int4.md).

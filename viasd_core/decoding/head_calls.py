@@ -9,7 +9,7 @@ layer takes decided now) and the RMSNorms' one-call kernel where it computes wha
 (norms.norm_calls); traced, PyTorch's operators. `EagleHead` binds both when it allocates and again
 after anything that replaces a weight (packing, a cast or a move), and each of its methods takes
 the set it runs with, so no call asks whether it is traced or needs a gradient, or tests a device
-or a dtype. tests/test_eagle_head.py compares the sets.
+or a dtype. tests/training/test_eagle_head.py compares the sets.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ a packed layer's bound call (PackedLinear.bind: `_eager`, `_traced`), or short_p
 the model's current `pass_rows`; o and down also add the residual, inside a packed layer's call
 (`_eager_add`: the kernel adds it as it stores each output, bit for bit PyTorch's add). The
 RMSNorms are `norms.norm_calls`' (a one-call kernel on CPU that sums the squares in its own order:
-within a rounding step of the module's output). tests/test_layer_calls.py compares a pass with the
+within a rounding step of the module's output). tests/decoding/test_layer_calls.py compares a pass with the
 plain module calls.
 
 The families' layers differ here (families.py lists them): Gemma 2/3's four norms wrap the

@@ -19,7 +19,7 @@ def int8_mm_for(qdata: torch.Tensor) -> Product:
     """The int8 product (x [M, K], qdata [N, K], scale [N]) -> [M, N] for a weight held as `qdata`:
     on CUDA viasd_kernels' int8 matmul (a Triton kernel that widens the weight tile by tile in
     registers: no per-call copy of the weight, inside or outside a compiled graph); elsewhere
-    PyTorch's own (`_int8_mm_reference`, compared with the kernel in tests/test_kernels_int8_mm.py).
+    PyTorch's own (`_int8_mm_reference`, compared with the kernel in tests/kernels/test_kernels_int8_mm.py).
     CPU passes of DENSE_PREFILL_ROWS rows or more do not come here (packed_linear.PackedLinear)."""
     return int8_mm if qdata.is_cuda else _int8_mm_reference
 

@@ -74,7 +74,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
 
     transformers computes x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1). That is
     x * cos + roll(x, D/2) * signed_sin(sin): the same products up to a sign, and a sign flip is
-    exact, so every value is bit for bit the same (tests/test_model_rope.py compares it with
+    exact, so every value is bit for bit the same (tests/decoding/test_model_rope.py compares it with
     `apply_rope_reference`), in four operators instead of six (two calls a layer and pass).
 
     Partial rotary (Phi-4-mini's `partial_rotary_factor`): a table narrower than x rotates x's first

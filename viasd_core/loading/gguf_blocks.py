@@ -15,7 +15,7 @@ file's own codes, with one scale and one zero per group of 32 inputs, tinygemm's
 The codes are the file's bits. The scale and the zero are rounded once to bfloat16 (the kernels'
 dtype; fp16's 11 significant bits to bfloat16's 8): a weight moves by at most
 2^-8 (|q - 8| |scale| + |zero|) from the file's value (Q4_0's zero is 0, exactly), and not at all
-where both are bfloat16 numbers already (tests/test_gguf_blocks.py). The kernels then round each
+where both are bfloat16 numbers already (tests/loading/test_gguf_blocks.py). The kernels then round each
 weight once more to bfloat16 as they apply it, as they do at `--quant int4`. Every other linear layer
 (Q8_0: viasd's int8 holds one scale a row, not one a block; Q5_*, Q6_K, Q2_K, Q3_K: codes of other
 widths; float tensors) is packed int8 per row from the file's dequantized values, as the output

@@ -18,7 +18,7 @@ Two ways to find those rejections, equal up to float rounding:
   engine does gives the same rejections for the cost of a forward pass of the head: minutes for
   every training answer. The stored features are bfloat16 where `sd` sees float32, so a near-tie
   may fall the other way; benchmarks/experiments/campaign_measure.py `on-policy-check` measures how often on
-  the real pair (docs/campaign.md section 5), tests/test_on_policy.py checks equality on float32
+  the real pair (docs/campaign.md section 5), tests/training/test_on_policy.py checks equality on float32
   features.
 
 `run_on_policy_stage` simulates every greedy training answer, one answer shard at a time, into

@@ -51,7 +51,7 @@ def generate_batch(
 
     With `compact` a row that ended (end of sequence) leaves the batch and its KV cache, so the
     passes after it run only the rows still generating; without it every row runs to the end (the
-    plain reference: greedy outputs are the same, tests/test_campaign.py).
+    plain reference: greedy outputs are the same, tests/training/test_campaign.py).
     """
     device = target.get_input_embeddings().weight.device
     bsz, width = len(prompt_ids), max(len(p) for p in prompt_ids)

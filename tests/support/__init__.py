@@ -1,0 +1,1 @@
+"""Helpers the tests share: tiny model files, engine factories, cases (not tests)."""
