@@ -23,8 +23,10 @@ one instruction-set class's: VIASD_MAX_CPU_ISA picks the portable way on a CPU w
   `available(build_dir)`: whether either way runs; `way(build_dir)`: which; `why_not(build_dir)`:
   why the AVX-512 BF16 way does not (and why neither does, where the build failed).
 - **References**: `int4_mm_reference` and `int8_mm_reference`, the same sums in float64 with
-  PyTorch's ops (tests/test_kernels_cpu_packed_mm.py compares them, and checks rows bit for bit
-  across pass widths and thread counts, each way, under each instruction-set cap).
+  PyTorch's ops (tests/kernels/test_kernels_cpu_packed_mm.py compares them, and checks rows bit for
+  bit across pass widths and thread counts, each way, under each instruction-set cap);
+  `int4_mm_portable_reference`, the portable way's int4 arithmetic bit for bit (the test compares
+  every portable build with it, whatever its widening and tiling).
 """
 
 from __future__ import annotations
@@ -218,6 +220,49 @@ def int4_mm_reference(x: torch.Tensor, codes: torch.Tensor, group: int, scale_an
     xg = x.double().view(x.shape[0], k // group, group)
     d = torch.einsum("mgk,ngk->mng", xg, q)
     return (d * scale + xg.sum(-1)[:, None, :] * zero).sum(-1)
+
+
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fma(a, b, c) of float32 tensors, rounded once to float32 (round to nearest, ties to even): the
+    product is exact in float64; the float64 sum's rounding error (TwoSum) decides the one case where
+    rounding the float64 sum again would not be the exact sum's rounding (it lands on a float32 tie)."""
+    p, c = a.double() * b.double(), c.double()
+    s = p + c
+    v = s - p
+    e = (p - (s - v)) + (c - v)  # exact: p + c = s + e
+    r = s.float()
+    up, down = torch.nextafter(r, r.new_tensor(float("inf"))), torch.nextafter(r, r.new_tensor(float("-inf")))
+    mid_up, mid_down = (r.double() + up.double()) / 2, (r.double() + down.double()) / 2
+    r = torch.where((s == mid_up) & (e != 0), torch.where(e > 0, up, r), r)
+    return torch.where((s == mid_down) & (e != 0), torch.where(e < 0, down, r), r)
+
+
+def int4_mm_portable_reference(x: torch.Tensor, codes: torch.Tensor, group: int, scale_and_zero: torch.Tensor,
+                               fused: bool = True) -> torch.Tensor:
+    """The portable way's int4 product bit for bit, with PyTorch's operators ([M, N] bfloat16), from
+    the weight's 4-bit codes [N, K] (0..15): each output's D = fma(x[k], q[k] - 8, D) over each group
+    in input order (the products are exact, so a float32 multiply then add), X = the group's float32
+    sum of x in input order, y = fma(X, zero, fma(D, scale, y)) over the groups in order (`fused`
+    False: each product rounded, a build without FMA), rounded once to bfloat16 (cpu_packed_mm.c,
+    "The portable products"). The kernel's tiling and widening change none of these operations."""
+    m, (n, k) = x.shape[0], codes.shape
+    groups = k // group
+    xf = x.float().view(m, groups, group)
+    q = (codes.to(torch.int32) - 8).float().view(n, groups, group)
+    d = torch.zeros(m, n, groups)
+    xs = torch.zeros(m, groups)
+    for i in range(group):  # every group's sequences side by side, each in input order
+        d = d + xf[:, None, :, i] * q[None, :, :, i]
+        xs = xs + xf[:, :, i]
+    scale, zero = scale_and_zero.float().unbind(-1)  # each [K / group, N]
+    y = torch.zeros(m, n)
+    for g in range(groups):
+        if fused:
+            y = _fma32(xs[:, g : g + 1].expand(m, n), zero[g].expand(m, n), _fma32(d[:, :, g], scale[g].expand(m, n), y))
+        else:
+            y = y + d[:, :, g] * scale[g]
+            y = y + xs[:, g : g + 1] * zero[g]
+    return y.to(torch.bfloat16)
 
 
 def int8_mm_reference(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -190,6 +190,72 @@ def test_the_portable_way_gives_the_same_bits_in_every_class_and_layout(folders,
     assert not torch.equal(pm.bind_int4(pack(values, 64), 32, sz, 64, build_dir=native)(x), got["avx2"][0])
 
 
+def cancelling_case(n: int, k: int, group: int, seed: int):
+    """Codes, scales and 16 rows whose products and sums cancel in pairs within every group (x' = -x
+    against the same code, the pairs' second halves in another order): exactly, every D and X is 0,
+    so what the kernel returns is float32's rounding in the order its arithmetic takes, and a kernel
+    that summed in any other order, or more exactly, shows in its bfloat16 outputs."""
+    g = torch.Generator().manual_seed(seed)
+    half = group // 2
+    values = torch.randint(0, 16, (n, k // group, half), generator=g)
+    order = torch.randperm(half, generator=g)
+    values = torch.cat([values, values[..., order]], -1).view(n, k)
+    x = activations(16, k, seed).view(16, k // group, group)[..., :half]
+    x = torch.cat([x, -x[..., order]], -1).reshape(16, k)
+    sz = (torch.randn(k // group, n, 2, generator=g) * 0.05).to(torch.bfloat16)
+    return values, sz, x
+
+
+def mirrored_case(n: int, k: int, group: int, seed: int):
+    """Codes, scales and 16 rows whose groups come in pairs that cancel (the second of each pair the
+    first's codes and inputs, its scale and zero negated): exactly, each pair adds 0 to every output,
+    so what is left is float32's rounding of the running outputs y, in the order and with the fused
+    multiply-adds the kernel takes."""
+    g = torch.Generator().manual_seed(seed)
+    pairs = k // group // 2
+    values, sz = case(n, k, group, seed, spread=1.0)
+    x = activations(16, k, seed).view(16, k // group, group)
+    values = values.view(n, k // group, group)
+    values[:, 1 : 2 * pairs : 2], x[:, 1 : 2 * pairs : 2] = values[:, 0 : 2 * pairs : 2], x[:, 0 : 2 * pairs : 2]
+    sz[1 : 2 * pairs : 2] = -sz[0 : 2 * pairs : 2]
+    return values.reshape(n, k), sz, x.reshape(16, k).contiguous()
+
+
+@pytest.mark.parametrize("block", [64, 32])
+def test_the_portable_int4_way_is_its_reference_bit_for_bit(kernels, block):
+    """Every portable build (AVX2's staged widening and paired groups, AVX-512's lookups, the vector
+    extensions') returns `int4_mm_portable_reference`'s bits: each output's D in input order, the
+    groups in order, rounded once; in passes of every width and on 1 and 2 threads."""
+    way, folder = kernels
+    if pm.way(folder) == pm.BF16_WAY:
+        pytest.skip("the AVX-512 BF16 way rounds otherwise (its float64 reference bounds it above)")
+    fused = pm.way(folder) == pm.PORTABLE_WAY
+    bits = lambda t: t.view(torch.int16)
+    for n, k, group in ((192, 576, 32), (64, 120, 40), (64, 512, 256), (64, 48, 16)):
+        for seed in (1, 2):
+            values, sz = case(n, k, group, seed, spread=3.0)
+            cases = [(values, sz, activations(16, k, seed)), cancelling_case(n, k, group, seed),
+                     mirrored_case(n, k, group, seed)]
+            for values, sz, x in cases:
+                bound = pm.bind_int4(pack(values, block), group, sz, block, build_dir=folder)
+                want = pm.int4_mm_portable_reference(x, values, group, sz, fused)
+                assert torch.equal(bits(bound(x)), bits(want)), (n, k, group, seed)
+                alone = rows_alone_equal(bound, x, widths=(1, 2, 3, 5, 6, 16))
+                assert torch.equal(bits(alone), bits(want))
+    # the cancelling rows tell orders apart: the same sums in reverse order, or in float64, differ
+    values, sz, x = cancelling_case(192, 576, 32, 3)
+    want = pm.int4_mm_portable_reference(x, values, 32, sz, fused)
+    backwards = pm.int4_mm_portable_reference(x.flip(-1).contiguous(), values.flip(-1).contiguous(), 32,
+                                              sz.flip(0).contiguous(), fused)
+    assert (bits(backwards) != bits(want)).float().mean() > 0.5
+    assert (bits(pm.int4_mm_reference(x, values, 32, sz).to(torch.bfloat16)) != bits(want)).float().mean() > 0.5
+    # and the mirrored groups tell the running outputs' rounding apart: fused multiply-adds or not
+    values, sz, x = mirrored_case(192, 576, 32, 3)
+    want = pm.int4_mm_portable_reference(x, values, 32, sz, fused)
+    other = pm.int4_mm_portable_reference(x, values, 32, sz, not fused)
+    assert (bits(other) != bits(want)).float().mean() > 0.5
+
+
 def test_int4_scales_are_read_block_by_block(kernels):
     """The kernel reads a copy of the scales with each block's groups together; the layer's own
     tensors stay what it was bound to (PackedLinear binds again when they are replaced)."""
