@@ -166,7 +166,7 @@ def test_one_slot_a_short_request_parks_the_long_one_unless_parking_is_out_of_me
             events = []
             take, step = worker._take, worker._step
             worker._take = lambda job, live: (take(job, live), events.append(("take", job.budget)))[0]
-            worker._step = lambda job, live: (events.append(("step", job.budget)), step(job, live))[1]
+            worker._step = lambda job: (events.append(("step", job.budget)), step(job))[1]
             finished = {}
 
             def timed(name, *args, **kwargs):

@@ -10,12 +10,12 @@ the engine and posts the events back into the job's event loop:
 
 Slots and turns. The engine's caches form a bounded set of KV slots (serve_slots.SlotPool). Every
 job taken from the queue is a candidate for each engine step (Engine.steps), in the order of
-serve_turns.turn_order (stopped, overdue, smallest remaining budget, least service, arrival): the
+serve_turns.turn_order (stopped, then the earliest deadline: arrival plus the budget left): the
 first that can get a slot takes the step, its slot swapped in. A job starts on the free slot whose
 cache it may keep most of; when every slot is held, the holder that comes last in that order is
 parked (its used state copied out, serve_parking.py) while the parked bytes stay within the
 pool's limit, and its slot goes to the job whose turn it is; a parked job goes back into a free
-slot when its turn comes. So a short request is not stuck behind long ones, none starves, and
+slot when its turn comes. So a short request is not stuck behind long ones, none waits without bound, and
 each answer is the one the engine gives alone. A slot re-uses its KV cache only where a fresh
 server computes alike (serve_cache.PrefixReuse, which follows its job when parked): an answer
 never depends on what the earlier requests were, nor on which ran beside it.
@@ -44,10 +44,10 @@ from viasd_core.frontends.serve_errors import ApiError, bad_request, internal, q
 from viasd_core.frontends.serve_metrics import ServeMetrics
 from viasd_core.frontends.serve_schema import GenRequest
 from viasd_core.frontends.serve_parking import Parked
+from viasd_core.frontends.serve_prompts import prompt_ids
 from viasd_core.frontends.serve_slots import Slot, SlotPool
 from viasd_core.frontends.serve_text import StopAwareText
-from viasd_core.frontends.serve_turns import PATIENCE, took_turn, turn_order
-from viasd_core.loading.prompts import encode
+from viasd_core.frontends.serve_turns import turn_order
 from viasd_core.session import Session
 
 log = logging.getLogger("viasd.serve")
@@ -69,8 +69,9 @@ class Job:
     steps: object = None  # its generator of engine steps (EngineWorker._steps)
     started: float = 0.0  # when it first got a slot
     budget: int = 0  # most new tokens: max_tokens cut to what the context leaves (serve_turns)
+    binds: bool = False  # whether max_tokens sets that budget (not the context's end)
     service: float = 0.0  # seconds on the engine so far
-    waited: int = 0  # engine steps of other jobs since its last step (or since the engine took it)
+    born: int = 0  # the engine step the engine took it at (serve_turns' deadlines)
     seq: int = 0  # the order the engine took jobs in
     parks: int = 0  # times it was parked
 
@@ -91,7 +92,6 @@ class EngineWorker:
         self.drafters = {"none": None, "ngram": drafter if served_draft == "ngram" else NgramDrafter(), served_draft: drafter}
         self._attached = {id(drafter)}  # drafters the engine has sized and compiled (Engine.drafter's setter)
         self.pool = SlotPool(self.engine, list(self.drafters.values()), slots)  # slots=None: by memory
-        self.patience = PATIENCE  # serve_turns.turn_order's starvation bound, in engine steps
         self.pool.live.drafter = served_draft
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -103,6 +103,7 @@ class EngineWorker:
         self.jobs_run = 0
         self.parks = 0  # jobs parked so far
         self._taken = 0  # jobs the engine has taken (their seq)
+        self.steps_run = 0  # engine steps run (the jobs' `born`)
         self._thread: threading.Thread | None = None
         self._in_caller = False  # run_here(): the caller's thread runs the jobs, start() spawns nothing
 
@@ -220,7 +221,7 @@ class EngineWorker:
                     self._take(job, live)
             job = self._next(live)
             if job is not None:
-                if not self._step(job, live):
+                if not self._step(job):
                     live.remove(job)
             elif ending and not live:
                 break
@@ -231,12 +232,13 @@ class EngineWorker:
             self._post(job, "error", self._stopped_error(job))
             return
         try:
-            job.ids = self._prompt_ids(job.request)
+            job.ids = prompt_ids(self.session.tokenizer, job.request, self.engine.context_len)
         except ApiError as e:
             self._end_waiting(job, ("error", e))
             return
-        job.budget = min(job.request.config.max_new_tokens, self.engine.context_len - len(job.ids))
-        job.seq, self._taken = self._taken, self._taken + 1
+        room = self.engine.context_len - len(job.ids)
+        job.budget, job.binds = min(job.request.config.max_new_tokens, room), job.request.config.max_new_tokens < room
+        job.seq, self._taken, job.born = self._taken, self._taken + 1, self.steps_run
         live.append(job)
 
     def _next(self, live: list[Job]) -> Job | None:
@@ -249,7 +251,7 @@ class EngineWorker:
                 self._post(job, "error", self._stopped_error(job))
             elif job.state == "running" and job.reason is None and now >= job.deadline:
                 job.reason = "timeout"  # parked or not: its last step ends it
-        order = turn_order(live, self.patience)
+        order = turn_order(live)
         for i, job in enumerate(order):
             if self._place(job, order[i + 1:]):
                 return job
@@ -294,7 +296,7 @@ class EngineWorker:
                 self._finish_waiting(job)
         self._post(job, *last)
 
-    def _step(self, job: Job, live: list[Job]) -> bool:
+    def _step(self, job: Job) -> bool:
         """Run one engine step of `job` on its slot; False once it has ended (its answer posted)."""
         self.pool.activate(job.slot)
         self._attach(job.request.draft)
@@ -312,7 +314,7 @@ class EngineWorker:
             last = "error", internal(e)
         finally:
             job.service += time.perf_counter() - t0
-            took_turn(live, job)
+            self.steps_run += 1
         self.pool.release(job.slot)
         with self._lock:  # the job leaves before its answer goes out: the client's next request fits
             job.state = "done"
@@ -330,35 +332,6 @@ class EngineWorker:
         if job.reason == "shutdown":
             return shutting_down()
         return ApiError(499, "the client closed the request", code="client_closed")  # nobody reads it
-
-    def _prompt_ids(self, request: GenRequest) -> list[int]:
-        tokenizer = self.session.tokenizer
-        if request.kind == "chat":
-            ids, param = self._chat_ids(request), "messages"
-        elif isinstance(request.prompt, str):
-            ids, param = encode(tokenizer, request.prompt, raw=True), "prompt"
-        else:
-            ids, param = list(request.prompt), "prompt"
-        context = self.engine.context_len
-        if len(ids) >= context:
-            raise bad_request(f"the prompt has {len(ids)} tokens but the context holds {context} (prompt and answer): "
-                              "shorten it, or restart the server with a larger --max-context", param,
-                              code="context_length_exceeded")
-        return ids
-
-    def _chat_ids(self, request: GenRequest) -> list[int]:
-        """The messages through the model's chat template; a model without one, or a template that
-        refuses the messages (Gemma's "System role not supported"), is a 400: the engine and its
-        cache are untouched (nothing ran yet)."""
-        tokenizer = self.session.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
-            raise bad_request("this model has no chat template, so chat messages cannot be laid out for it: "
-                              "send the text to /v1/completions (no template)", "messages", code="no_chat_template")
-        try:
-            return encode(tokenizer, request.messages, template_kwargs=request.template_kwargs)
-        except Exception as e:  # raised by the template (jinja's raise_exception, an undefined variable, ...)
-            raise bad_request(f"the model's chat template refused these messages: {type(e).__name__}: {e}",
-                              "messages", code="chat_template_error")
 
     def _attach(self, name: str) -> None:
         """Attach a request's drafter to the engine: through Engine.drafter's setter the first time
