@@ -13,7 +13,7 @@ import torch
 
 from conftest import tiny_model
 from support.head_cases import engine_with_head, make_head, prompt_for
-from support.serve_support import raw, running, session, slow_target  # noqa: F401 (fixture)
+from support.serve_support import raw, running, session, slow_target, timed_calls  # noqa: F401 (fixture)
 from viasd_core.decoding.drafters import NgramDrafter
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.frontends.serve_slots import SlotPool
@@ -167,12 +167,7 @@ def test_one_slot_a_short_request_parks_the_long_one_unless_parking_is_out_of_me
             take, step = worker._take, worker._step
             worker._take = lambda job, live: (take(job, live), events.append(("take", job.budget)))[0]
             worker._step = lambda job: (events.append(("step", job.budget)), step(job))[1]
-            finished = {}
-
-            def timed(name, *args, **kwargs):
-                out = ask(base, *args, **kwargs)
-                finished[name] = time.monotonic()
-                return out
+            timed, finished = timed_calls(lambda *args, **kwargs: ask(base, *args, **kwargs))
 
             pool = ThreadPoolExecutor(2)
             long = pool.submit(timed, "long", long_prompt, 48, stream=True)

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from support.serve_support import raw, running, session, slow_target  # noqa: F401 (fixture)
+from support.serve_support import raw, running, session, slow_target, timed_calls  # noqa: F401 (fixture)
 from viasd_core.decoding.engine import GenerationConfig
 from viasd_core.decoding.model_pass import PREFILL_CHUNK
 from viasd_core.frontends.serve_slots import SlotPool
@@ -75,12 +75,7 @@ def test_a_short_request_finishes_before_a_long_one_that_started_first(session, 
     try:
         with running(session, SD, slots=2) as (base, server):
             worker = server.worker
-            finished = {}
-
-            def timed(name, *args, **kwargs):
-                out = ask(base, *args, **kwargs)
-                finished[name] = time.monotonic()
-                return out
+            timed, finished = timed_calls(lambda *args, **kwargs: ask(base, *args, **kwargs))
 
             pool = ThreadPoolExecutor(2)
             long = pool.submit(timed, "long", long_prompt, 48, "ar", stream=True)

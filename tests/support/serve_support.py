@@ -110,6 +110,19 @@ def slow_target(session, seconds: float):
     return lambda: setattr(fast, "forward", inner)
 
 
+def timed_calls(call):
+    """`call` wrapped so that `timed(name, *args)` records when the call named `name` returned:
+    (timed, finished: name -> time.monotonic())."""
+    finished: dict[str, float] = {}
+
+    def timed(name, *args, **kwargs):
+        out = call(*args, **kwargs)
+        finished[name] = time.monotonic()
+        return out
+
+    return timed, finished
+
+
 def metric_samples(base: str) -> dict:
     """{(sample name, sorted labels): value} from /metrics, read by Prometheus' own parser."""
     from prometheus_client.parser import text_string_to_metric_families
