@@ -326,7 +326,7 @@ def test_a_packed_layer_takes_the_kernel_for_short_passes_only(kernels, monkeypa
     cap this process's PyTorch still packs int4 in its uncapped layout, which the portable way takes
     too; a process started under the cap packs in blocks of 32: test_row_invariance.py.)"""
     way, build_dir = kernels
-    monkeypatch.setattr(packed_cpu.paths, "kernel_dir", lambda: build_dir)
+    monkeypatch.setattr("viasd_core.paths.kernel_dir", lambda: build_dir)
     layer = torch.nn.Linear(576, 192, bias=True).to(torch.bfloat16)
     packed = wf._pack(layer, kind)
     bound = packed._short_product(packed.qdata, packed.scale)
@@ -376,7 +376,7 @@ def test_greedy_sd_equals_ar_through_the_kernel(kernels, monkeypatch, fmt):
     way, build_dir = kernels
     if way == "avx512":
         pytest.skip("the portable way's passes are checked under the avx2 cap (the same bits under avx512)")
-    monkeypatch.setattr(packed_cpu.paths, "kernel_dir", lambda: build_dir)
+    monkeypatch.setattr("viasd_core.paths.kernel_dir", lambda: build_dir)
     rows = []
     real = pm.Bound.__call__
     monkeypatch.setattr(pm.Bound, "__call__",

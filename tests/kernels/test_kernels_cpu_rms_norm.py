@@ -83,7 +83,7 @@ def test_no_compiler_means_no_kernel_and_a_reason(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_calls_take_the_kernel_for_transformers_rmsnorm(build_dir, monkeypatch, dtype):
-    monkeypatch.setattr(norms.paths, "kernel_dir", lambda: build_dir)
+    monkeypatch.setattr("viasd_core.paths.kernel_dir", lambda: build_dir)
     module = LlamaRMSNorm(576, eps=1e-5).to(dtype)
     module.weight.data = case(1, 576, dtype, seed=2)[1]
     calls = []
@@ -105,7 +105,7 @@ def test_norm_calls_take_the_kernel_for_transformers_rmsnorm(build_dir, monkeypa
 
 
 def test_norm_calls_keep_the_forward_of_another_formula(build_dir, monkeypatch):
-    monkeypatch.setattr(norms.paths, "kernel_dir", lambda: build_dir)
+    monkeypatch.setattr("viasd_core.paths.kernel_dir", lambda: build_dir)
     gemma = GemmaRMSNorm(576, eps=1e-6)  # (1 + weight) times the normalized row
     gemma.weight.data = 0.1 * torch.randn(576, generator=torch.Generator().manual_seed(4))
     assert norms.norm_calls(gemma).eager == gemma.forward

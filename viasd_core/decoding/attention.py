@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from viasd_kernels import cpu_row_attention
 
-from viasd_core import paths
+from viasd_core.decoding import cpu_kernels
 
 ROW_KERNEL = True  # attend_by_row through viasd_kernels.cpu_row_attention where it runs (benchmarks turn it off)
 
@@ -143,10 +143,9 @@ def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, w
     [1, T, Hq * D]. With `key_mask` [T, end] (a token tree's rows) row i reads the slots it marks,
     in cache order. One kernel call on a CPU (viasd_kernels.cpu_row_attention), else the reference;
     always the reference with a `softcap` (the kernel has no cap): each row alone through operators.
-    `kernels`: the kernels' folder (paths.kernel_dir(), which a pass looks up once for its layers)."""
+    `kernels`: the kernels' folder (cpu_kernels.folder(), which a pass looks up once for its layers)."""
     if ROW_KERNEL and softcap is None and q.device.type == "cpu" and q.shape[0] == 1:
-        out = cpu_row_attention.row_attention(q, k, v, end, window, scale, key_mask,
-                                              build_dir=kernels or paths.kernel_dir())
+        out = cpu_kernels.row_attention(q, k, v, end, window, scale, key_mask, build_dir=kernels)
         if out is not None:
             return out
     return attend_by_row_reference(q, k, v, end, window, scale, key_mask, softcap)
@@ -157,7 +156,7 @@ def by_row_way() -> str:
     if not ROW_KERNEL:
         return "one call a position (the kernel is turned off)"
     probe = torch.zeros(1, 1, 1, cpu_row_attention.LANES)
-    if cpu_row_attention.row_attention(probe, probe, probe, 1, build_dir=paths.kernel_dir()) is not None:
+    if cpu_kernels.row_attention(probe, probe, probe, 1) is not None:
         return "viasd_kernels' row-invariant kernel, one call a layer (built for this CPU)"
     return f"one call a position: {cpu_row_attention.why_not()}"
 

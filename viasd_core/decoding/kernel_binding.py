@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from viasd_kernels import cpu_layer, cpu_rms_norm, cpu_rope_write
 
-from viasd_core import paths
+from viasd_core.decoding import cpu_kernels
 from viasd_core.decoding.layer_calls import Call, LayerCalls, layer_calls, product
 from viasd_core.decoding.norms import norm_calls
 from viasd_core.decoding.weight_formats import PackedLinear
@@ -69,7 +69,7 @@ class KernelBinding:
         writer = None
         if self.rope_kernel and self._calls[ci].q_norm is None:  # Qwen3's per-head norms come first: operators
             layer_cache = self.cache.layers[ci]
-            writer = cpu_rope_write.bind(layer_cache.k, layer_cache.v, build_dir=paths.kernel_dir())
+            writer = cpu_kernels.rope_write(layer_cache.k, layer_cache.v)
         front = self._bind_front(ci, writer) if self.layer_front else None
         return LayerKernels(writer, front)
 
@@ -85,6 +85,5 @@ class KernelBinding:
         if any(b is None or b.n != m.out_features for b, m in zip(bound, products)):
             return None
         norms = [call if isinstance(call, cpu_rms_norm.Norm) else None for call in (c.input_norm, c.post_norm)]
-        front = cpu_layer.bind(*norms, *bound,
-                               writer, self.shape.n_heads, c.scaling, self.windows[ci], build_dir=paths.kernel_dir())
+        front = cpu_kernels.layer_front(*norms, *bound, writer, self.shape.n_heads, c.scaling, self.windows[ci])
         return front

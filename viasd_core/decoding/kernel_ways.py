@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from viasd_kernels import cpu_rms_norm, cpu_rope_write
 
-from viasd_core import paths
+from viasd_core.decoding import cpu_kernels
 
 
 class KernelWays:
@@ -20,7 +20,7 @@ class KernelWays:
             norm = "RMSNorm in one C call"
         else:
             weight = self.norm._parameters.get("weight")
-            runs = weight is not None and cpu_rms_norm.bind(weight.detach(), 1e-6, build_dir=paths.kernel_dir())
+            runs = weight is not None and cpu_kernels.rms_norm(weight.detach(), 1e-6)
             why = ("not the formula the kernel computes" if runs
                    else cpu_rms_norm.why_not() or "a weight it does not take")
             norm = f"RMSNorm through the module ({why})"

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import torch
 
-from viasd_core import paths
-from viasd_core.decoding import attention
+from viasd_core.decoding import attention, cpu_kernels
 from viasd_core.decoding.families import softcap
 from viasd_core.decoding.kernel_binding import LayerKernels, PassCalls
 from viasd_core.decoding.layer_calls import LayerCalls
@@ -72,7 +71,7 @@ class DecoderPass:
             else:
                 masks.append({})
         captured: list = [None] * len(self.feature_layers)
-        kernels = paths.kernel_dir() if self.device.type == "cpu" else None  # once a pass, not once a layer
+        kernels = cpu_kernels.folder() if self.device.type == "cpu" else None  # once a pass, not once a layer
         for ci, layer in enumerate(self.layers):
             for slot in self._capture[ci]:
                 captured[slot] = x[0]

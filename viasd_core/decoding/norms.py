@@ -18,7 +18,7 @@ from typing import Callable, NamedTuple
 import torch
 from viasd_kernels import cpu_rms_norm
 
-from viasd_core import paths
+from viasd_core.decoding import cpu_kernels
 
 Call = Callable[[torch.Tensor], torch.Tensor]
 PROBE_ROWS = 3
@@ -56,7 +56,7 @@ def norm_calls(module: torch.nn.Module) -> NormCalls:
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     if weight is None or not isinstance(eps, float):
         return NormCalls(forward, forward, None)
-    norm = cpu_rms_norm.bind(weight.detach(), eps, build_dir=paths.kernel_dir())
+    norm = cpu_kernels.rms_norm(weight.detach(), eps)
     if norm is None or not _agrees(module, norm):
         return NormCalls(forward, forward, None)
     return NormCalls(norm, forward, norm)

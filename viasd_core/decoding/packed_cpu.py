@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from viasd_kernels import cpu_int4_widen, cpu_packed_mm
 
-from viasd_core import paths
+from viasd_core.decoding import cpu_kernels
 from viasd_core.machine.bf16 import bf16_products_pay
 
 PACKED_KERNEL = True  # short CPU passes through viasd_kernels.cpu_packed_mm where it runs (the option's default)
@@ -58,7 +58,7 @@ def _int4_dense_cpu(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tenso
     if block is None:
         return None
     if dtype == torch.bfloat16:
-        w = cpu_int4_widen.widen(qdata, group, scale_and_zero, block, build_dir=paths.kernel_dir())
+        w = cpu_kernels.int4_widen(qdata, group, scale_and_zero, block)
         if w is not None:
             return w
     return _int4_dense_reference(qdata, group, scale_and_zero, block).to(dtype)
@@ -67,7 +67,7 @@ def _int4_dense_cpu(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tenso
 def int4_widening_way() -> str:
     """How a CPU int4 prefill widens each layer's weight on this machine, and why (viasd doctor shows it)."""
     probe, shifts = torch.zeros(32, 16, dtype=torch.uint8), torch.zeros(1, 32, 2, dtype=torch.bfloat16)
-    if cpu_int4_widen.widen(probe, 32, shifts, 32, build_dir=paths.kernel_dir()) is not None:
+    if cpu_kernels.int4_widen(probe, 32, shifts, 32) is not None:
         return "viasd_kernels' one-pass kernel (built for this CPU)"
     return f"PyTorch's operators: {cpu_int4_widen.why_not() or 'the kernel does not run here'}"
 
@@ -77,9 +77,10 @@ def short_products_way(packed_kernel: bool = PACKED_KERNEL) -> str:
     and why (viasd doctor shows it); `packed_kernel` False: the packed products turned off."""
     if not packed_kernel:
         return "PyTorch's kernels (the packed products are turned off)"
-    if cpu_packed_mm.available(paths.kernel_dir()):
-        return f"viasd_kernels' packed products (each weight widened once a pass: {cpu_packed_mm.way(paths.kernel_dir())})"
-    return f"PyTorch's kernels: {cpu_packed_mm.why_not(paths.kernel_dir())}"
+    way = cpu_kernels.packed_mm_way()
+    if way is not None:
+        return f"viasd_kernels' packed products (each weight widened once a pass: {way})"
+    return f"PyTorch's kernels: {cpu_kernels.packed_mm_why_not()}"
 
 
 def _int4_dense_reference(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, block: int) -> torch.Tensor:
@@ -112,9 +113,8 @@ def bind_short(kind: str, qdata: torch.Tensor, scale: torch.Tensor, group: int, 
     if not packed_kernel or qdata.device.type != "cpu":
         return None
     if kind == "int4" and cpu_layout:
-        return cpu_packed_mm.bind_int4(qdata, group, scale, _int4_cpu_block(qdata.shape[0], qdata.shape[1] * 2),
-                                       build_dir=paths.kernel_dir())
-    return cpu_packed_mm.bind_int8(qdata, scale, build_dir=paths.kernel_dir())
+        return cpu_kernels.int4_mm(qdata, group, scale, _int4_cpu_block(qdata.shape[0], qdata.shape[1] * 2))
+    return cpu_kernels.int8_mm(qdata, scale)
 
 
 def bind_rows(whole: cpu_packed_mm.Bound | None, qdata: torch.Tensor, scale: torch.Tensor,

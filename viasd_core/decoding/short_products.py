@@ -51,7 +51,7 @@ from typing import NamedTuple
 import torch
 from viasd_kernels import cpu_f32_mm
 
-from viasd_core import paths
+from viasd_core.decoding import cpu_kernels
 
 SHORT_ROWS = 16  # passes of up to this many rows (PASS_WIDTHS[-1]) are short
 MID = 4  # the blocked product's last fast width on the CPUs measured
@@ -147,15 +147,15 @@ def invariant_product(layer: torch.nn.Linear):
     hit = _invariant.get(layer)
     if hit is None or hit[0] != key:
         bias = None if layer.bias is None else layer.bias.detach()
-        hit = (key, cpu_f32_mm.bind(w.detach(), bias, build_dir=paths.kernel_dir()))
+        hit = (key, cpu_kernels.f32_mm(w.detach(), bias))
         _invariant[layer] = hit
     return hit[1]
 
 
 def invariant_way() -> str:
     """How a row-invariant model's float32 short passes multiply on this machine, and why (doctor)."""
-    if cpu_f32_mm.bind(torch.zeros(16, 16), build_dir=paths.kernel_dir()) is not None:
-        bits = cpu_f32_mm.vector_bits(paths.kernel_dir())
+    if cpu_kernels.f32_mm(torch.zeros(16, 16)) is not None:
+        bits = cpu_kernels.f32_mm_vector_bits()
         return f"viasd_kernels' row-invariant float32 product ({bits}-bit vectors, built for this CPU)"
     return f"F.linear one row at a time (row-invariant): {cpu_f32_mm.why_not() or 'the kernel does not run here'}"
 
