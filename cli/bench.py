@@ -14,7 +14,7 @@ from viasd_core.bench import harness as core
 from viasd_core.bench.files import OutputsNotWritten, summary_json
 from viasd_core.bench.formats import run_formats, split_formats
 from viasd_core.bench.measure import PromptSource, measure, project
-from viasd_core.decoding.draft_policy import UNMEASURED_START
+from viasd_core.speculation.draft_policy import UNMEASURED_START
 from viasd_core.errors import UsageError
 from viasd_core.loading.options import ModelOptions
 

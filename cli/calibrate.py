@@ -13,7 +13,7 @@ from rich.table import Table
 from viasd_core.calibration.calibrate import (DEFAULT_BUDGET, DEFAULT_SKIP_RATIO, CalibrationMissed, ProfileNotSaved,
                                                check_profile_path, run_calibration)
 from viasd_core.calibration.candidates import SLIM_FORMAT_CHOICES
-from viasd_core.decoding.stats import format_fidelity
+from viasd_core.speculation.stats import format_fidelity
 from viasd_core.errors import ViasdError
 from viasd_core.loading.prompts import load_prompts
 from viasd_core.loading.options import ModelOptions

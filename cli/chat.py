@@ -21,7 +21,7 @@ from rich.text import Text
 from viasd_core.frontends.chat import Chat
 from viasd_core.frontends.chat_commands import parse_command, run_command
 from viasd_core.frontends.chat_status import STATS_COLUMNS, TIER_LEGEND, session_summary, stats_rows, turn_summary
-from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.speculation.engine import GenerationConfig
 from viasd_core.errors import ViasdError
 from viasd_core.loading.options import ModelOptions
 from viasd_core.frontends.streaming import TextStream, TieredText

@@ -8,10 +8,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from viasd_core.decoding.engine import GenerationConfig
-from viasd_core.decoding.grammar import grammar_option
+from viasd_core.speculation.engine import GenerationConfig
+from viasd_core.speculation.grammar import grammar_option
 from viasd_core.errors import UsageError
-from viasd_core.decoding.fidelity import fidelity
+from viasd_core.speculation.fidelity import fidelity
 from viasd_core.loading.prompts import encode
 from viasd_core.loading.options import ModelOptions
 from viasd_core.frontends.streaming import TextStream, stats_line

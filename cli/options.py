@@ -13,8 +13,8 @@ from typing import Annotated, Optional
 import typer
 
 from viasd_core.machine.compile import parse_compile
-from viasd_core.decoding import exactness
-from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.speculation import exactness
+from viasd_core.speculation.engine import GenerationConfig
 from viasd_core.errors import ViasdError
 from viasd_core.loading.models import EMBEDDED_TARGET
 from viasd_core.session import Session, build_session, choose_first_block, choose_tree, thresholds_of

@@ -94,7 +94,7 @@ def check_head_fits(head_path: Path, target_path: Path) -> None:
     """A one-line error when the head's hidden size, vocabulary or feature layers do not fit the target."""
     from transformers import AutoConfig
 
-    from viasd_core.decoding.eagle_files import check_head_config, read_head_config
+    from viasd_core.speculation.eagle_files import check_head_config, read_head_config
 
     check_head_config(read_head_config(head_path), AutoConfig.from_pretrained(target_path), f"EAGLE-3 head '{head_path}'")
 

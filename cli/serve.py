@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.speculation.engine import GenerationConfig
 from viasd_core.errors import UsageError
 from viasd_core.loading.options import ModelOptions
 

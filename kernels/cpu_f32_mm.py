@@ -2,7 +2,7 @@
 
 `sd` promises `ar`'s tokens, so a position's logits must not depend on how many rows share its pass.
 PyTorch's float32 products on a CPU (F.linear, oneDNN's packed product, the `torch.bmm` blocked
-product of viasd_core/decoding/short_products.py) choose their kernels, and so their summation
+product of viasd_core/runtime/short_products.py) choose their kernels, and so their summation
 orders, by the number of rows: on SmolLM2-135M every row of every pass of 2-16 rows differed from
 the same row computed alone (~5e-5 in the logits). This kernel computes each output by one fixed
 sequence over its row and its weights (16 float32 lanes over the inputs in order, one fused

@@ -1,7 +1,7 @@
 /* An int4 weight widened to bfloat16 in one pass (viasd_kernels.cpu_int4_widen).
  *
  * A prompt's prefill multiplies each int4 layer through one dense product over the layer's weight
- * widened to bfloat16 (viasd_core/decoding/weight_formats.py: PackedLinear.widened). PyTorch's
+ * widened to bfloat16 (viasd_core/runtime/weight_formats.py: PackedLinear.widened). PyTorch's
  * operators widen it in five passes over a float32 copy (unpack each half of a block, multiply by
  * the scales, add the shifts, round). A group of `group` inputs of one output takes only 16 values,
  * so this computes those 16 once per output and group, with the operators' arithmetic in float32,

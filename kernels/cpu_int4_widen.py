@@ -1,7 +1,7 @@
 """An int4 weight widened to bfloat16 in one pass over its packed bytes, for a CPU prefill.
 
 A prompt's prefill runs each int4 layer as one dense product over its weight widened to bfloat16
-(viasd_core/decoding/packed_linear.py: PackedLinear.widened, once per layer and prefill). PyTorch's
+(viasd_core/runtime/packed_linear.py: PackedLinear.widened, once per layer and prefill). PyTorch's
 operators widen it in five passes over a float32 copy: 41-51 ms for SmolLM2-135M's 30 layers on a
 2-core AMD EPYC, a fifth to a third of a 300-token prefill. `widen` computes each output's 16
 possible values per group of inputs once (the operators' arithmetic, step by step) and writes every

@@ -7,11 +7,11 @@ pass would call one by one, in the same order, over the same buffers: the input 
 (cpu_rms_norm), the fused q/k/v product (cpu_packed_mm), RoPE and the cache writes (cpu_rope_write),
 row attention (cpu_row_attention), the o product with its residual, the post-attention RMSNorm and
 the fused gate/up product. Each kernel is handed to it by address, so every number is the one the
-separate calls compute (tests/decoding/test_layer_calls.py compares the passes bit for bit).
+separate calls compute (tests/runtime/test_layer_calls.py compares the passes bit for bit).
 
 - **Kernel**: `bind(...)` -> `LayerFront` (`front(x, cos, sin, pos, end)` -> (x2, gate_up)), or None
   where a part is not the kernel it takes (the caller keeps the calls one by one).
-- **Reference**: the pass's own calls one by one (viasd_core/decoding/model.py `_layer`).
+- **Reference**: the pass's own calls one by one (viasd_core/runtime/model.py `_layer`).
 - **Checks**: the call refuses (ValueError, one line) what would make the C code read or write the
   wrong memory: x, cos, sin or pos not of the bound shapes, dtypes (pos int64: an int32 `pos` would
   be read two slots at a time) or layouts, not on the CPU, more rows than MAX_ROWS, `end` short of

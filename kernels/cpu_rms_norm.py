@@ -8,7 +8,7 @@ norms on a 2-core AMD EPYC. `bind` returns the same formula as one C call over t
 - **Kernel**: `bind(weight, eps, build_dir=...)` -> `Norm` (`norm(x)` for x [..., H] contiguous, in
   the weight's dtype), or None where it does not apply or cannot be built (the caller keeps the
   module's own forward). Whether a module computes this formula at all is the caller's check
-  (viasd_core/decoding/norms.py compares the two on a probe before it takes the kernel).
+  (viasd_core/runtime/norms.py compares the two on a probe before it takes the kernel).
 - **Reference**: `rms_norm_reference`, transformers' formula with PyTorch's operators
   (tests/kernels/test_kernels_cpu_rms_norm.py compares them, and checks that a row's result does not depend
   on the rows beside it).

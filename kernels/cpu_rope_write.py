@@ -10,7 +10,7 @@ operators'.
   `writer(q, k, v, cos, sin_signed, pos)` returns the rotated queries [1, Hq, T, D], having written
   the rotated keys and the values at slots `pos`; None where it does not take the cache or cannot be
   built (the caller then runs the operators).
-- **Reference**: the operators themselves, `viasd_core.decoding.rope.apply_rope` and
+- **Reference**: the operators themselves, `viasd_core.runtime.rope.apply_rope` and
   `attention.LayerCache.update` (tests/kernels/test_kernels_cpu_rope_write.py compares the two bit for bit).
 """
 

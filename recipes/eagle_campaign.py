@@ -124,7 +124,7 @@ def answer_agreement(args) -> None:
 
     import torch
 
-    from viasd_core.decoding.model import FastModel
+    from viasd_core.runtime.model import FastModel
     from viasd_core.loading.models import load_model
     from viasd_core.training import campaign_store as store
 

@@ -8,19 +8,20 @@ from dataclasses import dataclass
 import torch
 
 from viasd_core import cpu_isa
-from viasd_core.decoding import exactness
-from viasd_core.decoding.engine import Engine
+from viasd_core.speculation import exactness
+from viasd_core.speculation.engine import Engine
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.loading.models import Loaded, eos_ids, forget_format, load_model
 from viasd_core.devices import free_memory_bytes, resolve_device, usable_cores
-from viasd_core.decoding.model import FastModel
+from viasd_core.runtime.model import FastModel
 from viasd_core.machine.short_rows import choose_rows
 from viasd_core.loading.drafter_factory import draft_choice, load_drafter
 from viasd_core.loading.options import DEFAULT_CONTEXT_CAP, ModelOptions
+from viasd_core.loading.prompts import probe_prompts
 from viasd_core.loading.profile import Profile, find_profile
 from viasd_core.loading.vocab_rows import cap_vocab, token_rows, tokenizer_size
-from viasd_core.decoding.router import Thresholds
-from viasd_core.decoding.slim_view import TARGET_WEIGHTS, slim_verifier, twin_bytes
+from viasd_core.speculation.router import Thresholds
+from viasd_core.runtime.slim_view import TARGET_WEIGHTS, slim_verifier, twin_bytes
 from viasd_core.machine import first_block as first_blocks
 from viasd_core.machine import format as formats
 from viasd_core.machine import threads as threads_choice
@@ -28,7 +29,7 @@ from viasd_core.machine import tree as tree_choice
 from viasd_core.machine.compile import DECISION as COMPILE, CompileChoice, resolve_compile
 from viasd_core.machine.profile import SHORT_ROWS, MachineProfile
 from viasd_core.machine.threads import ThreadChoice, resolve_threads
-from viasd_core.machine.tree import TreeChoice, measure_verify_curve, probe_prompts, resolve_tree
+from viasd_core.machine.tree import TreeChoice, measure_verify_curve, resolve_tree
 
 @dataclass
 class Session:
@@ -53,7 +54,7 @@ class Session:
 
     @property
     def short_rows_reason(self) -> str:
-        """Why short float32 passes take the products they take (decoding/short_products.py)."""
+        """Why short float32 passes take the products they take (runtime/short_products.py)."""
         entry = self.machine.resolved.get("short-rows")
         return entry.reason if entry else ""
 
@@ -205,7 +206,7 @@ def context_size(hf_model, requested: int | None, progress=None) -> int:
     """Positions every KV cache is allocated for: --max-context, or the model's own context capped
     at DEFAULT_CONTEXT_CAP and at what a quarter of free memory holds (target, slim and draft caches).
     A cap below the model's own context is said through `progress`, with how to raise it."""
-    from viasd_core.decoding.model import model_shape
+    from viasd_core.runtime.model import model_shape
 
     shape = model_shape(hf_model)
     param = next(hf_model.parameters())

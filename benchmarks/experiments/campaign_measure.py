@@ -34,7 +34,7 @@ import torch
 from viasd_core.loading.models import load_model
 from viasd_core.loading.prompts import load_prompts
 from viasd_core.training import campaign_store as store
-from viasd_core.decoding.eagle_files import load_feature_head
+from viasd_core.speculation.eagle_files import load_feature_head
 from viasd_core.training import eagle_data, eagle_init, eagle_train, eagle_ttt, teacher_answers
 from viasd_core.training.campaign_eval import head_session
 from viasd_core.training.campaign_features import CampaignRecords

@@ -20,7 +20,7 @@ import time
 import torch
 
 from viasd_core.machine.compile import time_compiled
-from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.speculation.engine import GenerationConfig
 from viasd_core.devices import device_name
 from viasd_core.loading.options import ModelOptions
 from viasd_core.loading.prompts import encode, load_prompts

@@ -14,7 +14,7 @@ import time
 import torch
 
 from viasd_core.loading.models import load_model
-from viasd_core.decoding.model import FastModel
+from viasd_core.runtime.model import FastModel
 
 
 def read_bandwidth(gb: float, repeats: int = 7) -> float:

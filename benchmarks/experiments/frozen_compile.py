@@ -24,8 +24,8 @@ import torch
 import torch._inductor.config as inductor_config
 from torch._dynamo.utils import counters
 
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.pass_timing import time_passes
+from viasd_core.runtime.model import FastModel
+from viasd_core.runtime.pass_timing import time_passes
 from viasd_core.devices import device_name
 from viasd_core.loading.models import load_model
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from viasd_core.decoding.model import FastModel
+from viasd_core.runtime.model import FastModel
 from viasd_core.devices import device_name
 from viasd_core.loading.models import load_model
 

@@ -26,9 +26,9 @@ import torch
 import statistics
 
 from viasd_core import paths
-from viasd_core.decoding.packed_linear import PackedLinear
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.pass_timing import time_passes
+from viasd_core.runtime.packed_linear import PackedLinear
+from viasd_core.runtime.model import FastModel
+from viasd_core.runtime.pass_timing import time_passes
 from viasd_core.devices import device_name
 from viasd_core.loading.models import load_model
 from viasd_kernels import cpu_packed_mm, instruction_set

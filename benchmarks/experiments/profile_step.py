@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from viasd_core.loading.models import load_model
-from viasd_core.decoding.model import FastModel
+from viasd_core.runtime.model import FastModel
 
 MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_mkl_linear", "mkldnn::_linear_pointwise",
               "aten::_weight_int8pack_mm"}

@@ -17,9 +17,9 @@ import json
 
 import torch
 
-from viasd_core.decoding import attention
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.pass_timing import time_passes
+from viasd_core.runtime import attention
+from viasd_core.runtime.model import FastModel
+from viasd_core.runtime.pass_timing import time_passes
 from viasd_core.devices import device_name
 from viasd_core.loading.models import load_model
 

@@ -1,4 +1,4 @@
-"""Short float32 passes on a CPU: the blocked and packed products (decoding/short_products.py) against F.linear.
+"""Short float32 passes on a CPU: the blocked and packed products (runtime/short_products.py) against F.linear.
 
     python benchmarks/experiments/short_passes.py --threads 2 --widths 1,4,6,16
 
@@ -19,9 +19,9 @@ import json
 import torch
 import torch.nn.functional as F
 
-from viasd_core.decoding import short_products
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.pass_timing import call_seconds, time_passes
+from viasd_core.runtime import short_products
+from viasd_core.runtime.model import FastModel
+from viasd_core.runtime.pass_timing import call_seconds, time_passes
 from viasd_core.devices import device_name
 from viasd_core.loading.models import load_model
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import sys
 
-from viasd_core.decoding.engine import GenerationConfig
-from viasd_core.decoding.tree import TreeShape
+from viasd_core.speculation.engine import GenerationConfig
+from viasd_core.speculation.tree import TreeShape
 from viasd_core.loading.options import ModelOptions
 from viasd_core.loading.prompts import encode, load_prompts
 from viasd_core.session import build_session

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
-from viasd_core.decoding.drafters import ModelDrafter
-from viasd_core.decoding.engine import Engine, GenerationConfig
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.tree import TreeShape
+from viasd_core.speculation.drafters import ModelDrafter
+from viasd_core.speculation.engine import Engine, GenerationConfig
+from viasd_core.runtime.model import FastModel
+from viasd_core.speculation.tree import TreeShape
 from viasd_core.loading.synthetic import SHAPES, build_random_model
 
 NEW = 32
@@ -166,8 +166,8 @@ def part_exact() -> dict:
 
 
 def part_formats() -> dict:
-    from viasd_core.decoding.weight_format import WeightFormat
-    from viasd_core.decoding.weight_formats import apply_weight_format
+    from viasd_core.runtime.weight_format import WeightFormat
+    from viasd_core.runtime.weight_formats import apply_weight_format
 
     out = {}
     for name in ("int8", "int4"):
@@ -288,8 +288,8 @@ def speed_shape(label: str, family: str, sizes: dict, new: int, rep: Report, com
 def part_more(rep: Report, shape: str = "llama-3-8b", new: int = 128) -> dict:
     """The 8B shape again: int4 weights compiled, a one-layer draft of the target's width (an
     EAGLE-style head's cost), and transformers' static cache compiled (its fastest `generate()`)."""
-    from viasd_core.decoding.weight_format import WeightFormat
-    from viasd_core.decoding.weight_formats import apply_weight_format
+    from viasd_core.runtime.weight_format import WeightFormat
+    from viasd_core.runtime.weight_formats import apply_weight_format
 
     sizes = SHAPES[shape]["target"]
     res: dict = {"shape": shape, "new_tokens": new, "prompt_tokens": 64}

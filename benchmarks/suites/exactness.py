@@ -33,9 +33,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def run_one(fmt: str, prompts_path: Path, new_tokens: int, threads: str, out: Path) -> None:
     """In a process whose cap is already set: every prompt in ar, sd and sd over trees."""
-    from viasd_core.decoding.engine import GenerationConfig
-    from viasd_core.decoding.exactness import promise
-    from viasd_core.decoding.tree import TreeShape
+    from viasd_core.speculation.engine import GenerationConfig
+    from viasd_core.speculation.exactness import promise
+    from viasd_core.speculation.tree import TreeShape
     from viasd_core.loading.options import ModelOptions
     from viasd_core.loading.prompts import encode, load_prompts
     from viasd_core.session import build_session

@@ -21,7 +21,7 @@ from collections import defaultdict
 import torch
 
 from viasd_core.loading.models import load_model
-from viasd_core.decoding.model import FastModel
+from viasd_core.runtime.model import FastModel
 from viasd_core.loading.prompts import encode, load_prompts
 
 

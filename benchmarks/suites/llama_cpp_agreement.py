@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from viasd_core.decoding.model import FastModel
+from viasd_core.runtime.model import FastModel
 from viasd_core.loading.models import load_model
 from viasd_core.loading.prompts import encode
 

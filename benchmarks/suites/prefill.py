@@ -11,7 +11,7 @@ through every layer in turn: an int8/int4 layer widened once a chunk, the path b
 prefill), `int4-kernel` runs tinygemm's kernel for every row (no widened weight at all), and
 `int4-operators` widens each layer with PyTorch's operators instead of viasd_kernels' one-pass
 kernel (kernels/cpu_int4_widen.py). `none-packed`
-runs float32's chunks through oneDNN's packed product (decoding/short_products.py).
+runs float32's chunks through oneDNN's packed product (runtime/short_products.py).
 Prints one JSON object (docs/performance.md's prefill tables).
 """
 
@@ -25,12 +25,12 @@ import time
 import torch
 from viasd_kernels import cpu_int4_widen
 
-from viasd_core.decoding import packed_cpu
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.model_pass import PREFILL_CHUNK
-from viasd_core.decoding.short_products import ShortRows
-from viasd_core.decoding.weight_format import WeightFormat
-from viasd_core.decoding.weight_formats import packed_copy
+from viasd_core.runtime import packed_cpu
+from viasd_core.runtime.model import FastModel
+from viasd_core.runtime.model_pass import PREFILL_CHUNK
+from viasd_core.runtime.short_products import ShortRows
+from viasd_core.runtime.weight_format import WeightFormat
+from viasd_core.runtime.weight_formats import packed_copy
 from viasd_core.devices import device_name
 from viasd_core.loading.models import load_model
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.weight_formats import WeightFormat, apply_weight_format
+from viasd_core.runtime.model import FastModel
+from viasd_core.runtime.weight_formats import WeightFormat, apply_weight_format
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "suites" / "llama_cpp_agreement.py"
 

@@ -12,9 +12,9 @@ from viasd_core.calibration.costs import sd_outcome
 from viasd_core.calibration.fit import fit_thresholds
 from viasd_core.calibration.mask_search import MaskEvaluator, search_layer_mask
 from viasd_core.errors import ViasdError
-from viasd_core.decoding.model import FastModel
+from viasd_core.runtime.model import FastModel
 from viasd_core.loading.profile import Profile, find_profile, read_profile, save_profile
-from viasd_core.decoding.router import OFF, BlockRecord, Thresholds, replay
+from viasd_core.speculation.router import OFF, BlockRecord, Thresholds, replay
 from viasd_kernels import route_block
 
 
@@ -178,7 +178,7 @@ def test_calibrate_meets_budget_on_heldout_then_viasd_generates(tiny_dirs, viasd
     assert sum(row["stats"]["tier_counts"].values()) == row["new_tokens"] or row["finish_reason"] != "length"
     # The reported fidelity is that of the emitted tokens: the same run in-process, then the
     # target's greedy choices along it, counted here.
-    from viasd_core.decoding.engine import GenerationConfig
+    from viasd_core.speculation.engine import GenerationConfig
     from viasd_core.loading.prompts import encode
     from viasd_core.session import build_session, thresholds_of
     from viasd_core.loading.options import ModelOptions
@@ -244,7 +244,7 @@ def test_calibrate_refuses_to_save_when_heldout_misses_the_budget(tiny_dirs, via
 def test_run_prompts_reports_fidelity_only_where_measured():
     from conftest import TinyTokenizer
     from viasd_core.calibration.runs import run_prompts
-    from viasd_core.decoding.engine import Engine, GenerationConfig
+    from viasd_core.speculation.engine import Engine, GenerationConfig
 
     target = tiny_model("llama", n_layers=2, seed=46)
     prompts = [torch.randint(3, 256, (6,), generator=torch.Generator().manual_seed(s)).tolist() for s in range(2)]
@@ -287,8 +287,8 @@ def test_calibration_with_nothing_to_replay_reports_not_measured(tiny_dirs, vias
 
 def test_viasd_with_both_tiers_off_is_sd_without_slim_passes():
     from conftest import TinyTokenizer
-    from viasd_core.decoding.drafters import ModelDrafter
-    from viasd_core.decoding.engine import Engine, GenerationConfig
+    from viasd_core.speculation.drafters import ModelDrafter
+    from viasd_core.speculation.engine import Engine, GenerationConfig
 
     target = tiny_model("llama", n_layers=4, seed=44)
     draft = tiny_model("llama", n_layers=1, seed=45)
@@ -315,7 +315,7 @@ def test_pass_costs_time_the_shapes_generation_runs(block):
     """Every timed pass has a decode shape that runs compiled (a block verify returns all its rows):
     a block timed with one logit row ran eagerly beside a compiled 1-token pass (issue 22 item 3)."""
     from viasd_core.calibration.costs import pass_costs
-    from viasd_core.decoding.model import pass_width
+    from viasd_core.runtime.model import pass_width
 
     fast = FastModel(tiny_model("llama", seed=3), max_len=64)
     shapes = []
@@ -338,9 +338,9 @@ def test_a_candidate_view_is_attached_before_its_costs_are_measured(monkeypatch)
     """The slim view's pass costs are taken once the engine has attached it (sized, and compiled and
     warmed up when the engine is), so the costs are those of the passes the run will make."""
     from viasd_core.calibration import candidates as cand_mod
-    from viasd_core.decoding.engine import Engine, GenerationConfig
-    from viasd_core.decoding.drafters import NgramDrafter
-    from viasd_core.decoding.slim_view import SlimView, TARGET_WEIGHTS
+    from viasd_core.speculation.engine import Engine, GenerationConfig
+    from viasd_core.speculation.drafters import NgramDrafter
+    from viasd_core.runtime.slim_view import SlimView, TARGET_WEIGHTS
     from conftest import TinyTokenizer
 
     model = tiny_model("llama", n_layers=6, seed=1)

@@ -8,21 +8,21 @@ import torch
 
 from conftest import TinyTokenizer, tiny_model
 from support.cli_cases import invoke, prompt_file  # noqa: F401 (prompt_file: a fixture)
-from viasd_core.decoding import slim_view
+from viasd_core.runtime import slim_view
 from viasd_core.calibration.candidates import Candidate, choose_candidate, parse_slim_formats, slim_candidates
 from viasd_core.calibration.costs import modeled_tokens_per_s, pass_seconds
 from viasd_core.calibration.fit import Fit, fidelity_lower_bound, fit_thresholds
 from viasd_core.calibration.runs import collect_blocks
-from viasd_core.decoding.drafters import ModelDrafter
-from viasd_core.decoding.engine import Engine, GenerationConfig
+from viasd_core.speculation.drafters import ModelDrafter
+from viasd_core.speculation.engine import Engine, GenerationConfig
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.loading.models import load_model
-from viasd_core.decoding.model import FastModel
+from viasd_core.runtime.model import FastModel
 from viasd_core.loading.profile import read_profile, save_profile
-from viasd_core.decoding.router import OFF, BlockRecord, ReplayOutcome, Thresholds, replay, route_tiers
-from viasd_core.decoding.weight_format import WeightFormat
-from viasd_core.decoding.slim_view import TARGET_WEIGHTS, SlimView, lower_formats, release_twins, slim_verifier, slim_weights
-from viasd_core.decoding.weight_formats import PackedLinear, has_weight_format, packed_bytes, packed_copy, weight_bytes
+from viasd_core.speculation.router import OFF, BlockRecord, ReplayOutcome, Thresholds, replay, route_tiers
+from viasd_core.runtime.weight_format import WeightFormat
+from viasd_core.runtime.slim_view import TARGET_WEIGHTS, SlimView, lower_formats, release_twins, slim_verifier, slim_weights
+from viasd_core.runtime.weight_formats import PackedLinear, has_weight_format, packed_bytes, packed_copy, weight_bytes
 from viasd_kernels import TIER_ACCEPT as A
 from viasd_kernels import TIER_FULL as F
 from viasd_kernels import TIER_SLIM as S
@@ -180,7 +180,7 @@ def assert_greedy_choices(model, prompt_ids, tokens, positions):
     passes, so a near tie (2 bf16 steps at the top logit) may go either way; no more than 2 do. The
     forward runs the packed formats' decode kernels at every row (not the dense prefill product: each
     packed layer's bound threshold lifted for the call)."""
-    from viasd_core.decoding import packed_linear
+    from viasd_core.runtime import packed_linear
 
     layers = [m for m in model.modules() if isinstance(m, packed_linear.PackedLinear)]
     bound = [m._dense_rows for m in layers]
@@ -333,7 +333,7 @@ def test_bench_ar_slim_runs_the_view_alone_with_fidelity_against_the_target(tiny
 def test_a_feature_draft_reads_a_bfloat16_views_features_in_the_targets_dtype():
     from support.head_cases import make_head
 
-    from viasd_core.decoding.feature_drafter import FeatureDrafter
+    from viasd_core.speculation.feature_drafter import FeatureDrafter
 
     target = tiny_model("llama", n_layers=5, seed=12)
     fast = FastModel(target, max_len=128)

@@ -12,11 +12,11 @@ import torch
 
 from conftest import TinyTokenizer, record_forward, tiny_model
 from viasd_core.calibration.recording import BlockRecorder
-from viasd_core.decoding.drafters import ModelDrafter
-from viasd_core.decoding.engine import Engine, GenerationConfig
-from viasd_core.decoding.fidelity import fidelity, target_argmax_along
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.router import OFF, BlockRecord, Thresholds, replay, walk_block
+from viasd_core.speculation.drafters import ModelDrafter
+from viasd_core.speculation.engine import Engine, GenerationConfig
+from viasd_core.speculation.fidelity import fidelity, target_argmax_along
+from viasd_core.runtime.model import FastModel
+from viasd_core.speculation.router import OFF, BlockRecord, Thresholds, replay, walk_block
 from viasd_kernels import TIER_ACCEPT as A
 from viasd_kernels import TIER_FULL as F
 from viasd_kernels import TIER_SLIM as S

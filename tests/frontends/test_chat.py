@@ -10,7 +10,7 @@ from conftest import positions_run, record_forward
 from viasd_cli.app import get_app
 from viasd_core.frontends.chat import Chat
 from viasd_core.frontends.chat_commands import parse_command, run_command
-from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.speculation.engine import GenerationConfig
 from viasd_core.loading.profile import Profile, profile_path, save_profile
 from viasd_core.session import build_session
 from viasd_core.loading.options import ModelOptions
@@ -214,8 +214,8 @@ def test_prefill_counts_are_what_the_target_ran(tiny_dirs, viasd_home, mode):
 def test_prefill_counts_when_the_conversation_outgrows_the_context(tiny_dirs, viasd_home):
     """A conversation that outgrows the context drops its oldest turns; the caches are allocated
     once and never re-allocated, and the counts say exactly which prompt positions the target ran."""
-    from viasd_core.decoding.engine import Engine
-    from viasd_core.decoding.model import FastModel
+    from viasd_core.speculation.engine import Engine
+    from viasd_core.runtime.model import FastModel
 
     chat = make_chat(tiny_dirs, mode="ar", draft=None)
     small = chat.engine
@@ -236,7 +236,7 @@ def test_prefill_counts_when_the_conversation_outgrows_the_context(tiny_dirs, vi
 def test_three_turns_compile_once_and_the_draft_reads_only_new_tokens(tiny_dirs, viasd_home, monkeypatch):
     """The live meter watches steps as an engine observer: no drafter is swapped in per turn, so a
     compiled chat compiles once and every cache (the draft's too) is kept across turns."""
-    from viasd_core.decoding.model import FastModel
+    from viasd_core.runtime.model import FastModel
 
     compiles = []
     monkeypatch.setattr(FastModel, "compile", lambda self, mode=None: compiles.append(self.name) or False)

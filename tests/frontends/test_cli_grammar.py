@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from support.grammar_tiny import save_byte_model_dir
 from viasd_cli.app import get_app
-from viasd_core.decoding.grammar import Grammar, grammar_option
+from viasd_core.speculation.grammar import Grammar, grammar_option
 from viasd_core.errors import UsageError
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},

@@ -11,9 +11,9 @@ from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
 from viasd_core.machine import compile as compile_choice
-from viasd_core.decoding import attention, packed_cpu, short_products
+from viasd_core.runtime import attention, packed_cpu, short_products
 from viasd_kernels import cpu_int4_widen, instruction_set
-from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.speculation.engine import GenerationConfig
 from viasd_core.frontends.doctor import environment, run_doctor
 from viasd_core.frontends.doctor_checks import FAIL, PASS, SKIP, check_exact_mode
 from viasd_core.loading.options import ModelOptions
@@ -357,7 +357,7 @@ def test_compiled_against_eager_allows_rounding_only(tiny_dirs, viasd_home, monk
 
 @needs_torchao
 def test_doctor_shows_the_verify_curve_of_each_format_auto_chooses_between(tiny_dirs, viasd_home, monkeypatch):
-    from viasd_core.decoding.weight_format import INT4, NONE
+    from viasd_core.runtime.weight_format import INT4, NONE
     from viasd_core.frontends import doctor as core_doctor
     from viasd_core.machine.tree import CURVE_WIDTHS
 
@@ -434,7 +434,7 @@ def test_doctor_is_strict_where_the_int_formats_promise_bit_exact_passes(tiny_di
 
 
 def test_doctor_says_which_promise_applies(tiny_dirs, viasd_home):
-    from viasd_core.decoding.exactness import Promise
+    from viasd_core.speculation.exactness import Promise
     from viasd_core.frontends.doctor_checks import exactness, promise_words, rounding_dtype
 
     session = build_session(ModelOptions(model=str(tiny_dirs["target"]), draft=str(tiny_dirs["draft"]), quant="none"),

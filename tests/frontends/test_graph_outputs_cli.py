@@ -1,6 +1,6 @@
 """Whole commands under the CUDA-graph output stand-in: `VIASD_CHECK_GRAPH_OUTPUTS=1` with
 `--compile on` on this CPU makes every compiled call poison the outputs of the earlier ones (see
-viasd_core/decoding/graph_outputs.py). generate (ar, sd), a three-turn chat, doctor, calibrate and
+viasd_core/runtime/graph_outputs.py). generate (ar, sd), a three-turn chat, doctor, calibrate and
 bench (ar, sd, exact, viasd) run on tiny models and must give the eager run's answers: no command
 reads a stale output.
 
@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
-from viasd_core.decoding import graph_outputs
+from viasd_core.runtime import graph_outputs
 
 N = 8
 

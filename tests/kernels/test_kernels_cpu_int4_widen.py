@@ -11,7 +11,7 @@ import torch
 from viasd_kernels import cpu_flags, cpu_int4_widen as cw
 
 from support.int4_cases import case, pack
-from viasd_core.decoding import packed_cpu, weight_formats as wf
+from viasd_core.runtime import packed_cpu, weight_formats as wf
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from conftest import needs_torchao
 from support.int4_cases import case, pack
 from viasd_kernels import cpu_flags, cpu_packed_mm as pm, instruction_set
 
-from viasd_core.decoding import packed_cpu, packed_torch, weight_formats as wf
+from viasd_core.runtime import packed_cpu, packed_torch, weight_formats as wf
 
 NO_BF16 = "this CPU has no AVX-512 BF16 instructions"
 WAYS = ("native", "avx2", "avx512")

@@ -1,4 +1,4 @@
-"""viasd_kernels.cpu_rms_norm and viasd_core.decoding.norms: RMSNorm in one call on a CPU.
+"""viasd_kernels.cpu_rms_norm and viasd_core.runtime.norms: RMSNorm in one call on a CPU.
 
 The kernel against transformers' formula (PyTorch's operators): float32 within float32 rounding,
 bfloat16 within one rounding step and nearly always bit for bit (only the order of the sum of
@@ -18,7 +18,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from viasd_kernels import cpu_flags, cpu_rms_norm as rn
 
-from viasd_core.decoding import norms
+from viasd_core.runtime import norms
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +121,7 @@ def test_a_model_says_how_its_norms_and_rope_run(build_dir, monkeypatch, family)
     its module, Qwen3's RoPE through the operators (its per-head norms come first)."""
     from conftest import tiny_model
 
-    from viasd_core.decoding.model import FastModel
+    from viasd_core.runtime.model import FastModel
 
     monkeypatch.setattr("viasd_core.paths.kernel_dir", lambda: build_dir)
     way = FastModel(tiny_model(family, seed=1), max_len=32).layer_kernels_way()

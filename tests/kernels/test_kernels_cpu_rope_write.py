@@ -16,11 +16,11 @@ import torch
 from conftest import FAMILIES, every_kind_of_pass, tiny_model
 from viasd_kernels import cpu_flags, cpu_rope_write as rw
 
-from viasd_core.decoding import weight_formats as wf
-from viasd_core.decoding.attention import LayerCache
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.rope import apply_rope, signed_sin
-from viasd_core.decoding.weight_format import WeightFormat
+from viasd_core.runtime import weight_formats as wf
+from viasd_core.runtime.attention import LayerCache
+from viasd_core.runtime.model import FastModel
+from viasd_core.runtime.rope import apply_rope, signed_sin
+from viasd_core.runtime.weight_format import WeightFormat
 
 DTYPES = (torch.float32, torch.bfloat16)
 

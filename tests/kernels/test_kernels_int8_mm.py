@@ -163,8 +163,8 @@ def test_int8_mm_compiles_in_a_full_graph():
 def test_packed_int8_layers_on_cuda_call_the_kernel_without_a_weight_copy(fused, monkeypatch):
     """PackedLinear's int8 layer on CUDA: the kernel's numbers (equal to the plain reference within
     a unit), no widened copy of the weight, a bias added after."""
-    from viasd_core.decoding.weight_format import WeightFormat
-    from viasd_core.decoding.weight_formats import PackedLinear, apply_weight_format
+    from viasd_core.runtime.weight_format import WeightFormat
+    from viasd_core.runtime.weight_formats import PackedLinear, apply_weight_format
 
     torch.manual_seed(8)
     holder = torch.nn.Sequential(torch.nn.Linear(192, 80, bias=True).to(torch.bfloat16).to(DEVICE))

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import LlamaConfig
 
-from viasd_core.decoding.eagle import FeatureHead
-from viasd_core.decoding.eagle_files import load_feature_head, save_feature_head
+from viasd_core.speculation.eagle import FeatureHead
+from viasd_core.speculation.eagle_files import load_feature_head, save_feature_head
 from viasd_core.errors import ViasdError
 from viasd_core.loading.head_export import draft_length, export_head
 from viasd_core.training.eagle_init import head_config

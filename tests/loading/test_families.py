@@ -17,8 +17,8 @@ import torch
 from conftest import NEW_FAMILIES, multimodal_config, tiny_config, tiny_model
 from support.engine_cases import graphs_compiled, hf_greedy, make_engine, prompt_for
 from support.invariance_cases import PROMPT, SPAN, target, tokens, width_dependent_rows
-from viasd_core.decoding.engine import GenerationConfig
-from viasd_core.decoding.model import FastModel
+from viasd_core.speculation.engine import GenerationConfig
+from viasd_core.runtime.model import FastModel
 from viasd_core.errors import ViasdError
 
 NEW = 24
@@ -49,7 +49,7 @@ def test_fast_pass_computes_transformers_logits(family):
 def test_a_prefill_in_chunks_computes_transformers_logits(family, monkeypatch):
     """A pass longer than PREFILL_CHUNK runs layer by layer over chunks: each layer's own RoPE table
     and window (8, as the chunks here) over chunk borders."""
-    from viasd_core.decoding import model_pass as model_module
+    from viasd_core.runtime import model_pass as model_module
 
     monkeypatch.setattr(model_module, "PREFILL_CHUNK", 8)
     model = tiny_model(family, seed=4)
@@ -165,7 +165,7 @@ def test_bidirectional_models_and_a_whole_multimodal_model_are_refused_in_one_li
     Gemma 3 model (not its language model: tests/loading/test_gemma3_multimodal.py) says what to hand it."""
     from transformers import AutoModelForCausalLM
 
-    from viasd_core.decoding.families import check_family
+    from viasd_core.runtime.families import check_family
 
     bidirectional = AutoModelForCausalLM.from_config(
         tiny_config("gemma3_text", n_layers=1, use_bidirectional_attention=True))

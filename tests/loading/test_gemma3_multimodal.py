@@ -76,8 +76,8 @@ def test_generate_runs_the_language_model_of_a_multimodal_checkpoint(checkpoint,
 def test_the_loaded_model_is_the_language_model_alone(checkpoint):
     """load_model hands over a gemma3_text causal LM over the checkpoint's language model and head
     (no vision tower, no meta tensor left from the shell), its generation config the checkpoint's."""
-    from viasd_core.decoding.families import language_model
-    from viasd_core.decoding.model import FastModel
+    from viasd_core.runtime.families import language_model
+    from viasd_core.runtime.model import FastModel
     from viasd_core.loading.models import load_model
 
     folder, text, whole, _ = checkpoint

@@ -17,8 +17,8 @@ from support.gguf_tiny import quantize, write_tiny_gguf
 from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
-from viasd_core.decoding.packed_linear import PackedLinear
-from viasd_core.decoding.weight_formats import int4_from_codes
+from viasd_core.runtime.packed_linear import PackedLinear
+from viasd_core.runtime.weight_formats import int4_from_codes
 from viasd_core.loading.gguf_blocks import block_codes
 
 pytest.importorskip("torchao")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from viasd_core.errors import UsageError, ViasdError
-from viasd_core.decoding.weight_format import WeightFormat
+from viasd_core.runtime.weight_format import WeightFormat
 from viasd_core.loading.models import load_model, quantization_config
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes not installed")
@@ -44,7 +44,7 @@ def test_quantized_layers_use_the_expected_fraction_of_memory(quant_dir, quant, 
 
 @pytest.mark.parametrize("quant", ["8bit", "4bit"])
 def test_slim_verifier_from_a_quantized_target_equals_a_by_hand_reference(quant_dir, quant):
-    from viasd_core.decoding.model import FastModel
+    from viasd_core.runtime.model import FastModel
 
     q = load_model(str(quant_dir), device="cpu", quant=quant, with_tokenizer=False).model
     kept = [0, 2, 3]
@@ -69,9 +69,9 @@ def test_slim_verifier_from_a_quantized_target_equals_a_by_hand_reference(quant_
 @pytest.mark.parametrize("quant", ["8bit", "4bit"])
 def test_sd_and_exact_on_a_quantized_target_equal_ar_on_it(quant_dir, quant):
     from conftest import TinyTokenizer
-    from viasd_core.decoding.drafters import ModelDrafter
-    from viasd_core.decoding.engine import Engine, GenerationConfig
-    from viasd_core.decoding.model import FastModel
+    from viasd_core.speculation.drafters import ModelDrafter
+    from viasd_core.speculation.engine import Engine, GenerationConfig
+    from viasd_core.runtime.model import FastModel
 
     q = load_model(str(quant_dir), device="cpu", quant=quant, with_tokenizer=False).model
     prompt = torch.randint(8, 256, (10,), generator=torch.Generator().manual_seed(4)).tolist()

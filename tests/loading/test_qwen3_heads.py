@@ -20,11 +20,11 @@ import torch
 
 from conftest import tiny_model
 from support.qwen3_head_files import ANGELSLIM, VOCAB, head_tensors, write
-from viasd_core.decoding.eagle_files import load_feature_head
-from viasd_core.decoding.feature_drafter import FeatureDrafter
-from viasd_core.decoding.head_layouts import speculators_config, speculators_tensors
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.sampling import Sampler, SamplingParams
+from viasd_core.speculation.eagle_files import load_feature_head
+from viasd_core.speculation.feature_drafter import FeatureDrafter
+from viasd_core.speculation.head_layouts import speculators_config, speculators_tensors
+from viasd_core.runtime.model import FastModel
+from viasd_core.speculation.sampling import Sampler, SamplingParams
 from viasd_core.errors import ViasdError
 
 N_LAYERS = 8  # the default layers of 8: (2, 4, 5)

@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from conftest import TinyTokenizer, tiny_model
-from viasd_core.decoding.drafters import ModelDrafter
-from viasd_core.decoding.engine import Engine, GenerationConfig
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.router import Thresholds
+from viasd_core.speculation.drafters import ModelDrafter
+from viasd_core.speculation.engine import Engine, GenerationConfig
+from viasd_core.runtime.model import FastModel
+from viasd_core.speculation.router import Thresholds
 from viasd_core.loading.synthetic import SHAPES
 
 from conftest import needs_torchao
@@ -143,7 +143,7 @@ def model(request):
 def engine(model, compiled: bool = False) -> Engine:
     """The real-shaped target, a tiny 1-layer draft of its vocabulary, and its first layer as the
     slim view. compiled: the target's passes (the real shapes' graphs; the draft's and the slim's
-    are the tiny models' and one layer's, compiled in tests/decoding/test_compiled_step.py)."""
+    are the tiny models' and one layer's, compiled in tests/speculation/test_compiled_step.py)."""
     vocab = model.config.vocab_size
     draft = tiny_model("llama", n_layers=1, vocab=vocab, seed=3)
     eng = Engine(FastModel(model, max_len=CONTEXT), TinyTokenizer(vocab),
@@ -171,7 +171,7 @@ def eager_ar(model) -> list[int]:
 def test_the_fast_pass_computes_transformers_logits(model):
     """Rope scaling (llama3), grouped-query attention 4:1 and 7:1, Qwen's q/k/v biases: FastModel's
     pass equals transformers' forward at these shapes."""
-    from viasd_core.decoding.rope import rope_types
+    from viasd_core.runtime.rope import rope_types
 
     qwen = model.config.model_type == "qwen2"
     assert rope_types(model.config) == ["default" if qwen else "llama3"]
@@ -214,8 +214,8 @@ LAYER_SHAPES = ("q_proj", "k_proj", "down_proj", "up_proj")  # (out, in): (h, h)
 def test_real_width_layers_pack_to_their_format(model, fmt):
     """Each distinct layer shape, packed from the model's own weights on CPU: the kernel applies the
     format's weight (within half a quantization step; int8 exactly the levels of its rows)."""
-    from viasd_core.decoding.weight_format import WeightFormat
-    from viasd_core.decoding.weight_formats import INT4_GROUP, PackedLinear, apply_weight_format
+    from viasd_core.runtime.weight_format import WeightFormat
+    from viasd_core.runtime.weight_formats import INT4_GROUP, PackedLinear, apply_weight_format
 
     layer = model.model.layers[0]
     for name in LAYER_SHAPES:
@@ -253,7 +253,7 @@ def test_a_short_calibration_on_real_shapes(model, monkeypatch):
     from viasd_core.calibration import candidates as cand
     from viasd_core.calibration.costs import measure_costs, pass_costs
     from viasd_core.calibration.mask_search import MaskEvaluator, search_layer_mask
-    from viasd_core.decoding.slim_view import SlimView
+    from viasd_core.runtime.slim_view import SlimView
 
     monkeypatch.setattr(cand, "pass_costs", functools.partial(pass_costs, context=8, repeats=1))
     eng = engine(model)

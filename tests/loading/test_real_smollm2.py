@@ -50,10 +50,10 @@ def test_embedded_model_converted_with_expected_config(smollm2):
 
 @pytest.mark.slow
 def test_sd_and_exact_equal_ar_and_transformers_on_spec_bench_prompts(smollm2):
-    from viasd_core.decoding.drafters import ModelDrafter, NgramDrafter
-    from viasd_core.decoding.engine import Engine, GenerationConfig
-    from viasd_core.decoding.model import FastModel
-    from viasd_core.decoding.tree import TreeShape
+    from viasd_core.speculation.drafters import ModelDrafter, NgramDrafter
+    from viasd_core.speculation.engine import Engine, GenerationConfig
+    from viasd_core.runtime.model import FastModel
+    from viasd_core.speculation.tree import TreeShape
     from viasd_core.loading.prompts import encode
     from viasd_core.loading.models import eos_ids
     from viasd_core.loading.drafter_factory import load_drafter
@@ -118,9 +118,9 @@ def test_int_formats_sd_and_exact_equal_ar_at_the_same_format(quant, tmp_path, m
     """int8 / int4 weight-only (torchao-packed, bf16 activations): the shipped head drafting for
     the quantized target, sd and exact token-identical to ar at that format, drafts accepted."""
     pytest.importorskip("torchao")
-    from viasd_core.decoding.engine import Engine, GenerationConfig
+    from viasd_core.speculation.engine import Engine, GenerationConfig
     from viasd_core.loading.models import load_model
-    from viasd_core.decoding.model import FastModel
+    from viasd_core.runtime.model import FastModel
     from viasd_core.loading.prompts import encode
     from viasd_core.loading.models import eos_ids
     from viasd_core.loading.drafter_factory import load_drafter
@@ -152,15 +152,15 @@ def test_an_int4_slim_view_of_the_fp32_target(smollm2):
     first miss survives verification (more tokens per target pass than `sd` with the same head);
     `viasd` with every position settled by the view runs without the target and reports the loss."""
     pytest.importorskip("torchao")
-    from viasd_core.decoding.engine import Engine, GenerationConfig
-    from viasd_core.decoding.fidelity import fidelity
-    from viasd_core.decoding.model import FastModel
+    from viasd_core.speculation.engine import Engine, GenerationConfig
+    from viasd_core.speculation.fidelity import fidelity
+    from viasd_core.runtime.model import FastModel
     from viasd_core.loading.prompts import encode
-    from viasd_core.decoding.router import OFF, Thresholds
+    from viasd_core.speculation.router import OFF, Thresholds
     from viasd_core.loading.models import eos_ids
     from viasd_core.loading.drafter_factory import load_drafter
     from viasd_core.loading.options import ModelOptions
-    from viasd_core.decoding.slim_view import SlimView, slim_verifier
+    from viasd_core.runtime.slim_view import SlimView, slim_verifier
 
     target = FastModel(smollm2.model, max_len=1024)
     assert target.dtype == torch.float32

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from conftest import TinyTokenizer, tiny_model
-from viasd_core.decoding.drafters import ModelDrafter
-from viasd_core.decoding.engine import Engine, GenerationConfig
-from viasd_core.decoding.families import model_shape
-from viasd_core.decoding.model import FastModel
+from viasd_core.speculation.drafters import ModelDrafter
+from viasd_core.speculation.engine import Engine, GenerationConfig
+from viasd_core.runtime.families import model_shape
+from viasd_core.runtime.model import FastModel
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.session import context_size
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from conftest import save_tiny_model_dir, tiny_model
-from viasd_core.decoding.drafters import ModelDrafter
-from viasd_core.decoding.engine import GenerationConfig
-from viasd_core.decoding.model import FastModel
+from viasd_core.speculation.drafters import ModelDrafter
+from viasd_core.speculation.engine import GenerationConfig
+from viasd_core.runtime.model import FastModel
 from viasd_core.loading.profile import Profile, save_profile
-from viasd_core.decoding.sampling import Sampler, SamplingParams
+from viasd_core.speculation.sampling import Sampler, SamplingParams
 from viasd_core.session import build_session, thresholds_of
 from viasd_core.loading.vocab_rows import emittable
 from viasd_core.loading.options import ModelOptions

@@ -1,4 +1,4 @@
-"""The weight format as a value (viasd_core.decoding.weight_format), `auto` and its reason, and
+"""The weight format as a value (viasd_core.runtime.weight_format), `auto` and its reason, and
 int4 on CUDA by construction: the activation padded to the width torchao's tile layout packed.
 
 The CUDA kernel cannot run here, so its shape contract is played by a plain-PyTorch stand-in
@@ -11,7 +11,7 @@ activation narrower than the packed weight, as `_weight_int4pack_mm` does.
 import pytest
 import torch
 
-from viasd_core.decoding.weight_format import (AUTO, BITSANDBYTES, BNB_4BIT, BNB_8BIT, FLOAT, INT4, INT8, NAMES, NONE,
+from viasd_core.runtime.weight_format import (AUTO, BITSANDBYTES, BNB_4BIT, BNB_8BIT, FLOAT, INT4, INT8, NAMES, NONE,
                                                TORCHAO, WeightFormat)
 from viasd_core.errors import UsageError
 
@@ -92,7 +92,7 @@ def test_int4_is_refused_before_loading_on_a_gpu_older_than_compute_capability_8
     """tinygemm's CUDA kernel needs bfloat16 tensor cores (compute capability 8.0); on an older GPU
     the activations would be float16. Refused when the format is chosen, before any weight is read."""
     import viasd_core.loading.models as models
-    from viasd_core.decoding.weight_formats import activation_dtype
+    from viasd_core.runtime.weight_formats import activation_dtype
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
@@ -128,10 +128,10 @@ def tinygemm_standin(x: torch.Tensor, qdata: torch.Tensor, group: int, scale_and
 def cuda_int4_layout(monkeypatch):
     """weight_formats packs int4 as on CUDA (torchao's tile-packed layout, its padding included) and
     calls the stand-in for the CUDA kernel."""
-    import viasd_core.decoding.weight_formats as wf
+    import viasd_core.runtime.weight_formats as wf
     from torchao.quantization.quantize_.workflows import Int4TilePackedTo4dTensor
 
-    from viasd_core.decoding import packed_torch
+    from viasd_core.runtime import packed_torch
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.ops.aten, "_convert_weight_to_int4pack", lambda q, inner_k_tiles: q)  # keep the bytes
@@ -153,7 +153,7 @@ ROWS = 60  # output rows of the large layers: the padding of the output depends 
 def test_cuda_int4_pads_the_activation_to_the_packed_width(cuda_int4_layout, model, n_in, n_out):
     from torchao.utils import find_multiple
 
-    from viasd_core.decoding.weight_formats import INT4_GROUP, PackedLinear, apply_weight_format, int4_packed_shape
+    from viasd_core.runtime.weight_formats import INT4_GROUP, PackedLinear, apply_weight_format, int4_packed_shape
 
     n_out = n_out if n_in * n_out <= 5_000_000 else ROWS  # the full large layers take seconds each to pack
     torch.manual_seed(n_in + n_out)
@@ -184,7 +184,7 @@ def test_cuda_int4_pads_the_activation_to_the_packed_width(cuda_int4_layout, mod
 
 @needs_torchao
 def test_cuda_int4_output_padding_is_sliced_off_and_bias_applied(cuda_int4_layout):
-    from viasd_core.decoding.weight_formats import INT4_GROUP, apply_weight_format
+    from viasd_core.runtime.weight_formats import INT4_GROUP, apply_weight_format
 
     torch.manual_seed(7)
     layer = torch.nn.Linear(576, 100, bias=True).to(torch.bfloat16)  # 100 rows: packed as 104
@@ -200,7 +200,7 @@ def test_cuda_int4_output_padding_is_sliced_off_and_bias_applied(cuda_int4_layou
 
 @needs_torchao
 def test_cpu_int4_is_packed_unpadded():
-    from viasd_core.decoding.weight_formats import INT4_GROUP, apply_weight_format
+    from viasd_core.runtime.weight_formats import INT4_GROUP, apply_weight_format
 
     holder = torch.nn.Sequential(torch.nn.Linear(576, 96, bias=False).to(torch.bfloat16))
     apply_weight_format(holder, INT4)
@@ -210,7 +210,7 @@ def test_cpu_int4_is_packed_unpadded():
 
 @needs_torchao
 def test_slim_views_offer_only_the_formats_the_gpu_runs(monkeypatch):
-    from viasd_core.decoding.slim_view import lower_formats
+    from viasd_core.runtime.slim_view import lower_formats
 
     capability = [(8, 0)]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability[0])

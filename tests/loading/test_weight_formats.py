@@ -1,4 +1,4 @@
-"""--quant int8 / int4: weight-only formats packed by torchao (viasd_core.decoding.weight_formats).
+"""--quant int8 / int4: weight-only formats packed by torchao (viasd_core.runtime.weight_formats).
 
 The packed layer against a reference written here from the formats' definitions, the memory it
 saves, the slim view sharing the target's packed layers, batch invariance, and greedy `sd` /
@@ -14,9 +14,9 @@ import torch
 from conftest import FAMILIES, tiny_model
 from support.format_cases import engine, greedy_modes_equal_ar, quantized
 from viasd_core.errors import UsageError, ViasdError
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.weight_format import WeightFormat
-from viasd_core.decoding.weight_formats import INT4_GROUP, PackedLinear, apply_weight_format, weight_bytes
+from viasd_core.runtime.model import FastModel
+from viasd_core.runtime.weight_format import WeightFormat
+from viasd_core.runtime.weight_formats import INT4_GROUP, PackedLinear, apply_weight_format, weight_bytes
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
 FORMATS = ("int8", "int4")
@@ -35,13 +35,20 @@ def reference_weight(w: torch.Tensor, fmt: str) -> torch.Tensor:
     return (q * scale + lo).reshape(w.shape)
 
 
-def pack_one(fmt, n_in=128, n_out=96, seed=0):
+def pack_one(fmt, n_in=128, n_out=96, seed=0, pays: bool | None = None):
+    """One bfloat16 layer packed in `fmt`, and its weight; `pays`: the machine's bfloat16 verdict
+    (machine/bf16.py) as a loader records it on the model, which the packed layer takes."""
+    from viasd_core.runtime.weight_formats import BF16_PAYS
+
     torch.manual_seed(seed)
     linear = torch.nn.Linear(n_in, n_out, bias=False).to(torch.bfloat16)
     holder = torch.nn.Sequential(linear)
+    if pays is not None:
+        setattr(holder, BF16_PAYS, pays)
     w = linear.weight.detach().float()
     apply_weight_format(holder, WeightFormat.parse(fmt))
     assert isinstance(holder[0], PackedLinear) and holder[0].kind == fmt
+    assert holder[0].bf16_pays is (True if pays is None else pays)
     return holder[0], w
 
 
@@ -62,7 +69,7 @@ def check_dense_prefill_rows(monkeypatch, packed, name: str, weight: torch.Tenso
     """Through `packed`: passes of up to 16 rows equal the kernel `name` (packed_torch) bit for
     bit; longer ones stay within twice the kernel's own error against `weight` [out, in] (plus bf16
     rounding). Returns the row counts the kernel ran (it is wrapped to count them)."""
-    from viasd_core.decoding import packed_linear, packed_torch
+    from viasd_core.runtime import packed_linear, packed_torch
 
     kernel_rows = []
     reference = getattr(packed_torch, name)
@@ -81,22 +88,16 @@ def check_dense_prefill_rows(monkeypatch, packed, name: str, weight: torch.Tenso
     return kernel_rows
 
 
-def dense_products_in(monkeypatch, pays: bool) -> torch.dtype:
-    """machine/bf16.py's verdict set to `pays`; returns the dtype a CPU prefill's dense product then runs in."""
-    from viasd_core.decoding import packed_cpu
-
-    monkeypatch.setattr(packed_cpu, "bf16_products_pay", lambda device="cpu": pays)
-    return packed_cpu.dense_dtype(torch.bfloat16)
-
-
 @pytest.mark.parametrize("pays", [True, False], ids=["bf16-products", "fp32-products"])
 def test_cpu_int8_prefill_rows_take_one_dense_product_close_to_the_kernel(monkeypatch, pays):
     """Passes of up to 16 rows (decode, every verify block) run PyTorch's int8 kernel, bit for bit;
     longer ones (prefill chunks) widen the weight once and run one dense product, which rounds
     differently but stays within bf16 accumulation error of the kernel, in bfloat16 or (where
     bfloat16 products do not pay) in float32."""
-    assert dense_products_in(monkeypatch, pays) == (torch.bfloat16 if pays else torch.float32)
-    packed, _ = pack_one("int8", n_in=256, n_out=192)
+    from viasd_core.runtime import packed_cpu
+
+    assert packed_cpu.dense_dtype(torch.bfloat16, pays) == (torch.bfloat16 if pays else torch.float32)
+    packed, _ = pack_one("int8", n_in=256, n_out=192, pays=pays)
     weight = packed.qdata.double() * packed.scale.double()[:, None]
     rows = check_dense_prefill_rows(monkeypatch, packed, "_int8_mm_reference", weight, packed.qdata, packed.scale)
     assert rows == [1, 6, 16]  # the layer ran the plain kernel only for the short passes
@@ -116,11 +117,9 @@ def test_cpu_int4_prefill_rows_read_the_packed_layout_back_and_take_one_dense_pr
     and run one dense product within bf16 accumulation error of the kernel (in bfloat16, or in
     float32 where bfloat16 products do not pay). A layout that does not read back (a partial last
     block of rows) keeps the kernel at every size."""
-    from viasd_core.decoding import packed_cpu, packed_torch
+    from viasd_core.runtime import packed_cpu, packed_torch
 
-    dense_products_in(monkeypatch, pays)
-
-    packed, _ = pack_one("int4", n_in=256, n_out=192)
+    packed, _ = pack_one("int4", n_in=256, n_out=192, pays=pays)
     eye = torch.eye(256, dtype=torch.bfloat16)
     kernel_weight = packed_torch._int4_mm_cpu(eye, packed.qdata, packed.group, packed.scale).T  # [192, 256]
     dense = packed_cpu._int4_dense_cpu(packed.qdata, packed.group, packed.scale, torch.float32)
@@ -140,12 +139,11 @@ def test_cpu_int4_prefill_rows_read_the_packed_layout_back_and_take_one_dense_pr
 def test_without_fast_bf16_products_the_prefill_multiplies_the_same_weights_in_float32(monkeypatch, fmt):
     """The float32 dense product holds the weight the kernel applies (its bfloat16 values, widened)
     and rounds only its output to bfloat16; held so for a whole prefill by widen_once."""
-    from viasd_core.decoding import packed_cpu, packed_linear
+    from viasd_core.runtime import packed_cpu, packed_linear
 
-    dense_products_in(monkeypatch, False)
-    packed, _ = pack_one(fmt, n_in=256, n_out=192)
+    packed, _ = pack_one(fmt, n_in=256, n_out=192, pays=False)
     bf16 = packed.widened(torch.bfloat16)
-    fp32 = packed.widened(packed_cpu.dense_dtype(torch.bfloat16))
+    fp32 = packed.widened(packed_cpu.dense_dtype(torch.bfloat16, packed.bf16_pays))
     assert fp32.dtype == torch.float32 and torch.equal(fp32, bf16.float())
     x = torch.randn(40, 256, dtype=torch.bfloat16)
     want = torch.nn.functional.linear(x.float(), bf16.float()).to(torch.bfloat16)
@@ -270,7 +268,7 @@ def test_load_model_applies_the_format_and_refuses_other_activation_dtypes(tiny_
 
 
 def test_missing_torchao_is_a_one_line_error(monkeypatch):
-    import viasd_core.decoding.weight_formats as wf
+    import viasd_core.runtime.weight_formats as wf
 
     real = importlib.util.find_spec
     monkeypatch.setattr(wf.importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
@@ -301,7 +299,7 @@ def test_a_packed_layer_traces_into_one_graph_with_its_eager_numbers(monkeypatch
     A traced CPU pass takes PyTorch's kernels (viasd_kernels' CPU products are C calls; the engine
     never compiles a packed CPU model: FastModel.compile), so eager is compared with those."""
     layer = torch.nn.Linear(64, 128, bias=kind == "int8").to(torch.bfloat16)
-    from viasd_core.decoding import weight_formats as wf
+    from viasd_core.runtime import weight_formats as wf
 
     packed = wf._pack(layer, kind, packed_kernel=False)
     compiled = torch.compile(lambda x: packed(x), fullgraph=True)

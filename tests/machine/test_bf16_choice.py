@@ -1,6 +1,7 @@
 """Whether bfloat16 products pay, measured once a machine (viasd_core/machine/bf16.py), and the
 two choices made from it: training's autocast (training/shared.resolve_bf16) and the int formats'
-prefill product (decoding/packed_cpu.dense_dtype, tested in test_weight_formats.py)."""
+prefill product (runtime/packed_cpu.dense_dtype, tested in test_weight_formats.py), which each packed
+layer takes at load."""
 
 from __future__ import annotations
 
@@ -49,6 +50,27 @@ def test_the_verdict_is_measured_once_then_read_from_the_machine_cache(viasd_hom
     for path in (viasd_home / "cache" / "machine").glob("bf16-products-*.json"):
         path.write_text("not json")
     assert bf16_choice.verdict("cpu")["pays"] is False and len(calls) == 3  # unreadable: measured again
+
+
+@pytest.mark.parametrize("pays", [True, False])
+def test_the_loader_binds_the_verdict_into_every_packed_layer_and_its_twins(tmp_path, monkeypatch, pays):
+    """The runtime asks no machine decision: load_model records the verdict on the model, and every
+    layer packed from it (the target's own, a slim view's twin) holds it from then on."""
+    from viasd_core.loading import models
+    from viasd_core.runtime.packed_linear import PackedLinear
+    from viasd_core.runtime.weight_format import WeightFormat
+    from viasd_core.runtime.weight_formats import packed_copy
+
+    folder = tmp_path / "m"
+    tiny_model("llama", n_layers=2, seed=1).save_pretrained(folder)
+    monkeypatch.setattr(models, "bf16_products_pay", lambda device: pays)
+    for quant in ("int8", "int4"):
+        packed = [m for m in models.load_model(str(folder), device="cpu", quant=quant, with_tokenizer=False).model.modules()
+                  if isinstance(m, PackedLinear)]
+        assert packed and all(m.bf16_pays is pays for m in packed)
+    target = models.load_model(str(folder), device="cpu", quant="none", with_tokenizer=False).model
+    twin = [m for m in packed_copy(target, WeightFormat.parse("int4")).modules() if isinstance(m, PackedLinear)]
+    assert twin and all(m.bf16_pays is pays for m in twin)
 
 
 def test_the_real_products_are_timed():

@@ -10,9 +10,9 @@ import torch
 from conftest import tiny_model
 from viasd_core.machine import compile as compile_choice
 from viasd_core.machine.compile import MARGIN, resolve_compile, time_compiled
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.weight_format import INT8
-from viasd_core.decoding.weight_formats import apply_weight_format
+from viasd_core.runtime.model import FastModel
+from viasd_core.runtime.weight_format import INT8
+from viasd_core.runtime.weight_formats import apply_weight_format
 from viasd_core.errors import UsageError
 
 KEY = {"target": "tiny", "draft": "none", "format": "none", "dtype": "float32", "context": 160}

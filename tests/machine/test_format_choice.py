@@ -9,7 +9,7 @@ import math
 import torch
 
 from viasd_core.machine import format as format_choice
-from viasd_core.decoding.weight_format import INT4, INT8, NONE
+from viasd_core.runtime.weight_format import INT4, INT8, NONE
 from viasd_core.machine.format import TIE, choose_format, pick
 from viasd_core.loading.models import forget_format, format_loader, resolve_format
 

@@ -20,8 +20,8 @@ import torch
 from conftest import FAMILIES
 from support.invariance_cases import FORMATS, PROMPT, SPAN, target, tokens, width_dependent_rows
 from viasd_core import cpu_isa, paths
-from viasd_core.decoding.exactness import note, promise
-from viasd_core.decoding.model import FastModel
+from viasd_core.speculation.exactness import note, promise
+from viasd_core.runtime.model import FastModel
 from viasd_kernels import cpu_f32_mm, cpu_packed_mm, cpu_row_attention, instruction_set
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_rows_stay_invariant_without_any_c_kernel(family, fmt, no_compiler):
 def test_the_check_finds_a_width_dependent_product(monkeypatch):
     """The test above can fail: F.linear's own float32 rows (the products before they were made
     row-invariant) round by the pass's width at 2 threads."""
-    from viasd_core.decoding import short_products
+    from viasd_core.runtime import short_products
 
     torch.set_num_threads(2)
     fast = target("llama", "float32")

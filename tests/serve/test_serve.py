@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from support.serve_support import N, assert_clean_log, client, generate_texts, metric_samples, raw, running, session, total  # noqa: F401
 from viasd_cli.app import get_app
-from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.speculation.engine import GenerationConfig
 from viasd_core.errors import ViasdError
 from viasd_core.frontends import serve_server
 from viasd_core.frontends.serve_app import ServeSettings

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from support.serve_support import byte_session, client, raw, running  # noqa: F401 (fixture)
-from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.speculation.engine import GenerationConfig
 
 SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99}},

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from support.serve_support import client, raw, running, session  # noqa: F401
 from viasd_cli.app import get_app
 from viasd_cli.serve import UNTIL_CONTEXT_END
-from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.speculation.engine import GenerationConfig
 from viasd_core.frontends import serve_server
 
 CHAT = "/v1/chat/completions"

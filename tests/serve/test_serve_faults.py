@@ -16,7 +16,7 @@ import openai
 
 from support.serve_support import (assert_clean_log, client, generate_texts, metric_samples, raw, running, session,  # noqa: F401
                                 slow_target, total)
-from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.speculation.engine import GenerationConfig
 
 PROMPTS = [f"w{i} w{i + 7} w{i + 3}" for i in range(1, 11)]
 CHAT = "/v1/chat/completions"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from support.serve_support import byte_session, running  # noqa: F401 (fixture)
-from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.speculation.engine import GenerationConfig
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "suites" / "serve_load.py"
 PROMPTS = ["What is the weather in Paris?", "Rain in Rome tomorrow?", "Oslo, three days.", "Say hi."]

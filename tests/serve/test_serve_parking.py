@@ -14,8 +14,8 @@ import torch
 from conftest import tiny_model
 from support.head_cases import engine_with_head, make_head, prompt_for
 from support.serve_support import raw, running, session, slow_target, timed_calls  # noqa: F401 (fixture)
-from viasd_core.decoding.drafters import NgramDrafter
-from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.speculation.drafters import NgramDrafter
+from viasd_core.speculation.engine import GenerationConfig
 from viasd_core.frontends.serve_slots import SlotPool
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import CHAT_TEMPLATE
 from support.serve_support import N, client, raw, running, session  # noqa: F401
-from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.speculation.engine import GenerationConfig
 
 CHAT = "/v1/chat/completions"
 LONG = [{"role": "user", "content": " ".join(f"w{i % 200 + 1}" for i in range(280))}]  # a whole prefill chunk to keep

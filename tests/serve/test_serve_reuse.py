@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from support.serve_support import raw, running
-from viasd_core.decoding.engine import GenerationConfig
-from viasd_core.decoding.model_pass import PREFILL_CHUNK
+from viasd_core.speculation.engine import GenerationConfig
+from viasd_core.runtime.model_pass import PREFILL_CHUNK
 from viasd_core.frontends.serve_cache import prefill_boundary
 from viasd_core.loading.options import ModelOptions
 from viasd_core.loading.profile import Profile, profile_path, save_profile

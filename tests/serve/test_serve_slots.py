@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from support.serve_support import raw, running, session, slow_target, timed_calls  # noqa: F401 (fixture)
-from viasd_core.decoding.engine import GenerationConfig
-from viasd_core.decoding.model_pass import PREFILL_CHUNK
+from viasd_core.speculation.engine import GenerationConfig
+from viasd_core.runtime.model_pass import PREFILL_CHUNK
 from viasd_core.frontends.serve_slots import SlotPool
 
 import torch

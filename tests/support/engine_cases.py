@@ -8,9 +8,9 @@ import torch
 from torch._dynamo.utils import counters
 
 from conftest import TinyTokenizer
-from viasd_core.decoding.drafters import ModelDrafter, NgramDrafter
-from viasd_core.decoding.engine import Engine
-from viasd_core.decoding.model import FastModel
+from viasd_core.speculation.drafters import ModelDrafter, NgramDrafter
+from viasd_core.speculation.engine import Engine
+from viasd_core.runtime.model import FastModel
 
 NEW = 40
 

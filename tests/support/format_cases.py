@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from conftest import TinyTokenizer, tiny_model
-from viasd_core.decoding.drafters import ModelDrafter
-from viasd_core.decoding.engine import Engine, GenerationConfig
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.weight_format import WeightFormat
-from viasd_core.decoding.weight_formats import apply_weight_format
+from viasd_core.speculation.drafters import ModelDrafter
+from viasd_core.speculation.engine import Engine, GenerationConfig
+from viasd_core.runtime.model import FastModel
+from viasd_core.runtime.weight_format import WeightFormat
+from viasd_core.runtime.weight_formats import apply_weight_format
 
 
 def quantized(family="llama", fmt="int4", seed=5, n_layers=4):

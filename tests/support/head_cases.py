@@ -7,10 +7,10 @@ import torch
 
 from conftest import TinyTokenizer
 from support.engine_cases import prompt_for as _prompt_for
-from viasd_core.decoding.engine import Engine
-from viasd_core.decoding.feature_drafter import FeatureDrafter
-from viasd_core.decoding.hybrid_drafter import HybridDrafter
-from viasd_core.decoding.model import FastModel
+from viasd_core.speculation.engine import Engine
+from viasd_core.speculation.feature_drafter import FeatureDrafter
+from viasd_core.speculation.hybrid_drafter import HybridDrafter
+from viasd_core.runtime.model import FastModel
 from viasd_core.training import eagle_init
 
 LAYERS = (1, 2, 3)

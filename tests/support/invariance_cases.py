@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from conftest import tiny_model
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.tree import TokenTree, ancestor_matrix
-from viasd_core.decoding.weight_format import WeightFormat
-from viasd_core.decoding.weight_formats import apply_weight_format
+from viasd_core.runtime.model import FastModel
+from viasd_core.runtime.token_tree import TokenTree, ancestor_matrix
+from viasd_core.runtime.weight_format import WeightFormat
+from viasd_core.runtime.weight_formats import apply_weight_format
 
 PROMPT, SPAN = 20, 16  # a prefill of PROMPT positions, then SPAN positions compared
 WIDTHS = (2, 3, 5, 6, 8, 11, 16)

@@ -1,5 +1,5 @@
 """A published Qwen3 EAGLE-3 head's files, scaled down for the tiny Qwen3 target (hidden 64,
-vocabulary 256): shared by tests/loading/test_qwen3_heads.py and tests/decoding/test_draft_auto.py."""
+vocabulary 256): shared by tests/loading/test_qwen3_heads.py and tests/speculation/test_draft_auto.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import torch
 from safetensors.torch import save_file
 
-from viasd_core.decoding.eagle import FeatureHead
+from viasd_core.speculation.eagle import FeatureHead
 
 VOCAB, DRAFT_VOCAB = 256, 40
 

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from viasd_cli.app import get_app
-from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.speculation.engine import GenerationConfig
 from viasd_core.frontends.serve_app import ServeSettings
 from viasd_core.frontends.serve_server import listen, make_server, prepare
 from viasd_core.session import build_session

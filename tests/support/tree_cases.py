@@ -3,7 +3,7 @@ Each test file lays out its own tree (`propose_tree`); the chain side drafts not
 
 from __future__ import annotations
 
-from viasd_core.decoding.drafters import Drafter, Proposal
+from viasd_core.speculation.drafters import Drafter, Proposal
 
 
 class FutureTrees(Drafter):

@@ -20,7 +20,7 @@ import torch
 from conftest import save_tiny_model_dir, tiny_model
 from transformers import AutoModelForCausalLM
 
-from viasd_core.decoding.eagle_files import save_feature_head
+from viasd_core.speculation.eagle_files import save_feature_head
 from viasd_core.errors import UsageError
 from viasd_core.loading.models import load_model
 from viasd_core.loading.prompts import load_prompts
@@ -483,7 +483,7 @@ def test_a_campaign_for_a_weight_format_answers_with_that_target_and_refuses_ano
 def test_packed_answers_hold_the_widened_weights_once_and_the_numbers_stay(tiny_target, monkeypatch):
     """build_dataset on an int4 target holds every layer's widened weight for the whole call (a
     batch of 17 rows or more takes the dense product); the answers equal those widened per pass."""
-    from viasd_core.decoding.weight_formats import PackedLinear
+    from viasd_core.runtime.weight_formats import PackedLinear
 
     target = load_model(str(tiny_target), quant="int4")
     texts = [f"w{i} w{i + 3} w{2 * i} ?" for i in range(10, 30)]

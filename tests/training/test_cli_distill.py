@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from conftest import save_tiny_model_dir
 from viasd_cli.app import get_app
-from viasd_core.decoding.families import SUPPORTED_FAMILIES
+from viasd_core.runtime.families import SUPPORTED_FAMILIES
 
 PROMPTS = ["w1 w2 w3 w4", "w5 w6 w7", "w8 w9 w10 w11 w12", "w13 w14", "w15 w16 w17"]
 
@@ -57,7 +57,7 @@ def test_recipe_end_to_end(tiny_dirs, viasd_home, prompt_file, tmp_path):
 
 
 def test_feature_head_recipe_end_to_end_and_resumes_from_its_work_folder(tiny_dirs, viasd_home, prompt_file, tmp_path):
-    from viasd_core.decoding.eagle_files import read_head_config
+    from viasd_core.speculation.eagle_files import read_head_config
 
     out, work = tmp_path / "head", tmp_path / "work"
     args = ("--kind", "feature", "--target", tiny_dirs["target"], "--out", out, "--work", work, "--prompts", prompt_file,

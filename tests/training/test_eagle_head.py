@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import tiny_model
-from viasd_core.decoding.eagle_files import load_feature_head, save_feature_head
+from viasd_core.speculation.eagle_files import load_feature_head, save_feature_head
 from viasd_core.errors import ViasdError
 
 H, HEADS, KV_HEADS, D, INTER = 64, 4, 2, 16, 96  # the head's geometry (the tiny target's hidden size, its own MLP)

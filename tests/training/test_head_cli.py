@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from viasd_core.decoding.hybrid_drafter import HybridDrafter
-from viasd_core.decoding.feature_drafter import FeatureDrafter
+from viasd_core.speculation.hybrid_drafter import HybridDrafter
+from viasd_core.speculation.feature_drafter import FeatureDrafter
 from viasd_core.training import eagle_init
 
 
@@ -18,7 +18,7 @@ def head_dir(tiny_dirs, tmp_path_factory):
     """An EAGLE-3 head for the tiny target folder, written in the published layout."""
     from transformers import AutoModelForCausalLM
 
-    from viasd_core.decoding.eagle_files import save_feature_head
+    from viasd_core.speculation.eagle_files import save_feature_head
 
     target = AutoModelForCausalLM.from_pretrained(tiny_dirs["target"])
     head = eagle_init.init_head(target, (0, 1, 2), torch.arange(0, 256, 2), seed=1)
@@ -65,7 +65,7 @@ def test_sd_starts_from_the_measured_chain_unless_given_a_block(tiny_dirs, head_
     from viasd_cli.app import get_app
     from viasd_core.machine import tree as tree_choice
     from viasd_core.machine.first_block import first_block
-    from viasd_core.decoding.engine import Engine
+    from viasd_core.speculation.engine import Engine
 
     seen = []
     generate = Engine.generate
@@ -149,8 +149,8 @@ def test_a_head_that_does_not_fit_is_a_one_line_error(tiny_dirs, head_dir, viasd
 def test_a_head_beside_a_packed_cpu_target_runs_int8_products_and_stays_exact(tiny_dirs, head_dir, viasd_home, quant):
     """Where the target runs int8/int4 on a CPU the head's layer and output products are packed int8
     (drafter_factory.HEAD_FORMAT), fc is not, and greedy sd still equals ar token for token."""
-    from viasd_core.decoding.engine import GenerationConfig
-    from viasd_core.decoding.weight_formats import PackedLinear
+    from viasd_core.speculation.engine import GenerationConfig
+    from viasd_core.runtime.weight_formats import PackedLinear
     from viasd_core.loading.options import ModelOptions
     from viasd_core.session import build_session
 

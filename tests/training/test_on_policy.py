@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import FAMILIES, TinyTokenizer, tiny_model
-from viasd_core.decoding.engine import Engine
-from viasd_core.decoding.feature_drafter import FeatureDrafter
-from viasd_core.decoding.model import FastModel
+from viasd_core.speculation.engine import Engine
+from viasd_core.speculation.feature_drafter import FeatureDrafter
+from viasd_core.runtime.model import FastModel
 from viasd_core.training import eagle_data, eagle_init, eagle_train
 from viasd_core.training.on_policy import BlockWalk, OnPolicyConfig, sd_rollouts, simulate_blocks, walk_blocks
 

@@ -21,7 +21,7 @@ from viasd_core.bench.files import check_out
 from viasd_core.bench.harness import BenchConfig
 from viasd_core.bench.measure import PromptSource, measure
 from viasd_core.errors import UsageError, ViasdError
-from viasd_core.decoding.weight_format import NAMES as QUANT_CHOICES
+from viasd_core.runtime.weight_format import NAMES as QUANT_CHOICES
 from viasd_core.paths import atomic_write_json
 from viasd_core.loading.options import ModelOptions
 

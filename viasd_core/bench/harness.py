@@ -33,16 +33,16 @@ from typing import Callable
 import torch
 
 from viasd_core.bench.runners import Broken, EngineRunner, HFRunner, Output, Skip, full_vocab_assistant, llama_cpp_runner
-from viasd_core.decoding.engine import Engine, GenerationConfig
-from viasd_core.decoding.draft_policy import UNMEASURED_START
+from viasd_core.speculation.engine import Engine, GenerationConfig
+from viasd_core.speculation.draft_policy import UNMEASURED_START
 from viasd_core.errors import UsageError, ViasdError
-from viasd_core.decoding.fidelity import fidelity
+from viasd_core.speculation.fidelity import fidelity
 from viasd_core.loading.drafter_factory import LOOKUPS
 from viasd_core.loading.models import EMBEDDED_TARGET, eos_ids, pad_token_id
 from viasd_core.loading.prompts import Prompt, encode
 from viasd_core.session import Session, choose_first_block, choose_tree, thresholds_of
-from viasd_core.decoding.slim_view import SlimView, slim_verifier
-from viasd_core.decoding.stats import TIERS
+from viasd_core.runtime.slim_view import SlimView, slim_verifier
+from viasd_core.speculation.stats import TIERS
 
 METHODS = ("ar", "hf", "hf-assisted", "hf-pld", "sd", "sd-tree", "exact", "viasd", "ar-slim", "llama.cpp")
 NEEDS_DRAFT = ("sd", "sd-tree", "exact", "viasd", "hf-assisted")

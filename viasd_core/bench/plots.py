@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from viasd_core.decoding.stats import TIERS
+from viasd_core.speculation.stats import TIERS
 
 PLOTS = ("speedup_by_category.png", "accepted_length_hist.png", "tier_shares.png")
 

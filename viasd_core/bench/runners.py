@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from viasd_core.bench import llama_cpp_proc
-from viasd_core.decoding.engine import Engine, GenerationConfig
+from viasd_core.speculation.engine import Engine, GenerationConfig
 from viasd_core.errors import ViasdError
 
 

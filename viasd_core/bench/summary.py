@@ -6,7 +6,7 @@ from __future__ import annotations
 import statistics
 
 from viasd_core.bench.harness import PHASES
-from viasd_core.decoding.stats import NO_DRAFT, TIERS
+from viasd_core.speculation.stats import NO_DRAFT, TIERS
 
 PLAIN = "plain"  # acceptance_breakdown's step_counts: steps that asked no draft (the draft policy's plain steps)
 

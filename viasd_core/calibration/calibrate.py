@@ -25,8 +25,8 @@ from viasd_core.calibration.costs import measure_costs
 from viasd_core.calibration.fit import Fit
 from viasd_core.calibration.mask_search import MaskEvaluator, MaskSearch, search_layer_mask
 from viasd_core.calibration.runs import RunSummary, run_prompts
-from viasd_core.decoding.engine import GenerationConfig
-from viasd_core.decoding.stats import format_fidelity
+from viasd_core.speculation.engine import GenerationConfig
+from viasd_core.speculation.stats import format_fidelity
 from viasd_core import paths
 from viasd_core.errors import UsageError, ViasdError
 

@@ -1,6 +1,6 @@
 """The slim views calibration compares (docs/algorithm.md section 4): the layer mask on the
 target's weights, and every layer and the mask on packed twins of the target in lower weight
-formats (decoding/slim_view.py). Each is measured (agreement, pass cost, extra memory), its
+formats (runtime/slim_view.py). Each is measured (agreement, pass cost, extra memory), its
 thresholds fitted on its own recorded blocks; the best modeled speedup over sd is kept."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from viasd_core.calibration.costs import pass_costs
 from viasd_core.calibration.fit import Fit, fit_thresholds
 from viasd_core.calibration.mask_search import MaskEvaluator
 from viasd_core.calibration.runs import collect_blocks
-from viasd_core.decoding.engine import Engine, GenerationConfig
-from viasd_core.decoding.slim_view import SlimView, lower_formats, release_twins, slim_verifier, twin_bytes
-from viasd_core.decoding.weight_format import WeightFormat
-from viasd_core.decoding.weight_formats import FORMATS
+from viasd_core.speculation.engine import Engine, GenerationConfig
+from viasd_core.runtime.slim_view import SlimView, lower_formats, release_twins, slim_verifier, twin_bytes
+from viasd_core.runtime.weight_format import WeightFormat
+from viasd_core.runtime.weight_formats import FORMATS
 from viasd_core.errors import UsageError, ViasdError
 
 

@@ -7,14 +7,14 @@ over a block after a cached context). docs/algorithm.md section 5.
 
 from __future__ import annotations
 
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.pass_timing import time_passes
-from viasd_core.decoding.router import OFF, BlockRecord, ReplayOutcome, Thresholds, replay
+from viasd_core.runtime.model import FastModel
+from viasd_core.runtime.pass_timing import time_passes
+from viasd_core.speculation.router import OFF, BlockRecord, ReplayOutcome, Thresholds, replay
 
 
 def pass_costs(model: FastModel, name: str, block: int, context: int = 256, repeats: int = 7) -> dict:
     """Median seconds of `model`'s pass over `block` tokens and over 1 token after `context`
-    cached positions (decoding/pass_timing.py): {name: block pass, name_1: 1-token pass}."""
+    cached positions (runtime/pass_timing.py): {name: block pass, name_1: 1-token pass}."""
     seconds = time_passes(model, sorted({1, block}), context, repeats)
     return {name: seconds[block], f"{name}_1": seconds[1]}
 

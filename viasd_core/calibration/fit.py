@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from viasd_core.calibration.costs import modeled_tokens_per_s, sd_outcome
-from viasd_core.decoding.router import OFF, BlockRecord, ReplayOutcome, Thresholds, replay
+from viasd_core.speculation.router import OFF, BlockRecord, ReplayOutcome, Thresholds, replay
 
 FIT_MARGIN_Z = 1.0  # the fit's fidelity margin, in standard errors (fidelity_lower_bound)
 

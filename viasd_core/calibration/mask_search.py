@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from viasd_core.decoding.model import FastModel
+from viasd_core.runtime.model import FastModel
 
 
 @dataclass

@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 from viasd_kernels import route_block
 
-from viasd_core.decoding.engine import Engine
-from viasd_core.decoding.router import OFF, BlockRecord, slim_confidence
-from viasd_core.decoding.steps import StepResult, common_prefix
+from viasd_core.speculation.engine import Engine
+from viasd_core.speculation.router import OFF, BlockRecord, slim_confidence
+from viasd_core.speculation.steps import StepResult, common_prefix
 
 
 class BlockRecorder:

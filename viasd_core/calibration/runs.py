@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from viasd_core.calibration.recording import BlockRecorder
-from viasd_core.decoding.engine import Engine, GenerationConfig
-from viasd_core.decoding.fidelity import fidelity
-from viasd_core.decoding.router import BlockRecord
-from viasd_core.decoding.stats import RunStats
+from viasd_core.speculation.engine import Engine, GenerationConfig
+from viasd_core.speculation.fidelity import fidelity
+from viasd_core.speculation.router import BlockRecord
+from viasd_core.speculation.stats import RunStats
 
 
 @dataclass

@@ -20,9 +20,9 @@ from __future__ import annotations
 import datetime as _dt
 from dataclasses import asdict, dataclass, field
 
-from viasd_core.decoding.engine import Generation, GenerationConfig, common_prefix
-from viasd_core.decoding.fidelity import fidelity
-from viasd_core.decoding.stats import RunStats
+from viasd_core.speculation.engine import Generation, GenerationConfig, common_prefix
+from viasd_core.speculation.fidelity import fidelity
+from viasd_core.speculation.stats import RunStats
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.frontends.chat_meter import LiveMeter
 from viasd_core.loading.prompts import encode

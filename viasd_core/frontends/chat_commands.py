@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from viasd_core import paths
-from viasd_core.decoding.draft_policy import FLOOR
-from viasd_core.decoding.engine import MODES, GenerationConfig
+from viasd_core.speculation.draft_policy import FLOOR
+from viasd_core.speculation.engine import MODES, GenerationConfig
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.frontends.chat import Chat
 from viasd_core.session import thresholds_of

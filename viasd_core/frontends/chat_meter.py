@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from viasd_core.decoding.stats import TIERS
-from viasd_core.decoding.steps import StepResult
+from viasd_core.speculation.stats import TIERS
+from viasd_core.speculation.steps import StepResult
 
 
 class LiveMeter:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from viasd_core.decoding.stats import RunStats
+from viasd_core.speculation.stats import RunStats
 from viasd_core.frontends.streaming import stats_line
 
 if TYPE_CHECKING:

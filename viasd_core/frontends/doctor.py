@@ -18,13 +18,13 @@ import torch
 from viasd_core import cpu_isa
 from viasd_core.bench.files import versions
 from viasd_core.devices import device_name
-from viasd_core.decoding import attention, packed_cpu, short_products, weight_formats
-from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.runtime import attention, packed_cpu, short_products, weight_formats
+from viasd_core.speculation.engine import GenerationConfig
 from viasd_core.session import Session, choose_first_block, choose_tree
 from viasd_core.loading.models import auto_candidates, format_loader
 from viasd_core.machine.format import time_formats
 from viasd_core.machine.tree import CURVE_WIDTHS, shape_for_size
-from viasd_core.decoding.stats import RunStats
+from viasd_core.speculation.stats import RunStats
 
 from viasd_core.frontends.doctor_checks import (FAIL, Check, check_compiled_matches_eager, check_exact_mode,
                                                cuda_graphs_recorded, exactness, promise_words)

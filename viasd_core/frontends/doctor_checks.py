@@ -1,6 +1,6 @@
 """doctor's checks: the compiled pass against the eager one, and the exact modes against `ar`.
 
-What "equal" means is the engine's promise for the target as it runs (decoding/exactness.py's
+What "equal" means is the engine's promise for the target as it runs (speculation/exactness.py's
 `promise`, shown as `exactness` in the report and in --json), never the dtype alone. Where the
 promise is bit-exact (eager passes on a CPU whose short passes are row-invariant, as in float32 and
 the int8/int4 weight-only formats, whose activations are bfloat16) any divergence fails: a token's
@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from viasd_core.decoding.engine import GenerationConfig
-from viasd_core.decoding.exactness import Promise, promise
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.tree import TreeShape
-from viasd_core.decoding.slim_view import SlimView, slim_verifier
+from viasd_core.speculation.engine import GenerationConfig
+from viasd_core.speculation.exactness import Promise, promise
+from viasd_core.runtime.model import FastModel
+from viasd_core.speculation.tree import TreeShape
+from viasd_core.runtime.slim_view import SlimView, slim_verifier
 from viasd_core.session import Session
 
 PASS, FAIL, SKIP = "pass", "fail", "skip"
@@ -83,7 +83,7 @@ def bit_exact(dtype: torch.dtype) -> bool:
 
 
 def exactness(model: FastModel) -> Promise:
-    """What the exact modes promise against `ar` for `model` as it runs (decoding/exactness.py)."""
+    """What the exact modes promise against `ar` for `model` as it runs (speculation/exactness.py)."""
     return promise(model)
 
 

@@ -37,13 +37,13 @@ prefill does not make).
 
 from __future__ import annotations
 
-from viasd_core.decoding.drafters import ModelDrafter
-from viasd_core.decoding.hybrid_drafter import HybridDrafter
-from viasd_core.decoding.engine import Engine
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.model_pass import PREFILL_CHUNK
-from viasd_core.decoding.pass_widths import PASS_WIDTHS
-from viasd_core.decoding.steps import common_prefix
+from viasd_core.speculation.drafters import ModelDrafter
+from viasd_core.speculation.hybrid_drafter import HybridDrafter
+from viasd_core.speculation.engine import Engine
+from viasd_core.runtime.model import FastModel
+from viasd_core.runtime.model_pass import PREFILL_CHUNK
+from viasd_core.runtime.pass_widths import PASS_WIDTHS
+from viasd_core.speculation.steps import common_prefix
 
 SHORT = PASS_WIDTHS[-1]  # passes of up to this many positions run other kernels (compiled, by row)
 

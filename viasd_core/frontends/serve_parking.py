@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from viasd_core.decoding.attention import LayerCache
+from viasd_core.runtime.attention import LayerCache
 
 
 def _layers(cache) -> list[LayerCache]:

@@ -24,7 +24,7 @@ import json
 import time
 import uuid
 
-from viasd_core.decoding.engine import Generation
+from viasd_core.speculation.engine import Generation
 from viasd_core.frontends.serve_tools import HeldCalls, Tools, parse_tool_calls
 
 EXTENSION = "viasd"

@@ -16,8 +16,8 @@ import json
 import math
 from dataclasses import dataclass
 
-from viasd_core.decoding.engine import MODES, GenerationConfig
-from viasd_core.decoding.router import Thresholds
+from viasd_core.speculation.engine import MODES, GenerationConfig
+from viasd_core.speculation.router import Thresholds
 from viasd_core.errors import UsageError
 from viasd_core.frontends.serve_errors import ApiError, bad_request
 from viasd_core.frontends.serve_fields import check_fields, check_message

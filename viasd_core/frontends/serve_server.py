@@ -23,7 +23,7 @@ import sys
 
 import uvicorn
 
-from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.speculation.engine import GenerationConfig
 from viasd_core.errors import ViasdError
 from viasd_core.frontends.serve_app import ServeSettings, create_app
 from viasd_core.frontends.serve_schema import ServedModel

@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import torch
 
-from viasd_core.decoding.attention import LayerCache
-from viasd_core.decoding.drafters import Drafter, ModelDrafter, NgramDrafter
-from viasd_core.decoding.hybrid_drafter import HybridDrafter
-from viasd_core.decoding.engine import Engine
-from viasd_core.decoding.feature_drafter import FeatureDrafter
-from viasd_core.decoding.kv_cache import StaticCache
-from viasd_core.decoding.model import FastModel
+from viasd_core.runtime.attention import LayerCache
+from viasd_core.speculation.drafters import Drafter, ModelDrafter, NgramDrafter
+from viasd_core.speculation.hybrid_drafter import HybridDrafter
+from viasd_core.speculation.engine import Engine
+from viasd_core.speculation.feature_drafter import FeatureDrafter
+from viasd_core.runtime.kv_cache import StaticCache
+from viasd_core.runtime.model import FastModel
 from viasd_core.devices import free_memory_bytes
 from viasd_core.frontends.serve_cache import PrefixReuse, reusable
 from viasd_core.frontends.serve_parking import CompactCache, Parked, used_bytes

@@ -15,7 +15,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from viasd_core.decoding.grammar import JSON_LAYOUT, Grammar
+from viasd_core.speculation.grammar import JSON_LAYOUT, Grammar
 from viasd_core.frontends.serve_errors import bad_request
 
 STYLES = ("qwen", "mistral", "llama3", "json")

@@ -36,9 +36,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from viasd_core.decoding.drafters import NgramDrafter
-from viasd_core.decoding.engine import Generation
-from viasd_core.decoding.fidelity import fidelity
+from viasd_core.speculation.drafters import NgramDrafter
+from viasd_core.speculation.engine import Generation
+from viasd_core.speculation.fidelity import fidelity
 from viasd_core.errors import ViasdError
 from viasd_core.frontends.serve_errors import ApiError, bad_request, internal, queue_full, shutting_down, timed_out
 from viasd_core.frontends.serve_metrics import ServeMetrics

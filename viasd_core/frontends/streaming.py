@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TextIO
 
-from viasd_core.decoding.stats import RunStats
+from viasd_core.speculation.stats import RunStats
 
 
 class TieredText:

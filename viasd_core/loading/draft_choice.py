@@ -79,7 +79,7 @@ def _embedded_choice() -> DraftChoice:
 
 def cached_heads() -> list[str]:
     """Hub ids of the EAGLE-3 heads complete in the HF cache at main, sorted."""
-    from viasd_core.decoding.eagle_files import is_feature_head_folder
+    from viasd_core.speculation.eagle_files import is_feature_head_folder
     from viasd_core.loading import hub
 
     found = []
@@ -98,7 +98,7 @@ def cached_heads() -> list[str]:
 
 
 def _head_fits(repo_id: str, target) -> bool:
-    from viasd_core.decoding.eagle_files import check_head_config, read_head_config
+    from viasd_core.speculation.eagle_files import check_head_config, read_head_config
     from viasd_core.loading import hub
 
     try:

@@ -7,17 +7,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from viasd_core.decoding.drafters import ChainDrafter, ModelDrafter, NgramDrafter
-from viasd_core.decoding.hybrid_drafter import HybridDrafter
-from viasd_core.decoding.suffix_drafter import SuffixDrafter
-from viasd_core.decoding.feature_drafter import FeatureDrafter
-from viasd_core.decoding.weight_format import WeightFormat
-from viasd_core.decoding.model import FastModel
+from viasd_core.speculation.drafters import ChainDrafter, ModelDrafter, NgramDrafter
+from viasd_core.speculation.hybrid_drafter import HybridDrafter
+from viasd_core.speculation.suffix_drafter import SuffixDrafter
+from viasd_core.speculation.feature_drafter import FeatureDrafter
+from viasd_core.runtime.weight_format import WeightFormat
+from viasd_core.runtime.model import FastModel
 from viasd_core.errors import UsageError
 from viasd_core.loading.draft_choice import EMBEDDED_DRAFT, EMBEDDED_HEAD, DraftChoice, choose_draft
 from viasd_core.loading.models import EMBEDDED_TARGET, Loaded, check_same_vocab, load_model
 from viasd_core.loading.options import ModelOptions
 from viasd_core.loading.vocab_rows import cap_vocab, emittable, token_rows
+from viasd_core.runtime.weight_formats import BF16_PAYS, bf16_pays_of
 
 # Where the target runs int8/int4 on a CPU, the head's products run int8 too: the embedded head's
 # products took 0.164 against 0.474 ms a pass (bfloat16), and fixed-block `sd` over the 26 held-out
@@ -86,7 +87,7 @@ def _feature_head_folder(ref: str, progress=None):
     from viasd_core.loading import hub
     from viasd_core.loading.hub_pull import fetch
     from viasd_core.loading.progress import shows_progress
-    from viasd_core.decoding.eagle_files import is_feature_head_folder
+    from viasd_core.speculation.eagle_files import is_feature_head_folder
 
     if ref in _EMBEDDED_HEAD_ALIASES:
         return _embedded_head_dir()
@@ -101,7 +102,7 @@ def _feature_head_folder(ref: str, progress=None):
 
 def feature_drafter(folder, target: Loaded, target_fast: FastModel) -> FeatureDrafter:
     """An EAGLE-3 head for the target (its embedding shared, its dtype and device) as a drafter."""
-    from viasd_core.decoding.eagle_files import load_feature_head
+    from viasd_core.speculation.eagle_files import load_feature_head
 
     if target.model_id != EMBEDDED_TARGET and Path(folder) == _embedded_head_dir():
         raise UsageError(f"the embedded EAGLE-3 head was trained for '{EMBEDDED_TARGET}', not '{target.model_id}': "
@@ -109,6 +110,7 @@ def feature_drafter(folder, target: Loaded, target_fast: FastModel) -> FeatureDr
     head = load_feature_head(folder, target.model.config, embed=target_fast.embed, dtype=target_fast.dtype,
                              device=target_fast.device, max_len=target_fast.max_len + 1)
     if target_fast.weight_format and target_fast.device.type == "cpu":
+        setattr(head, BF16_PAYS, bf16_pays_of(target.model))  # the machine's verdict, as the target's loader recorded it
         head.pack_products(HEAD_FORMAT)
     return FeatureDrafter(head, target_fast, target_fast.shape.vocab_size)
 

@@ -142,7 +142,7 @@ def apply_gguf_blocks(model: torch.nn.Module, path: str | os.PathLike, dtype: to
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map, read_field)
 
-    from viasd_core.decoding.weight_formats import int4_from_codes
+    from viasd_core.runtime.weight_formats import bf16_pays_of, int4_from_codes
 
     reader = gguf.GGUFReader(str(path))
     arch = (read_field(reader, "general.architecture") or [""])[0]
@@ -178,7 +178,8 @@ def apply_gguf_blocks(model: torch.nn.Module, path: str | os.PathLike, dtype: to
                 continue
             device = module.weight.device
             bias = None if module.bias is None else module.bias.detach().to(dtype)
-            packed[layer] = int4_from_codes(codes.to(device), scale.to(device, dtype), zero.to(device, dtype), bias)
+            packed[layer] = int4_from_codes(codes.to(device), scale.to(device, dtype), zero.to(device, dtype), bias,
+                                            bf16_pays=bf16_pays_of(model))
             report.native[layer] = qtype
     for layer, new in packed.items():
         parent, _, child = layer.rpartition(".")

@@ -32,10 +32,10 @@ import torch
 from torch import nn
 
 from viasd_core import paths
-from viasd_core.decoding.eagle import CONFIG, EMBED, LAYER_IDS_KEY, SAFETENSORS, FeatureHead
-from viasd_core.decoding.eagle_files import (LAYER_KEYS, check_head_config, check_head_tensors, declared_layers,
+from viasd_core.speculation.eagle import CONFIG, EMBED, LAYER_IDS_KEY, SAFETENSORS, FeatureHead
+from viasd_core.speculation.eagle_files import (LAYER_KEYS, check_head_config, check_head_tensors, declared_layers,
                                              read_head_config, read_head_weights)
-from viasd_core.decoding.head_layouts import speculators_config, speculators_tensors
+from viasd_core.speculation.head_layouts import speculators_config, speculators_tensors
 from viasd_core.errors import UsageError, ViasdError
 
 ENGINES = ("vllm", "sglang")

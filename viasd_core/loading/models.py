@@ -24,9 +24,10 @@ from viasd_core.devices import resolve_device, resolve_dtype
 from viasd_core.loading.embedded import EMBEDDED_ALIASES, EMBEDDED_TARGET, embedded_gguf
 from viasd_core.loading.progress import loading_status, quiet_transformers, shows_progress
 from viasd_core.errors import UsageError, ViasdError
-from viasd_core.decoding.families import check_family, language_model
-from viasd_core.decoding.weight_format import AUTO, BITSANDBYTES, NONE, TORCHAO, WeightFormat
-from viasd_core.decoding.weight_formats import activation_dtype, apply_weight_format
+from viasd_core.runtime.families import check_family, language_model
+from viasd_core.runtime.weight_format import AUTO, BITSANDBYTES, NONE, TORCHAO, WeightFormat
+from viasd_core.runtime.weight_formats import BF16_PAYS, activation_dtype, apply_weight_format
+from viasd_core.machine.bf16 import bf16_products_pay
 from viasd_core.machine.format import QUALITY_MEASURED, choose_format, forget
 
 
@@ -261,6 +262,7 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
         if "device_map" not in kwargs:
             model.to(dev)
         model.eval()
+        setattr(model, BF16_PAYS, bf16_products_pay(dev))  # the machine's verdict, bound into its packed layers
         if fmt.from_file:  # the file's own 4-bit blocks first; apply_weight_format packs the rest
             from viasd_core.loading.gguf_blocks import apply_gguf_blocks, gguf_source
 

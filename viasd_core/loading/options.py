@@ -25,5 +25,4 @@ class ModelOptions:
     threads: str = "auto"  # CPU threads: auto (measured at start-up: threads.py) or a count
 
 
-COMPILE_CHOICES = ("auto", "on", "off")
 DEFAULT_CONTEXT_CAP = 4096  # the default --max-context never exceeds this (raise it explicitly)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from viasd_core import paths
 from viasd_core.errors import ViasdError
-from viasd_core.decoding.slim_view import TARGET_WEIGHTS, SlimView
-from viasd_core.decoding.weight_format import NONE
-from viasd_core.decoding.weight_formats import FORMATS
+from viasd_core.runtime.slim_view import TARGET_WEIGHTS, SlimView
+from viasd_core.runtime.weight_format import NONE
+from viasd_core.runtime.weight_formats import FORMATS
 
 PROFILE_VERSION = 2  # 2 added the slim view's weights and the candidates calibration compared
 READABLE_VERSIONS = (1, 2)  # a version-1 profile's slim view runs the target's own weights

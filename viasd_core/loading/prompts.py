@@ -17,6 +17,9 @@ class Prompt:
     text: str
 
 
+PROBE_PROMPTS = 2  # the shipped prompts a measured choice (--tree auto: machine/tree.py) probes acceptance on
+
+
 def default_prompts() -> list[Prompt]:
     """The small prompt set shipped in the package (our own text, Spec-Bench categories)."""
     text = resources.files("viasd_core").joinpath("data/prompts.jsonl").read_text(encoding="utf-8")
@@ -91,3 +94,8 @@ def encode(tokenizer, messages_or_text, raw: bool = False, system: str | None = 
         return tokenizer(text).input_ids
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
     return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def probe_prompts(tokenizer, n: int = PROBE_PROMPTS) -> list[list[int]]:
+    """The prompts `--tree auto` measures acceptance on: the first shipped ones, encoded."""
+    return [encode(tokenizer, p.text) for p in default_prompts()[:n]]

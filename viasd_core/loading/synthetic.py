@@ -258,7 +258,7 @@ def run_synthetic(plan: SyntheticPlan, progress=None) -> dict:
     import torch
 
     from viasd_core.devices import resolve_device, resolve_dtype
-    from viasd_core.decoding.model import FastModel
+    from viasd_core.runtime.model import FastModel
 
     check_plan(plan)
     assumptions = acceptance_from_summary(plan.acceptance_from)

@@ -9,7 +9,7 @@ row count in play: it can then never emit such an id.
 
 from __future__ import annotations
 
-from viasd_core.decoding.model import FastModel
+from viasd_core.runtime.model import FastModel
 
 
 def token_rows(hf_model) -> int:

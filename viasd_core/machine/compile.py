@@ -14,7 +14,7 @@ which checks what a server would run) compiles; a one-off
 command stays eager, since compiling the session's graphs costs a minute or more at start-up even
 with inductor's cache warm (61 s to 315 s for the embedded target on our 2-core CPU), which
 saving ~5 ms a token wins back only after some 12,000 tokens (docs/experiments/startup-compile-first-block.md).
-int8/int4 passes on a CPU and bitsandbytes layers never compile (decoding/model.py:
+int8/int4 passes on a CPU and bitsandbytes layers never compile (runtime/model.py:
 FastModel.compile), so nothing is measured for them.
 """
 
@@ -23,11 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.pass_timing import time_passes
+from viasd_core.runtime.model import FastModel
+from viasd_core.runtime.pass_timing import time_passes
 from viasd_core.errors import UsageError
-from viasd_core.loading.options import COMPILE_CHOICES
 from viasd_core.machine.record import Decision
+
+COMPILE_CHOICES = ("auto", "on", "off")
 
 WIDTHS = (1, 4)  # a plain step and a typical verify pass
 CONTEXT = 128

@@ -9,7 +9,7 @@ the block's floor, and what it gained.
 
 from __future__ import annotations
 
-from viasd_core.decoding.draft_policy import FLOOR, UNMEASURED_START
+from viasd_core.speculation.draft_policy import FLOOR, UNMEASURED_START
 from viasd_core.machine.record import Decision
 
 

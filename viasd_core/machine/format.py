@@ -5,8 +5,8 @@ Which formats may be chosen is a question of quality, answered once per model by
 greedy token at 0.971 (int8) and 0.978 (int4) teacher-forced, over the 0.97 bar (docs/experiments/int8-int4-weight-only.md). Which of those is fastest is a question of the machine: on a CPU whose int4 kernel is
 slow (no AVX-512, an older PyTorch) int8 or fp32 can win. So each candidate is loaded and timed once,
 a 1-token pass (plain decoding) and a 4-token pass (a verify pass) after 64 cached positions
-(decoding/pass_timing.py; the best of three interleaved rounds; float32 with each of its short
-products and without, decoding/short_products.py), and the smallest sum wins; a more precise format within TIE of it wins
+(runtime/pass_timing.py; the best of three interleaved rounds; float32 with each of its short
+products and without, runtime/short_products.py), and the smallest sum wins; a more precise format within TIE of it wins
 instead. Prefill is not in the sum.
 
 The choice is cached under the user's cache folder per model and machine (machine/record.py: the
@@ -21,10 +21,10 @@ from typing import Callable
 
 import torch
 
-from viasd_core.decoding.model import FastModel
-from viasd_core.decoding.pass_timing import time_passes
-from viasd_core.decoding.short_products import BLOCKED, PACKED, PLAIN, applies, packs
-from viasd_core.decoding.weight_format import INT4, INT8, NONE, WeightFormat
+from viasd_core.runtime.model import FastModel
+from viasd_core.runtime.pass_timing import time_passes
+from viasd_core.runtime.short_products import BLOCKED, PACKED, PLAIN, applies, packs
+from viasd_core.runtime.weight_format import INT4, INT8, NONE, WeightFormat
 from viasd_core.machine.record import Decision, MachineRecord
 
 # Formats whose quality was measured on the model (greedy agreement with fp32 >= 0.97), most
@@ -68,8 +68,8 @@ def time_formats(load: Callable[[WeightFormat], torch.nn.Module], candidates: tu
                  rounds: int) -> dict[WeightFormat, dict[int, float]]:
     """Median seconds of a pass over each of `widths` tokens after `context` cached positions, for
     the model `load(fmt)` gives at each format (loading/models.format_loader: the loading wing loads,
-    this one times) (decoding/pass_timing.py): the round, and for float32 the short product, of the
-    least total (a session picks its short product: decoding/short_products.py)."""
+    this one times) (runtime/pass_timing.py): the round, and for float32 the short product, of the
+    least total (a session picks its short product: runtime/short_products.py)."""
     models = {fmt: FastModel(load(fmt), max_len=context + max(widths) + 1) for fmt in candidates}
     for model in models.values():
         time_passes(model, widths, context, repeats=1)  # warm-up: first-call allocations and probes

@@ -1,14 +1,14 @@
 """The short-rows decision: which products a model's short float32 passes take on this machine
 (blocked, packed through oneDNN, or PyTorch's plain F.linear) and whether a prefill chunk takes the
-packed product, timed once per machine, thread count and session key (decoding/short_products.py
+packed product, timed once per machine, thread count and session key (runtime/short_products.py
 holds the products themselves and `pick_rows`, the rule that reads the timings)."""
 
 from __future__ import annotations
 
 from viasd_core import devices
-from viasd_core.decoding import pass_timing
-from viasd_core.decoding.model_pass import PREFILL_CHUNK
-from viasd_core.decoding.short_products import (FREE_SHARE, PLAIN, SHORT_ROWS, TIMED, WAYS, _VALID, ShortRows, applies,
+from viasd_core.runtime import pass_timing
+from viasd_core.runtime.model_pass import PREFILL_CHUNK
+from viasd_core.runtime.short_products import (FREE_SHARE, PLAIN, SHORT_ROWS, TIMED, WAYS, _VALID, ShortRows, applies,
                                                 packed_bytes, packs, pick_rows)
 from viasd_core.machine.record import Decision
 

@@ -7,7 +7,7 @@ user's cache folder (`viasd doctor --refresh` measures again; machine/record.py)
     acceptance     tokens per target pass (tau) and drafting seconds per step of each candidate
                    (a plain step, chains of 1..5, three tree shapes) on a few shipped prompts
 
-and picks the candidate of most expected tokens per second (decoding/tree_size.py). A chain or a
+and picks the candidate of most expected tokens per second (speculation/tree_size.py). A chain or a
 plain step means no tree (chains are what `sd` drafts without one); a draft model that grows no
 trees has its chains measured alone (prompt lookup, which runs no model, is not measured). The
 fastest chain is also where sd's adaptive block starts when the user gives no `-g`
@@ -19,14 +19,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from viasd_core.decoding.drafters import NgramDrafter
-from viasd_core.decoding.engine import Engine, GenerationConfig
-from viasd_core.decoding.model import PASS_WIDTHS
-from viasd_core.decoding.pass_timing import time_passes
-from viasd_core.decoding.tree import TreeShape
-from viasd_core.decoding.tree_size import Option, choose
+from viasd_core.speculation.drafters import NgramDrafter
+from viasd_core.speculation.engine import Engine, GenerationConfig
+from viasd_core.runtime.model import PASS_WIDTHS
+from viasd_core.runtime.pass_timing import time_passes
+from viasd_core.speculation.tree import TreeShape
+from viasd_core.speculation.tree_size import Option, choose
 from viasd_core.errors import UsageError
-from viasd_core.loading.prompts import default_prompts, encode
 from viasd_core.machine.record import Decision
 
 TREE_CHOICES = "auto, off or a node count 1-15"
@@ -34,7 +33,6 @@ CANDIDATE_TREES = (TreeShape(2, 4, 5), TreeShape(3, 5, 10), TreeShape(4, 6, 15))
 NO_TREES = "the draft grows no trees (an EAGLE-3 head does) or the target uses sliding-window attention"
 CHAIN = 5  # the probe's chain: tau of every shorter chain comes from its per-position acceptance
 CURVE_WIDTHS = (1, 2, 3, 4, 6, 8, 11, 16)
-PROBE_PROMPTS = 2
 PROBE_TOKENS = 32
 
 
@@ -77,10 +75,6 @@ class TreeChoice:
         return max(chains, key=lambda o: (o["tokens_per_s"], -chains.index(o)))["width"] - 1
 
 
-def probe_prompts(tokenizer, n: int = PROBE_PROMPTS) -> list[list[int]]:
-    """The prompts `auto` measures acceptance on: the first shipped ones, encoded."""
-    return [encode(tokenizer, p.text) for p in default_prompts()[:n]]
-
 
 def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, key: dict, progress=None,
                  refresh: bool = False) -> TreeChoice:
@@ -121,7 +115,7 @@ def resolve_tree(engine: Engine, prompts: list[list[int]], choice: str | int, ke
 
 def measure_verify_curve(engine: Engine, widths=CURVE_WIDTHS, context: int = 128, repeats: int = 5) -> dict[int, float]:
     """Median seconds of a target pass over w tokens (all rows' logits: a verify pass) after
-    `context` cached positions, for each width w (decoding/pass_timing.py)."""
+    `context` cached positions, for each width w (runtime/pass_timing.py)."""
     curve = time_passes(engine.target, widths, context, repeats)
     engine.reset()
     return curve

@@ -39,8 +39,8 @@ from typing import Callable, Optional
 import torch
 
 from viasd_core import paths
-from viasd_core.decoding.weight_format import WeightFormat
-from viasd_core.decoding.eagle_files import load_feature_head
+from viasd_core.runtime.weight_format import WeightFormat
+from viasd_core.speculation.eagle_files import load_feature_head
 from viasd_core.errors import UsageError
 from viasd_core.loading.models import load_model
 from viasd_core.loading.prompts import load_prompts

@@ -29,9 +29,9 @@ from typing import Callable, Optional
 import torch
 
 from viasd_core import paths
-from viasd_core.decoding.eagle_files import load_feature_head
-from viasd_core.decoding.engine import GenerationConfig
-from viasd_core.decoding.stats import RunStats
+from viasd_core.speculation.eagle_files import load_feature_head
+from viasd_core.speculation.engine import GenerationConfig
+from viasd_core.speculation.stats import RunStats
 from viasd_core.loading.models import Loaded
 from viasd_core.loading.options import ModelOptions
 from viasd_core.loading.prompts import encode, load_prompts
@@ -112,7 +112,7 @@ def tau_default(target_ref: str, heads: dict[str, Path], config: EvalConfig) -> 
 
 # What the cached figures were measured with; a change that moves them (the default tau follows the
 # verify passes' measured cost) bumps it, so every head of a comparison is measured alike.
-# 2: float32 verify passes through the packed short products (decoding/short_products.py).
+# 2: float32 verify passes through the packed short products (runtime/short_products.py).
 # 3: the cache holds the deterministic figures only; the default tau is measured at each evaluation,
 #    every head in one interleaved loop (tau_default).
 MEASURED_WITH = 3

@@ -24,8 +24,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from viasd_core.decoding.eagle import FeatureHead
-from viasd_core.decoding.eagle_files import load_feature_head, save_feature_head
+from viasd_core.speculation.eagle import FeatureHead
+from viasd_core.speculation.eagle_files import load_feature_head, save_feature_head
 from viasd_core.errors import UsageError
 from viasd_core.training import eagle_data, eagle_init, eagle_train, eagle_ttt
 from viasd_core.training.campaign_features import CampaignRecords

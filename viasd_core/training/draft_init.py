@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from viasd_core.decoding.model import model_shape
+from viasd_core.runtime.model import model_shape
 from viasd_core.errors import ViasdError
 from viasd_core.loading.draft_model import build_draft, draft_llama_config
 

@@ -8,8 +8,8 @@ from typing import Sequence
 
 import torch
 
-from viasd_core.decoding.eagle import LAYER_IDS_KEY, FeatureHead
-from viasd_core.decoding.model import model_shape
+from viasd_core.speculation.eagle import LAYER_IDS_KEY, FeatureHead
+from viasd_core.runtime.model import model_shape
 
 
 def head_config(target_config, layers: Sequence[int], draft_vocab: int) -> dict:

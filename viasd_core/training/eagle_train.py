@@ -1,4 +1,4 @@
-"""Train an EAGLE-3 head (viasd_core.decoding.eagle.FeatureHead) for a target, from the target's own outputs:
+"""Train an EAGLE-3 head (viasd_core.speculation.eagle.FeatureHead) for a target, from the target's own outputs:
 the training loop (`train_head`) and the order it sees the records in (`epoch_order`).
 
 Stages (functions, shared by `viasd distill --kind feature`, recipes/eagle_campaign.py and tests):
@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from viasd_core.training.shared import cosine_lr, resolve_bf16
-from viasd_core.decoding.eagle import FeatureHead
+from viasd_core.speculation.eagle import FeatureHead
 from viasd_core.errors import UsageError
 from viasd_core.training.eagle_data import FeatureRecord
 from viasd_core.training.eagle_ttt import ttt_loss

@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from viasd_core.decoding import attention
-from viasd_core.decoding.eagle import FeatureHead
+from viasd_core.runtime import attention
+from viasd_core.speculation.eagle import FeatureHead
 from viasd_core.training.eagle_data import FeatureRecord
 
 
@@ -37,7 +37,7 @@ def ttt_logits(head: FeatureHead, tokens: torch.Tensor, features: torch.Tensor, 
     attending to step-0 keys up to q - s and to step k's key at q - s + k (k = 1..s): the keys of
     steps 0..s concatenated under `attention.ttt_mask`. Rows q < s are not defined (zeros in, masked
     out of the loss). Teacher tokens are fed, as in EAGLE-3.
-    Equal to drafting with `FeatureHead.forward` (tests/decoding/test_feature_drafter.py checks it).
+    Equal to drafting with `FeatureHead.forward` (tests/speculation/test_feature_drafter.py checks it).
     rows [B, T] (bool): the output layer runs only there and each step's logits are [N, Vd] in
     `rows` order (training skips the prompt positions, which have no label: about half of them).
     """

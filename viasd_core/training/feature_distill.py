@@ -24,7 +24,7 @@ import torch
 
 from viasd_core.training import eagle_data, eagle_init, eagle_train, eagle_ttt
 from viasd_core.training.teacher_answers import DEFAULT_PROMPTS, Record, build_dataset, choose_vocab
-from viasd_core.decoding.eagle_files import save_feature_head
+from viasd_core.speculation.eagle_files import save_feature_head
 from viasd_core.errors import UsageError
 from viasd_core.loading.models import load_model
 from viasd_core.loading.prompts import load_prompts

@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from viasd_core.decoding.engine import GenerationConfig
+from viasd_core.speculation.engine import GenerationConfig
 from viasd_core.training import campaign_store as store
 from viasd_core.training.eagle_data import FeatureRecord
 from viasd_core.training.eagle_ttt import make_batch, ttt_logits

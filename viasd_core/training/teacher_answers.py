@@ -130,8 +130,8 @@ def _widened_once(model):
     product over the widened weight (packed_linear.PackedLinear), widened for each pass unless
     held; holding it gives the same numbers (the same widened weight) and measured 84.0 against
     64.7 answer tokens/s at batch 32 (docs/campaign.md). A float model: nothing to hold."""
-    from viasd_core.decoding.packed_linear import widen_once
-    from viasd_core.decoding.weight_formats import has_weight_format
+    from viasd_core.runtime.packed_linear import widen_once
+    from viasd_core.runtime.weight_formats import has_weight_format
 
     if not has_weight_format(model) or next(model.parameters()).device.type != "cpu":
         return contextlib.nullcontext()
