@@ -211,7 +211,7 @@ def chat(
     """Chat with the model, keeping the KV caches across turns; /help lists the commands."""
     interactive = sys.stdin is not None and sys.stdin.isatty()
     display = Display(fancy=not plain and sys.stdout.isatty())
-    session = open_session(opts, config, progress=display.note)
+    session, config = open_session(opts, config, progress=display.note)
     chat = Chat(session, config, system=system, measure_fidelity=fidelity_check, progress=display.note)
     budget = f", fidelity budget >= {1 - session.profile.budget:.3f}" if config.mode == "viasd" else ""
     display.note(f"viasd chat: {session.target.model_id}, draft {session.draft_id}, mode {config.mode}{budget}; /help for commands")

@@ -80,7 +80,7 @@ def generate(
     config.grammar = grammar_option(json_schema, grammar, regex)  # checked before any model loads
     texts = read_prompts(prompts or [], lines)
     log = StderrLog(quiet)
-    session = open_session(opts, config, progress=log)
+    session, config = open_session(opts, config, progress=log)
     if verbose:
         for setting, value, reason in session.choices():
             typer.echo(f"{setting}: {value} ({reason})", err=True)

@@ -17,7 +17,7 @@ from viasd_core.speculation import exactness
 from viasd_core.speculation.engine import GenerationConfig
 from viasd_core.errors import ViasdError
 from viasd_core.loading.models import EMBEDDED_TARGET
-from viasd_core.session import Session, build_session, choose_first_block, choose_tree, thresholds_of
+from viasd_core.session import GenerationRequest, Session, build_session, resolve_config
 from viasd_core.machine.threads import parse_threads
 from viasd_core.machine.tree import parse_tree
 from viasd_core.loading.options import ModelOptions
@@ -123,27 +123,23 @@ def generation_options(max_new_tokens: int):
     )
 
 
-def open_session(opts: ModelOptions, config: GenerationConfig, progress, long_lived: bool = False) -> Session:
-    """The session for `config.mode`; the config then gets the profile's thresholds and is validated.
+def open_session(opts: ModelOptions, config: GenerationConfig, progress,
+                 long_lived: bool = False) -> tuple[Session, GenerationConfig]:
+    """The session for `config.mode` (the options as parsed), and a new config resolved on it
+    (session.resolve_config: the profile's thresholds, sd's draft trees and first block), validated:
+    the command runs that one; `config` is left as it was.
     `long_lived`: a server's session (compiling at start-up may pay on a CPU: machine/compile.py)."""
     parse_tree(opts.tree)  # fail fast, before loading models
     parse_threads(opts.threads)
     parse_compile(opts.compile)
     session = build_session(opts, mode=config.mode, progress=progress, long_lived=long_lived)
-    config.thresholds = thresholds_of(session.profile)
-    if config.mode == "sd":
-        choice = choose_tree(session, progress)
-        config.tree = choice.shape
-        if progress and choice.shape is not None:
-            progress(f"draft trees of {choice.shape.size} tokens ({choice.reason})")
-        if config.auto_gamma and choice.shape is None:
-            measured = choose_first_block(session, config.gamma_max)
-            if measured is not None:
-                config.start_at_measured(measured)
-    config.validate()
-    if progress and (note := exactness.note(session.engine.target, config.mode)):
+    resolved = resolve_config(session, GenerationRequest.of(config), progress)
+    if progress and resolved.tree is not None:
+        progress(f"draft trees of {resolved.tree.size} tokens ({session.tree.reason})")
+    resolved.validate()
+    if progress and (note := exactness.note(session.engine.target, resolved.mode)):
         progress(note)
-    return session
+    return session, resolved
 
 
 class StderrLog:

@@ -86,7 +86,7 @@ def serve(
     except ModuleNotFoundError as e:
         raise UsageError(f"viasd serve needs '{e.name}': install the serve extra (pip install 'viasd[serve]')")
     log = StderrLog()
-    session = open_session(opts, config, progress=log, long_lived=True)
+    session, config = open_session(opts, config, progress=log, long_lived=True)
     settings = ServeSettings(api_key=api_key or None, max_queue=max_queue, slots=slots, timeout=timeout, fidelity=fidelity,
                              cors=origins, access_log=access_log)
     run(session, config, settings, host, port, name=served_model_name, progress=log, out=typer.echo)

@@ -1,4 +1,6 @@
-"""From command-line options to a ready Engine: target, draft, slim verifier, profile."""
+"""From command-line options to a ready Engine (target, draft, slim verifier, profile), and from what
+a front end asks (a GenerationRequest) to the GenerationConfig the engine runs on that session
+(`resolve_config`, the one place the session's measured decisions reach a config)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import torch
 
 from viasd_core import cpu_isa
 from viasd_core.speculation import exactness
-from viasd_core.speculation.engine import Engine
+from viasd_core.speculation.engine import Engine, GenerationConfig
+from viasd_core.speculation.grammar import Grammar
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.loading.models import Loaded, eos_ids, forget_format, load_model
 from viasd_core.devices import free_memory_bytes, resolve_device, usable_cores
@@ -175,6 +178,77 @@ def choose_first_block(session: Session, gamma_max: int, progress=None) -> int |
     start, _ = session.machine.resolve(first_blocks.DECISION, lambda: first_blocks.first_block(best, gamma_max),
                                        lambda chosen: (f"{chosen[0]} drafts", chosen[1]))
     return None if best is None else start
+
+
+# ---------------------------------------------------------------------- what a front end asks
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What a front end asks of its generations beyond the model options: the mode, the token budget,
+    the block length, the sampling, and whether sd takes this machine's measured decisions (its draft
+    trees, its first block). `resolve_config` turns it, on a built session, into a new GenerationConfig;
+    being frozen, one request can serve several configs (bench's methods, doctor's probe)."""
+
+    mode: str = "sd"
+    max_new_tokens: int = GenerationConfig.max_new_tokens
+    gamma: int | None = None  # None: no block length given (sd then starts as `measured_start` says)
+    adaptive: bool = GenerationConfig.adaptive
+    min_confidence: float = GenerationConfig.min_confidence
+    temperature: float = GenerationConfig.temperature
+    top_k: int = GenerationConfig.top_k
+    top_p: float = GenerationConfig.top_p
+    min_p: float = GenerationConfig.min_p
+    repetition_penalty: float = GenerationConfig.repetition_penalty
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    grammar: Grammar | None = None
+    # viasd's gates the front end brings itself (calibration's fit, bench's extra profiles); None: the
+    # session profile's
+    thresholds: Thresholds | None = None
+    # sd drafts the trees --tree resolves to on this machine; False: chains (bench's sd, doctor's
+    # probe, calibration, the campaign's evaluation)
+    trees: bool = True
+    # without gamma, sd without trees starts at the block measured fastest here (machine/first_block.py);
+    # False: at GenerationConfig's default (the campaign's evaluation)
+    measured_start: bool = True
+
+    @classmethod
+    def of(cls, config: GenerationConfig) -> GenerationRequest:
+        """The request the command-line options were parsed into: the CLI parses them into a
+        GenerationConfig so that a bad value fails before any model loads (cli/options.py); no -g
+        (`auto_gamma`) reads as gamma None."""
+        asked = {f.name: getattr(config, f.name) for f in dataclasses.fields(cls) if hasattr(config, f.name)}
+        return cls(**{**asked, "gamma": None if config.auto_gamma else config.gamma})
+
+
+def resolve_config(session: Session, asked: GenerationRequest | GenerationConfig, progress=None,
+                   refresh: bool = False) -> GenerationConfig:
+    """The GenerationConfig the engine runs for `asked` on this session: the request's settings;
+    viasd's thresholds (the request's own, else the session profile's); and for sd, the machine's
+    decisions the request takes: the draft trees --tree resolves to (`choose_tree`: resolved once per
+    session, `refresh` measures them again, doctor's probe) and, with no gamma and no trees, the first
+    block measured on this machine (`choose_first_block`). `progress` hears --tree auto's probe.
+
+    Every call returns a new config and changes nothing the caller holds. A config resolved before
+    (`asked` a GenerationConfig: a server's, opened before the pair's profile was attached) comes back
+    as a copy holding the session profile's thresholds, its other settings kept. The config is not
+    validated here: the CLI validates it before a model runs, and the engine every config it runs."""
+    if isinstance(asked, GenerationConfig):
+        return dataclasses.replace(asked, thresholds=thresholds_of(session.profile))
+    wishes = ("trees", "measured_start")
+    settings = {f.name: getattr(asked, f.name) for f in dataclasses.fields(asked) if f.name not in wishes}
+    config = GenerationConfig(**{
+        **settings, "gamma": GenerationConfig.gamma if asked.gamma is None else asked.gamma,
+        "auto_gamma": asked.gamma is None,
+        "thresholds": asked.thresholds if asked.thresholds is not None else thresholds_of(session.profile)})
+    measured_start = asked.gamma is None and asked.measured_start
+    if config.mode == "sd" and (asked.trees or measured_start):
+        choice = session.tree if session.tree is not None and not refresh else choose_tree(session, progress, refresh)
+        config.tree = choice.shape if asked.trees else None
+        if measured_start and config.tree is None:
+            measured = choose_first_block(session, config.gamma_max)
+            if measured is not None:
+                config.start_at_measured(measured)
+    return config
 
 
 def _format_shown(target: Loaded) -> tuple[str, str]:

@@ -151,8 +151,8 @@ def test_failing_method_is_reported_failed(tiny_dirs, viasd_home, prompt_file, t
         def __call__(self, prompt_ids):
             raise RuntimeError("boom")
 
-    def make_runners(session, config):
-        runners = original(session, config)
+    def make_runners(session, config, **kw):
+        runners = original(session, config, **kw)
         runners["sd"] = Broken()
         return runners
 
@@ -191,8 +191,8 @@ def test_methods_take_turns_on_each_prompt_and_a_late_failure_drops_only_its_met
                 raise RuntimeError("late")
             return self.inner(prompt_ids)
 
-    def make_runners(session, config):
-        runners = original(session, config)
+    def make_runners(session, config, **kw):
+        runners = original(session, config, **kw)
         return {m: Recorded(m, r, fail_on=2 if m == "sd" else None) for m, r in runners.items()}
 
     monkeypatch.setattr(core, "make_runners", make_runners)

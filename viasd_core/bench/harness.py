@@ -25,6 +25,7 @@ the plots in plots.py; measure.py runs a whole bench from option values, formats
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from viasd_core.speculation.fidelity import fidelity
 from viasd_core.loading.drafter_factory import LOOKUPS
 from viasd_core.loading.models import EMBEDDED_TARGET, eos_ids, pad_token_id
 from viasd_core.loading.prompts import Prompt, encode
-from viasd_core.session import Session, choose_first_block, choose_tree, thresholds_of
+from viasd_core.session import GenerationRequest, Session, resolve_config, thresholds_of
 from viasd_core.runtime.slim_view import SlimView, slim_verifier
 from viasd_core.speculation.stats import TIERS
 
@@ -123,8 +124,10 @@ class BenchResult:
     peak_memory: dict[str, int]
 
 
-def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
-    """A runner (or a Skip) per requested method, on the session's models."""
+def make_runners(session: Session, config: BenchConfig, progress=None) -> dict[str, object]:
+    """A runner (or a Skip) per requested method, on the session's models; each of our engine's
+    methods runs the config session.resolve_config gives its mode. `progress` hears --tree auto's
+    probe where sd or sd-tree needs it (bench's log: -q silences it; the meta says what was chosen)."""
     engine = session.engine
     target_hf = session.target.model
     eos = eos_ids(session.target)
@@ -136,30 +139,28 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
     if any(m in config.methods for m in NEEDS_PROFILE):
         slim_engine, profile_error = _slim_engine(session)
 
-    gamma = UNMEASURED_START if config.gamma is None else config.gamma
-    sd_gamma = None  # sd's first block measured on this machine (-g not given)
-    if config.gamma is None and "sd" in config.methods:
-        sd_gamma = choose_first_block(session, GenerationConfig.gamma_max)  # silent: -q holds; the meta says it
+    gamma = UNMEASURED_START if config.gamma is None else config.gamma  # the HF methods' blocks
+    asked = GenerationRequest(max_new_tokens=config.max_new_tokens, gamma=config.gamma, adaptive=config.adaptive,
+                              min_confidence=config.min_confidence, temperature=0.0, seed=config.seed, trees=False)
 
-    def gen_config(mode, thresholds=None, tree=None):
-        made = GenerationConfig(mode=mode, max_new_tokens=config.max_new_tokens, gamma=gamma,
-                                adaptive=config.adaptive, min_confidence=config.min_confidence, temperature=0.0,
-                                seed=config.seed, thresholds=thresholds, tree=tree)
-        if mode == "sd" and tree is None and sd_gamma is not None:
-            made.start_at_measured(sd_gamma)
-        return made
+    def gen_config(mode, thresholds=None, trees=False):
+        # chains start at the block measured here where -g is absent; trees (sd-tree) at gamma's default
+        return resolve_config(session, dataclasses.replace(asked, mode=mode, thresholds=thresholds, trees=trees,
+                                                           measured_start=not trees), progress)
 
+    # sd's config before any runner is made: without -g it starts from the block measured on this machine
+    sd_config = gen_config("sd") if "sd" in config.methods else None
     for m in config.methods:
         if m in NEEDS_DRAFT and engine.drafter is None:
             runners[m] = Skip("no draft (--draft none): this method needs a draft model or 'ngram'")
         elif m == "ar":
             runners[m] = EngineRunner(engine, gen_config("ar"))
         elif m == "sd":
-            runners[m] = EngineRunner(engine, gen_config("sd"))
+            runners[m] = EngineRunner(engine, sd_config)
         elif m == "sd-tree":
-            choice = session.tree or choose_tree(session)  # measure() resolved it through its log
-            runners[m] = (EngineRunner(engine, gen_config("sd", tree=choice.shape)) if choice.shape is not None
-                          else Skip(f"no draft tree: {choice.reason}"))
+            made = gen_config("sd", trees=True)
+            runners[m] = (EngineRunner(engine, made) if made.tree is not None
+                          else Skip(f"no draft tree: {session.tree.reason}"))
         elif m in NEEDS_PROFILE:
             if slim_engine is None:
                 runners[m] = Skip(profile_error)
@@ -168,7 +169,7 @@ def make_runners(session: Session, config: BenchConfig) -> dict[str, object]:
                                context_len=engine.context_len)
                 runners[m] = EngineRunner(alone, gen_config("ar"))
             else:
-                runners[m] = EngineRunner(slim_engine, gen_config(m, thresholds_of(session.profile)))
+                runners[m] = EngineRunner(slim_engine, gen_config(m))  # the profile _slim_engine found
         elif m == "hf":
             runners[m] = HFRunner(target_hf, eos, config.max_new_tokens, pad)
         elif m == "llama.cpp":
@@ -227,7 +228,7 @@ def profile_runners(session: Session, config: BenchConfig, gen_config) -> dict[s
         check_profile(prof, session.target.model_id, session.draft_id, session.options.quant, e.target.device.type,
                       e.target.shape.n_layers, path)
         engine = _engine_with_slim(session, prof.view)
-        out[f"viasd@{prof.budget:g}"] = EngineRunner(engine, gen_config("viasd", thresholds_of(prof)))
+        out[f"viasd@{prof.budget:g}"] = EngineRunner(engine, gen_config("viasd", thresholds=thresholds_of(prof)))
     return out
 
 

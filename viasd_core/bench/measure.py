@@ -16,7 +16,7 @@ from viasd_core.bench.harness import BenchConfig
 from viasd_core.bench.summary import summarize
 from viasd_core.errors import UsageError
 from viasd_core.loading.prompts import Prompt, load_prompts
-from viasd_core.session import build_session, choose_tree
+from viasd_core.session import build_session
 from viasd_core.loading.options import ModelOptions
 
 
@@ -48,10 +48,9 @@ def measure(opts: ModelOptions, config: BenchConfig, prompts: PromptSource, out:
     prompt_list = prompts.load()
     needs_draft = any(m in harness.NEEDS_DRAFT for m in config.methods) or bool(config.viasd_profiles)
     session = build_session(opts, mode="sd" if needs_draft else "ar", progress=log, need_profile=False)
-    if session.engine.drafter is not None and ("sd-tree" in config.methods
-                                               or ("sd" in config.methods and config.gamma is None)):
-        choose_tree(session, progress=log)  # --tree auto's probe (once; cached), said through the log: -q silences it
-    runners = harness.make_runners(session, config)  # looked up here: tests replace it
+    # looked up here: tests replace it. --tree auto's probe (once; cached), where sd or sd-tree needs it,
+    # is said through the log: -q silences it
+    runners = harness.make_runners(session, config, progress=log)
     on_run = progress(len(config.methods) * len(prompt_list) * config.repeats) if progress else None
     result = harness.run_bench(session, prompt_list, config, on_run=on_run, runners=runners)
     summary = {

@@ -17,6 +17,7 @@ docs/algorithm.md sections 4 and 5, one step per module of this package:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +26,6 @@ from viasd_core.calibration.costs import measure_costs
 from viasd_core.calibration.fit import Fit
 from viasd_core.calibration.mask_search import MaskEvaluator, MaskSearch, search_layer_mask
 from viasd_core.calibration.runs import RunSummary, run_prompts
-from viasd_core.speculation.engine import GenerationConfig
 from viasd_core.speculation.stats import format_fidelity
 from viasd_core import paths
 from viasd_core.errors import UsageError, ViasdError
@@ -80,7 +80,7 @@ def run_calibration(opts, prompts, budget: float = DEFAULT_BUDGET, skip_ratio: f
     generate, chat and bench find it. `progress(label, total)` returns a callable advancing a
     progress bar (or None)."""
     from viasd_core.loading.prompts import encode
-    from viasd_core.session import build_session
+    from viasd_core.session import GenerationRequest, build_session, resolve_config
 
     profile_path = profile_path if profile_path is not None else opts.profile
     check_budget(budget)
@@ -97,7 +97,8 @@ def run_calibration(opts, prompts, budget: float = DEFAULT_BUDGET, skip_ratio: f
     hf_model = session.target.model
     ids = [encode(session.tokenizer, p.text) for p in prompts]
     fit_ids, heldout_ids = ids[0::2], ids[1::2]
-    config = GenerationConfig(mode="sd", max_new_tokens=max_new_tokens, gamma=gamma)
+    asked = GenerationRequest(mode="sd", max_new_tokens=max_new_tokens, gamma=gamma, trees=False)  # chains, -g's blocks
+    config = resolve_config(session, asked)
     bar = progress or (lambda label, total: None)
 
     # 1. exact generations on the fit prompts: the calibration text for the mask search
@@ -121,7 +122,7 @@ def run_calibration(opts, prompts, budget: float = DEFAULT_BUDGET, skip_ratio: f
     fit, costs = chosen.fit, {**base_costs, **chosen.costs}
     log(f"chosen slim view: {chosen.view.describe(n_layers)}")
     # 4. validation on the held-out half: real viasd runs against real sd runs
-    vconf = GenerationConfig(mode="viasd", max_new_tokens=max_new_tokens, gamma=gamma, thresholds=fit.thresholds)
+    vconf = resolve_config(session, dataclasses.replace(asked, mode="viasd", thresholds=fit.thresholds))
     heldout_viasd = run_prompts(engine, hf_model, heldout_ids, vconf, progress=bar("validating viasd (held-out)", len(heldout_ids)))
     heldout_sd = run_prompts(engine, hf_model, heldout_ids, config, measure_fidelity=False,
                              progress=bar("timing sd (held-out)", len(heldout_ids)))

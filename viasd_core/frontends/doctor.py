@@ -11,6 +11,7 @@ The checks and how they judge a divergence: doctor_checks.py.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -20,7 +21,7 @@ from viasd_core.bench.files import versions
 from viasd_core.devices import device_name
 from viasd_core.runtime import attention, packed_cpu, short_products, weight_formats
 from viasd_core.speculation.engine import GenerationConfig
-from viasd_core.session import Session, choose_first_block, choose_tree
+from viasd_core.session import GenerationRequest, Session, resolve_config
 from viasd_core.loading.models import auto_candidates, format_loader
 from viasd_core.machine.format import time_formats
 from viasd_core.machine.tree import CURVE_WIDTHS, shape_for_size
@@ -113,16 +114,12 @@ def format_curves(session: Session) -> dict[str, dict[str, float]] | None:
     return {str(fmt): {str(w): seconds for w, seconds in curve.items()} for fmt, curve in curves.items()}
 
 
-def speed_probe(session: Session, prompts_ids: list[list[int]], max_new_tokens: int,
-                gamma: int | None = None) -> dict:
-    """Tokens per second of ar and sd on the prompts (after one warm-up run each); `gamma`: sd's
-    first block measured on this machine (None: GenerationConfig's)."""
+def speed_probe(session: Session, prompts_ids: list[list[int]], configs: dict[str, GenerationConfig]) -> dict:
+    """Tokens per second of each mode of `configs` (ar, and sd where the session drafts) on the
+    prompts, after one warm-up run each, with that mode's config."""
     engine = session.engine
     out = {}
-    for mode in ("ar", "sd") if engine.drafter is not None else ("ar",):
-        config = GenerationConfig(mode=mode, max_new_tokens=max_new_tokens)
-        if gamma is not None:
-            config.start_at_measured(gamma)
+    for mode, config in configs.items():
         engine.reset()
         engine.generate(prompts_ids[0], config)  # warm-up
         total = RunStats(mode=mode)
@@ -147,12 +144,16 @@ def run_doctor(session: Session, prompts_ids: list[list[int]], max_new_tokens: i
     report.checks.append(check_exact_mode(session, "exact", prompts_ids, max_new_tokens))
     report.checks.append(check_exact_mode(session, "sd", prompts_ids, max_new_tokens, shape_for_size(10)))
     if speed:
-        # --tree auto's measurements, taken again here (and cached for later runs); sd's first block
-        # without -g comes from them, and the speed probe's sd starts there as `viasd generate` would
-        report.tree = choose_tree(session, refresh=True).to_dict()
-        gamma = choose_first_block(session, GenerationConfig.gamma_max)
+        # --tree auto's measurements, taken again here (`refresh`; cached for later runs); sd's first
+        # block without -g comes from them, and the probe's sd (chains) starts there as `viasd generate` would
+        asked = GenerationRequest(max_new_tokens=max_new_tokens, trees=False)
+        sd = resolve_config(session, dataclasses.replace(asked, mode="sd"), refresh=True)
+        report.tree = session.tree.to_dict()
         report.first_block = session.first_block_record()
-        report.speed = speed_probe(session, prompts_ids, max_new_tokens, gamma)
+        configs = {"ar": resolve_config(session, dataclasses.replace(asked, mode="ar"))}
+        if session.engine.drafter is not None:
+            configs["sd"] = sd
+        report.speed = speed_probe(session, prompts_ids, configs)
         report.format_curves = format_curves(session)
     # Counted now that generations ran: CUDA-graph trees record a graph on a pass's second run.
     recorded = cuda_graphs_recorded(session.engine.device)

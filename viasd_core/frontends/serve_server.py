@@ -13,7 +13,6 @@ process exits 0. A second Ctrl-C forces the exit.
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import logging
 import signal
@@ -29,7 +28,7 @@ from viasd_core.frontends.serve_app import ServeSettings, create_app
 from viasd_core.frontends.serve_schema import ServedModel
 from viasd_core.frontends.serve_tools import tool_style
 from viasd_core.loading.profile import profile_path
-from viasd_core.session import Session, attach_profile, thresholds_of
+from viasd_core.session import Session, attach_profile, resolve_config
 from viasd_core.loading.vocab_rows import token_rows
 
 
@@ -40,8 +39,8 @@ def prepare(session: Session, config: GenerationConfig, name: str | None = None)
         device = engine.target.device.type
         if opts.profile or profile_path(session.target.model_id, session.draft_id, opts.quant, device).exists():
             attach_profile(session)
-    thresholds = thresholds_of(session.profile)
-    config = dataclasses.replace(config, thresholds=thresholds)
+    config = resolve_config(session, config)  # a new config: the profile's thresholds, one attached just now too
+    thresholds = config.thresholds
     aliases = frozenset({session.target.model_id, session.target.ref, opts.model} - {None})
     return ServedModel(name=name or session.target.model_id, aliases=aliases, config=config, draft=session.draft_id,
                        calibrated=engine.slim is not None and thresholds is not None, thresholds=thresholds,

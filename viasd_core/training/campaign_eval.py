@@ -30,12 +30,11 @@ import torch
 
 from viasd_core import paths
 from viasd_core.speculation.eagle_files import load_feature_head
-from viasd_core.speculation.engine import GenerationConfig
 from viasd_core.speculation.stats import RunStats
 from viasd_core.loading.models import Loaded
 from viasd_core.loading.options import ModelOptions
 from viasd_core.loading.prompts import encode, load_prompts
-from viasd_core.session import build_session
+from viasd_core.session import GenerationRequest, build_session, resolve_config
 from viasd_core.training import eagle_data, eagle_ttt
 from viasd_core.training.teacher_answers import build_dataset
 
@@ -72,7 +71,9 @@ def head_session(target_ref: str, head: Path | str, max_context: int, hybrid: bo
                                       max_context=max_context, compile="off"), mode="sd")
 
 
-def _run_sd(session, prompts, config: EvalConfig, gen: GenerationConfig, total: RunStats) -> None:
+def _run_sd(session, prompts, config: EvalConfig, asked: GenerationRequest, total: RunStats) -> None:
+    """Run `asked` (resolved on the session: session.resolve_config) on each prompt, adding up the stats."""
+    gen = resolve_config(session, asked)
     for p in prompts:
         ids = encode(session.tokenizer, p.text)[-(config.max_context - config.tau_tokens - 1) :]
         session.engine.reset()
@@ -89,8 +90,9 @@ def tau_fixed(target_ref: str, head: Path, config: EvalConfig) -> dict:
     of `config.fixed_gamma` drafts (no policy: a figure of the head alone, machine-independent)."""
     session = head_session(target_ref, head, config.max_context)
     total = RunStats(mode="sd")
-    gen = GenerationConfig(mode="sd", max_new_tokens=config.tau_tokens, gamma=config.fixed_gamma, adaptive=False)
-    _run_sd(session, load_prompts(config.prompts), config, gen, total)
+    asked = GenerationRequest(mode="sd", max_new_tokens=config.tau_tokens, gamma=config.fixed_gamma, adaptive=False,
+                              trees=False)
+    _run_sd(session, load_prompts(config.prompts), config, asked, total)
     return _tau_figures(total)
 
 
@@ -102,11 +104,12 @@ def tau_default(target_ref: str, heads: dict[str, Path], config: EvalConfig) -> 
     after the other."""
     sessions = {name: head_session(target_ref, folder, config.max_context, hybrid=True) for name, folder in heads.items()}
     totals = {name: RunStats(mode="sd") for name in heads}
-    gen = GenerationConfig(mode="sd", max_new_tokens=config.tau_tokens)
+    # chains from GenerationConfig's first block, no --tree auto probe: what earlier evaluations measured
+    asked = GenerationRequest(mode="sd", max_new_tokens=config.tau_tokens, trees=False, measured_start=False)
     names = list(heads)
     for k, p in enumerate(load_prompts(config.prompts)):
         for name in names[k % len(names):] + names[: k % len(names)]:
-            _run_sd(sessions[name], [p], config, gen, totals[name])
+            _run_sd(sessions[name], [p], config, asked, totals[name])
     return {name: _tau_figures(totals[name]) for name in names}
 
 
