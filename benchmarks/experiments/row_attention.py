@@ -17,7 +17,6 @@ import json
 
 import torch
 
-from viasd_core.runtime import attention
 from viasd_core.runtime.model import FastModel
 from viasd_core.runtime.pass_timing import time_passes
 from viasd_core.devices import device_name
@@ -37,7 +36,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for setting in best:
             model.row_attention = setting != "one call"
-            attention.ROW_KERNEL = setting == "kernel"
+            model.bind_kernels(row_kernel=setting == "kernel")
             for w, s in time_passes(model, widths, context=300, repeats=7).items():
                 best[setting][w] = min(best[setting][w], s)
     print(json.dumps({"device": device_name(model.device), "threads": args.threads,

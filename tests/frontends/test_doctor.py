@@ -106,8 +106,7 @@ def test_doctor_says_how_the_int_formats_attend_row_by_row_and_widen_for_prefill
     assert packed_cpu.short_products_way(packed_kernel=False) == "PyTorch's kernels (the packed products are turned off)"
     monkeypatch.setattr(cpu_int4_widen, "widen", lambda *a, **kw: None)
     assert packed_cpu.int4_widening_way().startswith("PyTorch's operators: ")
-    monkeypatch.setattr(attention, "ROW_KERNEL", False)
-    assert attention.by_row_way() == "one call a position (the kernel is turned off)"
+    assert attention.by_row_way(row_kernel=False) == "one call a position (the kernel is turned off)"
 
 
 def test_doctor_compares_the_compiled_pass_with_eager(tiny_dirs, viasd_home, monkeypatch):

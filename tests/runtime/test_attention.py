@@ -118,7 +118,7 @@ def test_attend_by_row_is_the_masked_pass_and_each_row_is_its_own_one_row_pass(r
 
 def test_attend_by_row_takes_the_kernel_on_a_cpu_where_it_builds(monkeypatch):
     """With D a multiple of 16 on a CPU the kernel runs (its numbers differ from the loop's in the
-    last bits); with ROW_KERNEL off the loop does."""
+    last bits); with the kernel turned off (`row_kernel` False) the loop does."""
     q, k, v = qkv(1, 4, 2, 6, 40, 32, torch.bfloat16, seed=3)
     if cpu_row_attention.row_attention(q, k, v, 40, build_dir=paths.kernel_dir()) is None:
         assert not os.environ.get("CI"), f"the row-attention kernel must build in CI: {cpu_row_attention.why_not()}"
@@ -129,9 +129,15 @@ def test_attend_by_row_takes_the_kernel_on_a_cpu_where_it_builds(monkeypatch):
     kernel = attention.attend_by_row(q, k, v, 40)
     assert calls == [1]
     assert torch.equal(kernel, real(q, k, v, 40, build_dir=paths.kernel_dir()))
-    monkeypatch.setattr(attention, "ROW_KERNEL", False)
-    assert torch.equal(attention.attend_by_row(q, k, v, 40), attention.attend_by_row_reference(q, k, v, 40))
-    assert calls == [1]
+    off = attention.attend_by_row(q, k, v, 40, row_kernel=False)
+    assert torch.equal(off, attention.attend_by_row_reference(q, k, v, 40)) and calls == [1]
+    # the choice is made once for a layer: on a CPU without a cap the kernel, with a cap or turned off the loop
+    cpu = torch.device("cpu")
+    assert attention.row_call(cpu) is attention.row_call(cpu)
+    assert torch.equal(attention.row_call(cpu)(q, k, v, 40, None, None, None, None), kernel) and calls == [1, 1]
+    assert torch.equal(attention.row_call(cpu, row_kernel=False)(q, k, v, 40, None, None, None, None), off)
+    capped = attention.row_call(cpu, softcap=50.0)(q, k, v, 40, None, None, None, None)
+    assert torch.equal(capped, attention.attend_by_row_reference(q, k, v, 40, softcap=50.0)) and calls == [1, 1]
 
 
 def test_masks_follow_their_definitions():
@@ -160,11 +166,11 @@ def test_packing_refuses_heads_that_do_not_group():
 
 # ---------------------------------------------------------------------- the three users
 class Calls:
-    """Counts calls of attention.attend and of SDPA (which only attend may call)."""
+    """Counts calls of the shared routine (attention._sdpa_packed: `attend` and every pass reach it) and of SDPA (which only it may call)."""
 
     def __init__(self, monkeypatch):
         self.attend = self.sdpa = 0
-        attend, sdpa = attention.attend, torch.nn.functional.scaled_dot_product_attention
+        attend, sdpa = attention._sdpa_packed, torch.nn.functional.scaled_dot_product_attention
 
         def counted_attend(*args, **kwargs):
             self.attend += 1
@@ -174,7 +180,7 @@ class Calls:
             self.sdpa += 1
             return sdpa(*args, **kwargs)
 
-        monkeypatch.setattr(attention, "attend", counted_attend)
+        monkeypatch.setattr(attention, "_sdpa_packed", counted_attend)  # the routine, as a pass binds it
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted_sdpa)
 
     def take(self) -> tuple[int, int]:
@@ -184,13 +190,14 @@ class Calls:
 
 
 def test_every_user_attends_through_the_shared_routine(monkeypatch):
+    calls = Calls(monkeypatch)  # before the model binds its layers' calls
     target = tiny_model("llama", n_layers=3, seed=7)
     fast = FastModel(target, max_len=32)
     fast.row_attention = False  # one call a layer (as a slim view attends); by row below
     head = eagle_init.init_head(target, (0, 1, 2), torch.arange(0, 256, 2), seed=0)
     head.allocate(32)
     ids = torch.randint(3, 256, (12,), generator=torch.Generator().manual_seed(7))
-    calls = Calls(monkeypatch)
+    calls.take()
 
     fast.forward(ids[:6], 0, 1)  # a prefill: one call a layer
     assert calls.take() == (3, 3)
@@ -203,7 +210,7 @@ def test_every_user_attends_through_the_shared_routine(monkeypatch):
     monkeypatch.setattr(cpu_row_attention, "row_attention", lambda *a, **kw: kernel_calls.append(1) or real(*a, **kw))
     fast.forward(ids[7:10], 7, 3)
     assert len(kernel_calls) == 3 and calls.take() == ((0, 0) if built else (9, 9))
-    monkeypatch.setattr(attention, "ROW_KERNEL", False)  # the reference: one call a layer and position
+    fast.bind_kernels(row_kernel=False)  # the reference: one call a layer and position
     fast.rollback(7)
     fast.forward(ids[7:10], 7, 3)
     assert calls.take() == (9, 9)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES, every_kind_of_pass, tiny_model
+from viasd_core.runtime import attention
 from viasd_core.runtime import layer_calls as lc
 from viasd_core.runtime import short_products as sp
 from viasd_core.runtime import weight_formats as wf
@@ -52,7 +53,9 @@ def module_calls(layer, fused, model) -> lc.LayerCalls:
         gate_up=(lambda x: fused.gate_up(x)) if gate_up else None,
         gate_up_split=fused.gate_up_split if gate_up else (0, 0),
         act=(lambda x: layer.mlp.act_fn(x)) if gate_up else None, down=prod_add("down_proj") if gate_up else None,
-        mlp=mlp, scaling=layer.self_attn.scaling)
+        mlp=mlp, scaling=layer.self_attn.scaling,
+        attend=lambda q, k, v, mask, scale: attention.attend(q, k, v, mask, scale),
+        attend_rows=lambda *args: attention.attend_by_row(*args))
 
 
 @pytest.mark.parametrize("fmt", ["none", "int8", "int4"])

@@ -80,7 +80,7 @@ def environment(session: Session, refresh: bool = False) -> dict:
         "instruction_set": cpu_isa.in_force()[1] if device.type == "cpu" else None,
         "float32_products": (short_products.invariant_way() if engine.target.row_attention and engine.target.dtype == torch.float32
                              else None),
-        "row_attention": attention.by_row_way() if engine.target.row_attention else None,
+        "row_attention": attention.by_row_way(engine.target.row_kernel) if engine.target.row_attention else None,
         "layer_kernels": engine.target.layer_kernels_way(),
         "packed_products": (packed_cpu.short_products_way()
                             if str(session.target.format) in weight_formats.FORMATS and device.type == "cpu" else None),

@@ -20,8 +20,12 @@ softmax(QK^T)V over repeated K/V).
 `attend_by_row` attends every query position over exactly the keys it sees, each row's numbers a
 function of that row alone: a position comes out the same whatever its pass holds
 (FastModel.row_attention says when that matters). On a CPU it is one call of viasd_kernels'
-row-invariant kernel (built once per machine; `ROW_KERNEL`); elsewhere, or where the kernel cannot be
-built, `attend_by_row_reference`: `attend` once per row, over exactly its keys.
+row-invariant kernel (built once per machine; `row_kernel` False turns it off); elsewhere, or where
+the kernel cannot be built, `attend_by_row_reference`: `attend` once per row, over exactly its keys.
+
+FastModel's pass decides none of this per call: each layer's calls (layer_calls.py) hold the
+attention `packed_call` and `row_call` chose for its device, cap and options when they were bound.
+`attend` and `attend_by_row` are the entries for everyone else (the EAGLE head, training, tests).
 
 `CachedPositions.rollback(n)` is the one meaning of rollback for a static cache: keep the first n
 cached positions.
@@ -30,6 +34,7 @@ cached positions.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +42,6 @@ from viasd_kernels import cpu_row_attention
 
 from viasd_core.runtime import cpu_kernels
 
-ROW_KERNEL = True  # attend_by_row through viasd_kernels.cpu_row_attention where it runs (benchmarks turn it off)
 
 
 class LayerCache(torch.nn.Module):
@@ -112,18 +116,38 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     as transformers' eager attention computes it (SDPA has no cap: `capped_attention`).
     Returns [B, T, Hq * D] (heads concatenated, ready for o_proj).
     """
-    B, Hq, T, D = q.shape
-    Hkv = k.shape[1]
+    Hq, Hkv = q.shape[1], k.shape[1]
     if Hq % Hkv:
         raise ValueError(f"{Hq} query heads are not a multiple of {Hkv} KV heads")
-    rep = Hq // Hkv
     if mask is not None and mask.dtype == torch.bool:
-        mask = mask.repeat(rep, 1)  # [rep * T, L]: rows follow the packed queries
-    if softcap is not None:
-        o = capped_attention(q.reshape(B, Hkv, rep * T, D), k, v, mask, D**-0.5 if scale is None else scale, softcap)
-    else:
-        o = F.scaled_dot_product_attention(q.reshape(B, Hkv, rep * T, D), k, v, attn_mask=mask, scale=scale)
+        mask = mask.repeat(Hq // Hkv, 1)  # [rep * T, L]: rows follow the packed queries
+    return packed_call(softcap)(q, k, v, mask, scale)
+
+
+def packed_call(softcap: float | None = None) -> Callable:
+    """The attention of a layer whose logits are capped at `softcap` (None: no cap), decided once:
+    a call (q, k, v, mask, scale) -> [B, T, Hq * D] over a mask as `packed_mask` made it (or None),
+    through SDPA, or with a cap through `capped_attention`'s operators. `attend` less its checks and
+    the mask's packing: what a pass's layers call."""
+    if softcap is None:
+        return _sdpa_packed
+    return lambda q, k, v, mask, scale: _capped_packed(q, k, v, mask, scale, softcap)
+
+
+def _sdpa_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                 scale: float | None) -> torch.Tensor:
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    o = F.scaled_dot_product_attention(q.reshape(B, Hkv, Hq // Hkv * T, D), k, v, attn_mask=mask, scale=scale)
     return o.reshape(B, Hq, T, D).transpose(1, 2).reshape(B, T, Hq * D)  # [B, Hkv, rep * T, D] -> [B, T, Hq * D]
+
+
+def _capped_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   scale: float | None, softcap: float) -> torch.Tensor:
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    o = capped_attention(q.reshape(B, Hkv, Hq // Hkv * T, D), k, v, mask, D**-0.5 if scale is None else scale, softcap)
+    return o.reshape(B, Hq, T, D).transpose(1, 2).reshape(B, T, Hq * D)
 
 
 def packed_mask(mask: torch.Tensor, rep: int, dtype: torch.dtype) -> torch.Tensor:
@@ -137,23 +161,38 @@ def packed_mask(mask: torch.Tensor, rep: int, dtype: torch.dtype) -> torch.Tenso
 
 def attend_by_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, window: int | None = None,
                   scale: float | None = None, key_mask: torch.Tensor | None = None,
-                  kernels: Path | None = None, softcap: float | None = None) -> torch.Tensor:
+                  kernels: Path | None = None, softcap: float | None = None, row_kernel: bool = True) -> torch.Tensor:
     """Causal attention of q [1, Hq, T, D] at positions end - T .. end - 1 over a cache k, v
     [1, Hkv, >= end, D], each row over exactly its keys and computed as it would be alone:
     [1, T, Hq * D]. With `key_mask` [T, end] (a token tree's rows) row i reads the slots it marks,
     in cache order. One kernel call on a CPU (viasd_kernels.cpu_row_attention), else the reference;
     always the reference with a `softcap` (the kernel has no cap): each row alone through operators.
-    `kernels`: the kernels' folder (cpu_kernels.folder(), which a pass looks up once for its layers)."""
-    if ROW_KERNEL and softcap is None and q.device.type == "cpu" and q.shape[0] == 1:
-        out = cpu_kernels.row_attention(q, k, v, end, window, scale, key_mask, build_dir=kernels)
-        if out is not None:
-            return out
-    return attend_by_row_reference(q, k, v, end, window, scale, key_mask, softcap)
+    `kernels`: the kernels' folder (cpu_kernels.folder(), which a pass looks up once for its layers);
+    `row_kernel` False: the reference. The call `row_call` chooses for these tensors' device."""
+    return row_call(q.device, softcap, row_kernel and q.shape[0] == 1)(q, k, v, end, window, scale, key_mask, kernels)
 
 
-def by_row_way() -> str:
-    """How `attend_by_row` runs on this CPU, and why (viasd doctor shows it)."""
-    if not ROW_KERNEL:
+def row_call(device: torch.device, softcap: float | None = None, row_kernel: bool = True) -> Callable:
+    """`attend_by_row` for a layer on `device` with logits capped at `softcap`, decided once: a call
+    (q, k, v, end, window, scale, key_mask, kernels) through viasd_kernels' row-invariant kernel on a
+    CPU where there is no cap and `row_kernel` holds (the reference where the kernel does not take
+    the tensors: not built here, or a head width it does not run), else the reference."""
+    if row_kernel and softcap is None and device.type == "cpu":
+        return _by_row_kernel
+    return lambda q, k, v, end, window, scale, key_mask, kernels: attend_by_row_reference(
+        q, k, v, end, window, scale, key_mask, softcap)
+
+
+def _by_row_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, window: int | None,
+                   scale: float | None, key_mask: torch.Tensor | None, kernels: Path | None) -> torch.Tensor:
+    out = cpu_kernels.row_attention(q, k, v, end, window, scale, key_mask, build_dir=kernels)
+    return out if out is not None else attend_by_row_reference(q, k, v, end, window, scale, key_mask)
+
+
+def by_row_way(row_kernel: bool = True) -> str:
+    """How `attend_by_row` runs on this CPU, and why (viasd doctor shows it); `row_kernel` False: the
+    kernel turned off (a model's bind_kernels option)."""
+    if not row_kernel:
         return "one call a position (the kernel is turned off)"
     probe = torch.zeros(1, 1, 1, cpu_row_attention.LANES)
     if cpu_kernels.row_attention(probe, probe, probe, 1) is not None:

@@ -41,7 +41,8 @@ class PassCalls:
 class KernelBinding:
     """Mixed into FastModel (model.py): binds its calls to its layers, weights and cache."""
 
-    def bind_kernels(self, layer_front: bool | None = None, rope_kernel: bool | None = None) -> None:
+    def bind_kernels(self, layer_front: bool | None = None, rope_kernel: bool | None = None,
+                     row_kernel: bool | None = None) -> None:
         """Bind the calls of every pass, once: each layer's, the final norm's and the head's, for
         eager passes (`_calls`, `_final_norm`, `_head`: the C kernels where they apply) and for
         traced ones (`_traced_calls`: PyTorch's operators), and the C kernels every layer's eager
@@ -49,12 +50,14 @@ class KernelBinding:
         pass follows. Done when the cache is allocated; call it again after replacing a layer's
         weights, or to set the options (`layer_front` False: an int4 layer's calls one by one;
         `rope_kernel` False: RoPE and the cache writes through operators, and so no layer front
-        either: the tests' and benchmarks' references). A cache swapped in keeps the kernels bound
-        to it."""
+        either: the tests' and benchmarks' references; `row_kernel` False: attention by row one call a
+        position, attention.attend_by_row_reference). A cache swapped in keeps the kernels bound to it."""
         if layer_front is not None:
             self.layer_front = bool(layer_front)
         if rope_kernel is not None:
             self.rope_kernel = bool(rope_kernel)
+        if row_kernel is not None:
+            self.row_kernel = bool(row_kernel)
         pairs = list(zip(self.layers, self._fused))
         self._calls = [layer_calls(layer, f, self) for layer, f in pairs]  # layer_calls.py
         self._final_norm = norm_calls(self.norm).eager  # norms.py: one call on CPU

@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from viasd_core.runtime import attention
 from viasd_core.runtime.families import attn_softcap
 from viasd_core.runtime.norms import norm_calls
 from viasd_core.runtime.short_products import PLAIN, eager_linear, gated, takes_of, traced_linear
@@ -62,6 +63,9 @@ class LayerCalls:
     scaling: float
     softcap: float | None = None  # the attention logits' tanh cap (Gemma 2), None: none
     front: bool = True  # the plain layer shape (one norm before each block, no q/k norms, no cap)
+    # the layer's attention over a pass's packed mask (attention.packed_call), and by row (attention.row_call)
+    attend: Callable = attention._sdpa_packed
+    attend_rows: Callable | None = None
 
 
 def product(module: torch.nn.Module, model, traced: bool = False) -> Call:
@@ -122,7 +126,8 @@ def row_by_row(module: torch.nn.Module, model, traced: bool = False) -> Call:
 
 def layer_calls(layer: torch.nn.Module, fused, model, traced: bool = False) -> LayerCalls:
     """The calls of decoder `layer` (with its fused projections `fused`, or None) for `model`'s
-    eager passes, or with `traced` its traced ones (torch.compile: PyTorch's operators only)."""
+    eager passes, or with `traced` its traced ones (torch.compile: PyTorch's operators only). Its
+    attention by row takes viasd_kernels' row kernel on a CPU unless `model.row_kernel` is False."""
     attn, m = layer.self_attn, layer.mlp
     norm = (lambda module: module.forward) if traced else (lambda module: norm_calls(module).eager)
     q_norm = attn.q_norm.forward if hasattr(attn, "q_norm") else None
@@ -173,4 +178,6 @@ def layer_calls(layer: torch.nn.Module, fused, model, traced: bool = False) -> L
         scaling=attn.scaling,
         softcap=softcap,
         front=not sandwich and not softcap and q_norm is None,
+        attend=attention.packed_call(softcap),
+        attend_rows=attention.row_call(model.device, softcap, model.row_kernel and not traced),
     )

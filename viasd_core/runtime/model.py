@@ -92,7 +92,8 @@ class FastModel(attention.CachedPositions, TreePasses, DecoderPass, CompiledPass
         cpu_packed = self.weight_format and self.device.type == "cpu"
         self._fused = [fused(layer) if cpu_packed else None for layer in self.layers]
         self.layer_front = True  # bind_kernels' options: int4 layers' front half in one C call where it applies,
-        self.rope_kernel = True  # RoPE and the cache writes in one C call where it applies
+        self.rope_kernel = True  # RoPE and the cache writes in one C call where it applies,
+        self.row_kernel = True  # and attention by row in one C call a layer (attention.row_call)
         self._operators = [OPERATORS] * len(self.layers)  # the C kernels a traced pass calls: none (`_traced_run`)
         # Float32 layers on CPU: which product short passes multiply through (short_products.ShortRows:
         # the weights read at the memory's speed). The blocked product for 1-row passes until a session

@@ -137,11 +137,9 @@ class DecoderPass:
             k = apply_rope(k.transpose(1, 2), cos, sin)  # [1, Hkv, T, D]
             k_cache, v_cache = layer_cache.update(pos, k, v.transpose(1, 2))
         if by_row:
-            o = attention.attend_by_row(q, k_cache, v_cache, end, self.windows[ci], c.scaling, key_mask, kernels,
-                                        c.softcap)
+            o = c.attend_rows(q, k_cache, v_cache, end, self.windows[ci], c.scaling, key_mask, kernels)
         else:
-            o = attention.attend(q, k_cache[:, :, :end], v_cache[:, :, :end], masks.get(self.windows[ci]),
-                                 c.scaling, c.softcap)  # [1, T, Hq * D]
+            o = c.attend(q, k_cache[:, :, :end], v_cache[:, :, :end], masks.get(self.windows[ci]), c.scaling)  # [1, T, Hq * D]
         x = c.o(o, x)  # x + o_proj(o)
         h = c.post_norm(x)
         if c.gate_up is not None:
