@@ -5,7 +5,6 @@ import pytest
 import torch
 
 from conftest import FAMILIES, every_kind_of_pass, tiny_model
-from viasd_core.runtime import fused_projections
 from viasd_core.runtime import weight_formats as wf
 from viasd_core.runtime.model import FastModel
 from viasd_core.runtime.weight_format import WeightFormat
@@ -21,9 +20,9 @@ def test_fused_projections_compute_what_the_separate_ones_do(family, fmt, monkey
     ids = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         hf_before = model(ids[None]).logits
-    monkeypatch.setattr(fused_projections, "ENABLED", False)
-    separate = every_kind_of_pass(FastModel(model, max_len=64), ids)
-    monkeypatch.setattr(fused_projections, "ENABLED", True)
+    separate_model = FastModel(model, max_len=64, fuse_projections=False)
+    assert separate_model._fused == [None] * len(separate_model.layers)
+    separate = every_kind_of_pass(separate_model, ids)
     fast = FastModel(model, max_len=64)
     f = fast._fused[0]
     assert f is not None and f.qkv is not None and f.gate_up is not None  # both fused at this shape

@@ -24,9 +24,6 @@ import torch
 
 from viasd_core.runtime.weight_formats import fuse_rows
 
-ENABLED = True  # tests turn it off to compare
-
-
 @dataclass(frozen=True)
 class Fused:
     qkv: torch.nn.Module | None  # q, k, v side by side (None: not fused)
@@ -40,8 +37,6 @@ _fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decoder layer
 
 def fused(layer: torch.nn.Module) -> Fused | None:
     """The layer's fused projections (made once per layer), or None where nothing fuses."""
-    if not ENABLED:
-        return None
     if layer not in _fused:
         attn, mlp = layer.self_attn, layer.mlp
         if hasattr(attn, "qkv_proj"):  # Phi-3: the checkpoint's own fused layers (layer_calls splits them)

@@ -53,10 +53,12 @@ class FastModel(attention.CachedPositions, TreePasses, DecoderPass, CompiledPass
 
     `seen` is the number of positions whose K/V are valid in the cache; `rollback(n)` keeps the
     first n (attention.CachedPositions). `forward(ids, start)` writes positions [start, start + T)
-    and returns logits for the last `n_logits` of them.
+    and returns logits for the last `n_logits` of them. `fuse_projections` False: an int8/int4
+    model's q/k/v and gate/up stay separate products on a CPU (the tests' reference).
     """
 
-    def __init__(self, hf_model, layer_ids: list[int] | None = None, max_len: int = 2048, name: str = "target"):
+    def __init__(self, hf_model, layer_ids: list[int] | None = None, max_len: int = 2048, name: str = "target",
+                 fuse_projections: bool = True):
         self.hf_model = hf_model
         self.shape = model_shape(hf_model)
         self.name = name
@@ -89,7 +91,7 @@ class FastModel(attention.CachedPositions, TreePasses, DecoderPass, CompiledPass
         self._short_rows = DEFAULT
         self.row_attention = not self.quantized and self.device.type != "cuda"
         # int8/int4 on CPU: q/k/v and gate/up as one product each (fused_projections.py)
-        cpu_packed = self.weight_format and self.device.type == "cpu"
+        cpu_packed = self.weight_format and self.device.type == "cpu" and fuse_projections
         self._fused = [fused(layer) if cpu_packed else None for layer in self.layers]
         self.layer_front = True  # bind_kernels' options: int4 layers' front half in one C call where it applies,
         self.rope_kernel = True  # RoPE and the cache writes in one C call where it applies,
