@@ -206,7 +206,7 @@ def chat(
     config: GenerationConfig,
     system: Annotated[Optional[str], typer.Option("--system", help="System message for the chat template.")] = None,
     plain: Annotated[bool, typer.Option("--plain", help="No colors and no live status line (NO_COLOR turns colors off too).")] = False,
-    fidelity_check: Annotated[Optional[bool], typer.Option("--fidelity/--no-fidelity", help="Measure each answer's fidelity with one teacher-forced target pass (default: on in viasd mode).")] = None,
+    fidelity_check: Annotated[Optional[bool], typer.Option("--fidelity/--no-fidelity", help="Measure each answer's fidelity by teacher-forcing the target over it (default: on in viasd mode).")] = None,
 ):
     """Chat with the model, keeping the KV caches across turns; /help lists the commands."""
     interactive = sys.stdin is not None and sys.stdin.isatty()

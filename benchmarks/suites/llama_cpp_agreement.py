@@ -7,10 +7,10 @@ file's chat template as viasd applies it), llama.cpp (llama-cpp-python, same tok
 writes `-n` tokens. Then each viasd weight format reads the prompt plus llama.cpp's tokens in one
 pass and its greedy choice at every position of that continuation is compared with llama.cpp's
 token there: teacher-forced agreement (1.0: viasd would have written the same text token by token).
-Two ways to read the continuation (`--passes`): `short` (default) runs the prompt as a prefill and
-the continuation in passes of up to 16 positions, the kernels that generate tokens (`ar`'s 1-row
-passes and `sd`'s verify blocks compute every row alike: the row-invariance rule), so it scores
-what viasd writes; `one` reads prompt and continuation in one pass, the prefill's products (on a
+Two ways to read the continuation (`--passes`, runtime/teacher_forced.py): `short` (default) runs
+the prompt but its last token as a prefill and the rest in passes of up to 16 positions, as the
+engine does, through the kernels that generate tokens (`ar`'s 1-row passes and `sd`'s verify blocks
+compute every row alike: the row-invariance rule), so it scores what viasd writes; `one` reads prompt and continuation in one pass, the prefill's products (on a
 CPU whose bfloat16 products pay, the weights widened to bfloat16), which no generated token uses.
 `gguf` runs the file's own 4-bit blocks, `int4` re-quantizes the dequantized weights, `none` runs the
 dequantized weights in float32. Writes DIR/llama_cpp_agreement.json (temporary file, then rename).
@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from viasd_core.runtime import teacher_forced
 from viasd_core.runtime.model import FastModel
 from viasd_core.loading.models import load_model
 from viasd_core.loading.prompts import encode
@@ -47,24 +48,9 @@ def llama_cpp_continuations(gguf: str, prompts: list[list[int]], new: int, threa
     return out
 
 
-SHORT_PASS = 16  # positions per pass of the continuation in `short` mode (a verify block's width at most)
-
-
 def agreement(fast: FastModel, prompt: list[int], cont: list[int], passes: str = "short") -> int:
     """Positions of `cont` where `fast`'s greedy choice after prompt + cont[:i] is cont[i]."""
-    fast.reset()
-    with torch.inference_mode():
-        if passes == "one":
-            ids = torch.tensor(prompt + cont, device=fast.device)
-            logits = fast.forward(ids, 0, len(cont) + 1)[: len(cont)]  # positions len(prompt) - 1 ...
-        else:
-            rows = [fast.forward(torch.tensor(prompt, device=fast.device), 0, 1)]
-            for i in range(0, len(cont) - 1, SHORT_PASS):
-                chunk = cont[i : min(i + SHORT_PASS, len(cont) - 1)]
-                rows.append(fast.forward(torch.tensor(chunk, device=fast.device), len(prompt) + i, len(chunk)))
-            logits = torch.cat(rows)
-    choice = logits.argmax(-1).tolist()
-    return sum(a == b for a, b in zip(choice, cont))
+    return sum(a == b for a, b in zip(teacher_forced.choices(fast, prompt, cont, passes), cont))
 
 
 def continuations(path: Path | None, gguf: str, prompts: list[list[int]], new: int, threads: int) -> list[list[int]]:

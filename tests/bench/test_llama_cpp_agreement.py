@@ -35,13 +35,13 @@ def suite():
 
 
 def one_token_choices(fast: FastModel, prompt: list[int], cont: list[int]) -> list[int]:
-    """The greedy choice before each position of `cont`, every continuation token fed in its own 1-token pass."""
+    """The greedy choice before each position of `cont` as `ar` makes it: the prompt but its last token
+    as a prefill, then that token and every continuation token in its own 1-token pass."""
     fast.reset()
     with torch.inference_mode():
-        out = [int(fast.forward(torch.tensor(prompt), 0, 1).argmax())]
-        for i, tok in enumerate(cont[:-1]):
-            out.append(int(fast.forward(torch.tensor([tok]), len(prompt) + i, 1).argmax()))
-    return out
+        fast.forward(torch.tensor(prompt[:-1]), 0, 1)
+        return [int(fast.forward(torch.tensor([tok]), len(prompt) - 1 + i, 1).argmax())
+                for i, tok in enumerate(prompt[-1:] + cont[:-1])]
 
 
 @pytest.mark.parametrize("fmt", ["none", "int4"])
@@ -50,14 +50,16 @@ def test_short_passes_score_what_one_token_steps_choose(suite, fmt):
     if fmt != "none":
         apply_weight_format(model, WeightFormat.parse(fmt))
     fast = FastModel(model, max_len=96)
-    prompt = list(range(5, 17))
+    prompt = list(range(5, 30))  # 25 tokens: a prefill past the short passes' 16 rows
     own = []  # the model's own greedy continuation, 40 tokens (more than two short passes)
     fast.reset()
     with torch.inference_mode():
-        nxt = int(fast.forward(torch.tensor(prompt), 0, 1).argmax())
+        fast.forward(torch.tensor(prompt[:-1]), 0, 1)
+        nxt = int(fast.forward(torch.tensor(prompt[-1:]), len(prompt) - 1, 1).argmax())
         for i in range(40):
             own.append(nxt)
             nxt = int(fast.forward(torch.tensor([nxt]), len(prompt) + i, 1).argmax())
+    assert one_token_choices(fast, prompt, own) == own
     assert suite.agreement(fast, prompt, own, "short") == len(own)
 
     g = torch.Generator().manual_seed(0)

@@ -15,8 +15,8 @@ Methods
     llama.cpp    llama-cpp-python on the embedded target's GGUF file (Q4_1), greedy, CPU (optional)
 
 Per (method, prompt, repeat): one timed run (perf_counter, CUDA synchronised) after `warmup` untimed
-runs per method, then ONE teacher-forced target pass over the output for its fidelity (never
-assumed, HF methods included). A method that cannot run is `skipped` with the reason; one that
+runs per method, then the target teacher-forced over the output for its fidelity (speculation/fidelity.py;
+never assumed, HF methods included). A method that cannot run is `skipped` with the reason; one that
 raises is `failed` with the error, and none of its runs is kept as a result.
 
 The runners are in runners.py, the summary in summary.py, the files and meta block in files.py,

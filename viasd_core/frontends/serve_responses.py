@@ -6,7 +6,7 @@ token counts in `usage` and the request's speculative statistics in the extensio
             "target_passes": 12, "slim_passes": 0, "draft_tokens": 40, "prefill_cached": 35,
             "prefill_processed": 4, "time_s": 0.41, "tokens_per_s": 92.6, "fidelity": null, "seed": 7}
 
-`fidelity` is measured (one teacher-forced target pass) in viasd mode when the server runs with
+`fidelity` is measured (the target teacher-forced over the answer: speculation/fidelity.py) in viasd mode when the server runs with
 --fidelity, null elsewhere. `seed` is the sampling seed the request ran with (send it back as
 `seed` to repeat a sampled answer), null when none was set. The finish
 reason is OpenAI's: 'stop' (end of text or a stop string), 'length', or 'tool_calls' (the answer
