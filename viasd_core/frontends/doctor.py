@@ -19,7 +19,7 @@ import torch
 from viasd_core import cpu_isa
 from viasd_core.bench.files import versions
 from viasd_core.devices import device_name
-from viasd_core.runtime import attention, packed_cpu, short_products, weight_formats
+from viasd_core.runtime.kernel_ways import kernels_in_force
 from viasd_core.speculation.engine import GenerationConfig
 from viasd_core.session import GenerationRequest, Session, resolve_config
 from viasd_core.loading.models import auto_candidates, format_loader
@@ -78,14 +78,7 @@ def environment(session: Session, refresh: bool = False) -> dict:
         "threads_reason": machine["threads"].reason if "threads" in machine else None,
         "short_passes": machine["short-rows"].reason or None if "short-rows" in machine else None,
         "instruction_set": cpu_isa.in_force()[1] if device.type == "cpu" else None,
-        "float32_products": (short_products.invariant_way() if engine.target.row_attention and engine.target.dtype == torch.float32
-                             else None),
-        "row_attention": attention.by_row_way(engine.target.row_kernel) if engine.target.row_attention else None,
-        "layer_kernels": engine.target.layer_kernels_way(),
-        "packed_products": (packed_cpu.short_products_way()
-                            if str(session.target.format) in weight_formats.FORMATS and device.type == "cpu" else None),
-        "int4_widening": (packed_cpu.int4_widening_way()
-                          if str(session.target.format) == "int4" and device.type == "cpu" else None),
+        **kernels_in_force(engine.target, str(session.target.format)),
         "cuda_available": torch.cuda.is_available(),
         "bf16_supported": bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()),
         "bf16_products": bf16_products,

@@ -1,11 +1,30 @@
-"""What `viasd doctor` says of a FastModel's C kernels: how its eager CPU passes run their RMSNorms
-and RoPE (with the cache writes), and why."""
+"""What runs where in a FastModel's passes, and why, in one place: `kernels_in_force` gathers every
+kernel's way (float32 short products, attention by row, norms and RoPE, the packed products, int4's
+prefill widening) for `viasd doctor`; `KernelWays.layer_kernels_way` says how the eager
+CPU passes run their RMSNorms and RoPE (with the cache writes)."""
 
 from __future__ import annotations
 
+import torch
 from viasd_kernels import cpu_rms_norm, cpu_rope_write
 
-from viasd_core.runtime import cpu_kernels
+from viasd_core.runtime import attention, cpu_kernels, packed_cpu, short_products
+from viasd_core.runtime.weight_format import PACKED
+
+
+def kernels_in_force(fast, fmt: str) -> dict[str, str | None]:
+    """How `fast` (a FastModel in weight format `fmt`) runs each kind of kernel on its device, and why:
+    None for a kind it does not run (a float32 product in an int format, anything CUDA-only here)."""
+    cpu = fast.device.type == "cpu"
+    packed = cpu and fmt in {f.name for f in PACKED}
+    return {
+        "float32_products": (short_products.invariant_way() if fast.row_attention and fast.dtype == torch.float32
+                             else None),
+        "row_attention": attention.by_row_way(fast.row_kernel) if fast.row_attention else None,
+        "layer_kernels": fast.layer_kernels_way(),
+        "packed_products": packed_cpu.short_products_way() if packed else None,
+        "int4_widening": packed_cpu.int4_widening_way() if packed and fmt == "int4" else None,
+    }
 
 
 class KernelWays:
