@@ -3,13 +3,15 @@
 The gate of drafted token j is r_j = slim_prob(v_j) / max slim_prob, from the slim verifier's
 logits; its tier is accept (r >= theta_accept: keep the draft token), slim (theta_slim <= r <
 theta_accept: the slim verifier's token) or full (r < theta_slim: the target decides). Both the
-gate and that rule live in viasd_kernels (`route_block`, `tiers_from_gate`). One more condition
-(`unsure_to_full`, on the kernels' tiers, in the engine and in replay alike): a position where
+gate and that threshold rule live in viasd_kernels (`route_block`, `tiers_from_gate`). One more
+condition (`unsure_to_full`): a position where
 the slim's own top-1 probability (its confidence, c_j = max slim_prob) is below theta_confidence
 goes to full whatever r says. r alone cannot see a strong
 but unsure slim view: r is 1 whenever the draft agrees with the slim, however close its top two.
-This module walks one block through the tiers (`walk_block`) and replays recorded blocks with it
-(calibration).
+The whole rule is `route_tiers` (the kernels' threshold rule on the gate, then the confidence
+condition): the engine (`block_tiers`, on a block route_block routed) and calibration's replay (on
+recorded gates) both call it, so the two cannot drift apart. This module walks one block through the
+tiers (`walk_block`) and replays recorded blocks with it (calibration).
 """
 
 from __future__ import annotations
@@ -61,6 +63,12 @@ def route_tiers(gate: torch.Tensor, confidence: torch.Tensor, thresholds: Thresh
     """The tier of every position from recorded gates and confidences: the kernels' rule on the
     gate (as route_block applied it), then `unsure_to_full`. [N] int8."""
     return unsure_to_full(tiers_from_gate(gate, thresholds.accept, thresholds.slim), confidence, thresholds)
+
+
+def block_tiers(route: RouteResult, num_draft: int, thresholds: Thresholds) -> torch.Tensor:
+    """The tier of each of the `num_draft` drafted positions of a block route_block routed: `route_tiers`
+    on its gates and the slim's confidences. [num_draft] int8."""
+    return route_tiers(route.gate[:num_draft], slim_confidence(route, num_draft), thresholds)
 
 
 def walk_block(tiers: Sequence[int], draft_eq_slim: Sequence[bool], target_agrees: Callable[[int], bool]) -> list[str]:

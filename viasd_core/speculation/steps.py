@@ -31,7 +31,7 @@ from viasd_kernels import RouteResult, route_block
 from viasd_core.speculation.drafters import Drafter, Proposal
 from viasd_core.speculation.grammar import Constraint
 from viasd_core.runtime.model import FastModel
-from viasd_core.speculation.router import Thresholds, slim_confidence, unsure_to_full, walk_block
+from viasd_core.speculation.router import Thresholds, block_tiers, walk_block
 from viasd_core.speculation.sampling import (Sampler, SamplingParams, chain_presence, greedy_accept, penalize, prefix_length,
                                           presence, presence_rows, process_logits, speculative_sample)
 from viasd_core.speculation.stats import NO_DRAFT, RunStats
@@ -327,7 +327,7 @@ def tiered_step(eng: Decoder, run: Run, g: int) -> StepResult:
     t = eng.clock()
     slim_logits = penalized(eng, run, eng.slim.extend(eng.ids, n + g, g + 1), draft_tokens)  # [g + 1, V]
     route = route_block(slim_logits, eng.ids[n : n + g], 0.0, th.accept, th.slim)
-    tier_codes = unsure_to_full(route.tiers, slim_confidence(route, g), th).tolist()
+    tier_codes = block_tiers(route, g, th).tolist()  # router.route_tiers: the one tier rule
     slim_argmax = route.argmax.tolist()  # [g + 1]
     stats.time_slim += eng.clock() - t
     stats.slim_passes += 1
