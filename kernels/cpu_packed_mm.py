@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from . import cpu_build, instruction_set
+from . import cpu_build, cpu_int4_q8, instruction_set
 
 SOURCE = Path(__file__).with_name("cpu_packed_mm.c")
 MAX_ROWS, BLOCK, MAX_GROUP, MAX_K8 = 16, 64, 256, 8192  # the C file's limits (the AVX-512 BF16 way's)
@@ -43,6 +43,12 @@ PORTABLE_BLOCKS = (64, 32)  # the int4 layouts the portable way takes: PyTorch's
 BF16_WAY = "AVX-512 BF16 pair dot products"
 PORTABLE_WAY = "float32 FMA over widened weights (portable)"
 PORTABLE_NO_FMA_WAY = "float32 multiply-adds over widened weights (portable, no FMA)"  # a build without FMA
+# The int4 products of the AVX2 class (AVX2 + FMA, no AVX-512): the rows quantized to int8 per group,
+# times the 4-bit codes in integers (cpu_int4_q8.py), where the group is a multiple of 32; on
+# 2026-12-02 on an AVX2-only EPYC (Zen 3) they made a 1-token int4 pass's products ~2.5x faster than
+# the portable way's float32 ones (docs/experiments/avx2-int4-int8-activations.md). The AVX-512
+# class keeps the portable way (16-lane float32: not measured against this on such a CPU).
+Q8_CLASSES = ("avx2",)
 
 _why_not: dict[Path, str] = {}
 _ways: dict[Path, str] = {}
@@ -51,10 +57,11 @@ _ways: dict[Path, str] = {}
 class _Way:
     """One build's products: `int4` by block, `int8`, and the K limit and multiple int8 takes."""
 
-    __slots__ = ("name", "int4", "int8", "k8_max", "k8_multiple")
+    __slots__ = ("name", "int4", "int8", "k8_max", "k8_multiple", "int4_q8")
 
-    def __init__(self, name: str, int4: dict, int8, k8_max: int | None, k8_multiple: int):
+    def __init__(self, name: str, int4: dict, int8, k8_max: int | None, k8_multiple: int, int4_q8: dict | None = None):
         self.name, self.int4, self.int8, self.k8_max, self.k8_multiple = name, int4, int8, k8_max, k8_multiple
+        self.int4_q8 = int4_q8  # {block: the int8-activation product} where the machine's class takes it
 
 
 def _bf16_why_not() -> str:
@@ -76,9 +83,10 @@ def _functions_for(build_dir: Path) -> _Way | None:
     _why_not[build_dir] = _bf16_why_not()
     fused = cpu_build.function(SOURCE, build_dir, "viasd_packed_mm_fma")()
     _ways[build_dir] = PORTABLE_WAY if fused else PORTABLE_NO_FMA_WAY
+    q8 = cpu_int4_q8.functions(build_dir) if instruction_set.isa_class() in Q8_CLASSES else None
     return _Way(_ways[build_dir], {b: cpu_build.function(SOURCE, build_dir, f"viasd_int4_mm_portable{b}")
                                    for b in PORTABLE_BLOCKS},
-                cpu_build.function(SOURCE, build_dir, "viasd_int8_mm_portable"), None, 16)
+                cpu_build.function(SOURCE, build_dir, "viasd_int8_mm_portable"), None, 16, q8)
 
 
 def available(build_dir: Path) -> bool:
@@ -89,6 +97,13 @@ def available(build_dir: Path) -> bool:
 def way(build_dir: Path) -> str | None:
     """Which way the products run here (BF16_WAY or PORTABLE_WAY), None where neither does."""
     return _functions_for(build_dir) and _ways[build_dir]
+
+
+def int4_way(build_dir: Path) -> str | None:
+    """Which way the int4 products of groups of 32 run here: `way`, or cpu_int4_q8.WAY where the
+    machine's class takes the int8-activation products (Q8_CLASSES)."""
+    fns = _functions_for(build_dir)
+    return fns and (cpu_int4_q8.WAY if fns.int4_q8 is not None else fns.name)
 
 
 def why_not(build_dir: Path) -> str | None:
@@ -106,12 +121,15 @@ class Bound:
     here, or refused where the kernel does not take it), `reads` what the kernel reads (the weights,
     or copies of them laid out for it)."""
 
-    __slots__ = ("fn", "weights", "reads", "ptrs", "sources", "n", "k", "tail", "block", "k8")
+    __slots__ = ("fn", "weights", "reads", "ptrs", "sources", "n", "k", "tail", "block", "k8", "chunks")
 
     def __init__(self, fn, weights: tuple[torch.Tensor, torch.Tensor], tail: tuple[int, ...],
                  reads: tuple[torch.Tensor, torch.Tensor] | None = None, block: int | None = None,
-                 k8: tuple[int | None, int] = (MAX_K8, 32)):
+                 k8: tuple[int | None, int] = (MAX_K8, 32), chunks: bool = False):
         self.fn, self.weights, self.tail, self.block, self.k8 = fn, weights, tail, block, k8
+        # whether longer passes (prefill chunks) run through it too, MAX_ROWS rows a call, rather than
+        # one dense product over the widened weight (the int8-activation products: bind_int4)
+        self.chunks = chunks
         self.reads = weights if reads is None else reads
         self.ptrs = tuple(w.data_ptr() for w in self.reads)
         self.sources = tuple(w.data_ptr() for w in weights)  # where the weights were when bound
@@ -178,19 +196,25 @@ def _takes_int8(qdata: torch.Tensor, scale: torch.Tensor, k8: tuple[int | None, 
 
 
 def bind_int4(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, block: int | None, *,
-              build_dir: Path) -> Bound | None:
+              build_dir: Path, int8_activations: bool = True) -> Bound | None:
     """The short-pass product of a CPU int4 weight (qdata [N, K / 2] uint8 in PyTorch's layout with
     blocks of `block` outputs, scale_and_zero [K / group, N, 2] bfloat16, contiguous), or None where
     the kernel does not take it or cannot run here: the AVX-512 BF16 way takes blocks of 64, the
     portable way blocks of 64 and 32 (PyTorch's AVX-512 and AVX2 layouts; None, a layout that is
     neither, is refused). The kernel reads a copy of the scales laid out block by block
     (`scales_by_block`: K * N * 4 / group bytes more, a quarter of the weight's at group 32), which a
-    1-token pass streams instead of missing on one every group (cpu_packed_mm.c)."""
+    1-token pass streams instead of missing on one every group (cpu_packed_mm.c). Where the machine's
+    class takes them (Q8_CLASSES) and the group is a multiple of 32, the int8-activation products
+    (cpu_int4_q8.py); `int8_activations` False: the portable way's float32 products there too (the
+    tests' and the A/B benchmarks' other side); a prefill's chunks then run through them too, 16
+    rows a call (`Bound.chunks`: on that CPU faster than widening the weight to float32 for one
+    dense product, and every row's numbers the short passes')."""
     fns = _functions_for(build_dir) if block in PORTABLE_BLOCKS else None
     if fns is None or not _takes_int4(qdata, group, scale_and_zero, block, tuple(fns.int4)):
         return None
-    return Bound(fns.int4[block], (qdata, scale_and_zero), (group,), (qdata, scales_by_block(scale_and_zero, block)),
-                 block=block)
+    q8 = int8_activations and fns.int4_q8 is not None and group % cpu_int4_q8.CHUNK == 0
+    return Bound(fns.int4_q8[block] if q8 else fns.int4[block], (qdata, scale_and_zero), (group,),
+                 (qdata, scales_by_block(scale_and_zero, block)), block=block, chunks=q8)
 
 
 def scales_by_block(scale_and_zero: torch.Tensor, block: int) -> torch.Tensor:

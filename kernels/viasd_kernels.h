@@ -50,6 +50,13 @@ int viasd_int4_mm_portable32(const uint16_t *x, const uint8_t *q, const uint16_t
 int viasd_int8_mm_portable(const uint16_t *x, const int8_t *q, const uint16_t *scale, int64_t M, int64_t N,
                            int64_t K, uint16_t *out, const uint16_t *residual, int threads);
 
+/* cpu_int4_q8.c */
+int viasd_int4_q8_available(void);
+int viasd_int4_mm_q8_32(const uint16_t *x, const uint8_t *q, const uint16_t *sz, int64_t M, int64_t N, int64_t K,
+                        int64_t group, uint16_t *out, const uint16_t *residual, int threads);
+int viasd_int4_mm_q8_64(const uint16_t *x, const uint8_t *q, const uint16_t *sz, int64_t M, int64_t N, int64_t K,
+                        int64_t group, uint16_t *out, const uint16_t *residual, int threads);
+
 /* cpu_f32_mm.c */
 int viasd_f32_mm_vector_bits(void);
 int viasd_f32_mm(const float *x, const float *w, const float *bias, int64_t M, int64_t N, int64_t K, float *out,

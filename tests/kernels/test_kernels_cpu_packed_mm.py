@@ -113,7 +113,8 @@ def test_int4_is_its_reference_and_rows_do_not_depend_on_the_pass(kernels, shape
         return
     for seed, spread in ((1, 0.05), (2, 3.0), (3, 1e-4)):
         values, qdata, sz = int4_case(n, k, group, seed, spread, block)
-        bound = pm.bind_int4(qdata, group, sz, block, build_dir=folder)
+        # the float32 products (the AVX2 class's int8-activation ones: test_kernels_cpu_int4_q8.py)
+        bound = pm.bind_int4(qdata, group, sz, block, build_dir=folder, int8_activations=False)
         assert bound is not None
         x = activations(16, k, seed)
         got = bound(x)
@@ -179,7 +180,8 @@ def test_the_portable_way_gives_the_same_bits_in_every_class_and_layout(folders,
     got = {}
     for cap in ("avx2", "avx512"):
         folder = enter(cap, folders, monkeypatch)
-        got[cap] = [pm.bind_int4(pack(values, b), 32, sz, b, build_dir=folder)(x) for b in pm.PORTABLE_BLOCKS]
+        got[cap] = [pm.bind_int4(pack(values, b), 32, sz, b, build_dir=folder, int8_activations=False)(x)
+                    for b in pm.PORTABLE_BLOCKS]
         got[cap].append(pm.bind_int8(q8, s8, build_dir=folder)(x))
     for a, b in zip(got["avx2"], got["avx512"]):
         assert torch.equal(a, b)
@@ -237,7 +239,7 @@ def test_the_portable_int4_way_is_its_reference_bit_for_bit(kernels, block):
             cases = [(values, sz, activations(16, k, seed)), cancelling_case(n, k, group, seed),
                      mirrored_case(n, k, group, seed)]
             for values, sz, x in cases:
-                bound = pm.bind_int4(pack(values, block), group, sz, block, build_dir=folder)
+                bound = pm.bind_int4(pack(values, block), group, sz, block, build_dir=folder, int8_activations=False)
                 want = pm.int4_mm_portable_reference(x, values, group, sz, fused)
                 assert torch.equal(bits(bound(x)), bits(want)), (n, k, group, seed)
                 alone = rows_alone_equal(bound, x, widths=(1, 2, 3, 5, 6, 16))
@@ -336,14 +338,16 @@ def test_a_packed_layer_takes_the_kernel_for_short_passes_only(kernels, monkeypa
     monkeypatch.setattr(pm.Bound, "__call__", lambda self, x, *r: calls.append(x.numel() // x.shape[-1])
                         or (r and r[0] is not None and added.append(x.numel() // x.shape[-1])) or real(self, x, *r))
     torch.manual_seed(0)
+    chunks = lambda rows: [min(pm.MAX_ROWS, rows - i) for i in range(0, rows, pm.MAX_ROWS)]  # noqa: E731
     for rows in (1, 6, 16, 17, 40):
         x = torch.randn(rows, 576).to(torch.bfloat16)
         calls.clear()
         got = packed(x)
-        assert calls == ([rows] if rows <= pm.MAX_ROWS else []), rows
+        # longer passes: the int8-activation products in chunks of 16 rows (Bound.chunks), else dense
+        assert calls == ([rows] if rows <= pm.MAX_ROWS else chunks(rows) if bound.chunks else []), rows
         want = torch.cat([real(bound, x[i : i + pm.MAX_ROWS].contiguous()) for i in range(0, rows, pm.MAX_ROWS)])
         want = want + packed.bias
-        if rows <= pm.MAX_ROWS:
+        if rows <= pm.MAX_ROWS or bound.chunks:
             assert torch.equal(got, want), rows
         else:  # the dense product rounds its own way
             assert ((got.float() - want.float()).abs() <= 0.02 * want.float().abs() + 0.02).all(), rows
@@ -357,7 +361,7 @@ def test_a_packed_layer_takes_the_kernel_for_short_passes_only(kernels, monkeypa
         x, residual = torch.randn(1, rows, 576).to(torch.bfloat16), torch.randn(1, rows, 192).to(torch.bfloat16)
         calls.clear(), added.clear()
         assert torch.equal(packed.add_to(x, residual), residual + packed(x)), rows
-        assert calls == ([rows, rows] if rows <= pm.MAX_ROWS else []), rows
+        assert calls == ([rows, rows] if rows <= pm.MAX_ROWS else chunks(rows) * 2 if bound.chunks else []), rows
         assert added == ([rows] if rows <= pm.MAX_ROWS else []), rows
     packed.bind(packed_kernel=False)
     x = torch.randn(6, 576).to(torch.bfloat16)

@@ -64,8 +64,10 @@ def int8_mm(qdata: torch.Tensor, scale: torch.Tensor):
 
 
 def packed_mm_way() -> str | None:
-    """Which way the packed products run here (cpu_packed_mm.way), None where they do not."""
-    return cpu_packed_mm.way(folder())
+    """Which way the packed products run here (cpu_packed_mm.way; and the int4 products' where they
+    run another, cpu_packed_mm.int4_way), None where they do not."""
+    way, int4 = cpu_packed_mm.way(folder()), cpu_packed_mm.int4_way(folder())
+    return way if int4 == way else f"int4: {int4}; int8: {way}"
 
 
 def packed_mm_why_not() -> str | None:

@@ -128,4 +128,4 @@ def bind_rows(whole: cpu_packed_mm.Bound | None, qdata: torch.Tensor, scale: tor
     if whole is None:
         return None
     reads = (qdata, whole.reads[1][lo // whole.block : (lo + qdata.shape[0]) // whole.block])
-    return cpu_packed_mm.Bound(whole.fn, (qdata, scale), whole.tail, reads, block=whole.block)
+    return cpu_packed_mm.Bound(whole.fn, (qdata, scale), whole.tail, reads, block=whole.block, chunks=whole.chunks)

@@ -21,7 +21,8 @@ from viasd_core.runtime.packed_cpu import PACKED_KERNEL, bind_rows, bind_short, 
 DENSE_PREFILL_ROWS = 17  # on CPU, a pass of this many rows or more (a prefill chunk) takes one dense product
 NO_DENSE_ROWS = 2**62  # off the CPU: no pass takes the dense product
 # what `bind` sets from the layer's tensors (made again when a layer is unpickled)
-BOUND = ("_eager", "_eager_add", "_traced", "_traced_add", "_mm", "_kernel_rows", "_dense_rows", "_short_numel")
+BOUND = ("_eager", "_eager_add", "_traced", "_traced_add", "_mm", "_kernel_rows", "_dense_rows", "_short_numel",
+         "_long")
 
 
 class PackedLinear(torch.nn.Module):
@@ -156,6 +157,9 @@ class PackedLinear(torch.nn.Module):
             self._eager, self._eager_add = self._operators, self._operators_add
             return
         self._short_numel = self.in_features * cpu_packed_mm.MAX_ROWS
+        # passes longer than the short product takes (prefill chunks): in its chunks where it says so
+        # (the int8-activation products, whose rows are the short passes' own), else dense
+        self._long = self._short_chunks if short.chunks else self._operators
         if short.n == self.out_features and self._parameters.get("bias") is None:
             self._eager, self._eager_add = self._short_whole, self._short_whole_add
         else:
@@ -197,12 +201,12 @@ class PackedLinear(torch.nn.Module):
     def _short_whole(self, x: torch.Tensor) -> torch.Tensor:
         """The short product bound to the weight (its outputs the layer's, no bias): `_operators` for longer passes."""
         if x.numel() > self._short_numel:
-            return self._operators(x)
+            return self._long(x)
         return self._short(x.contiguous())  # [..., N]: a pass's product without reshapes (~2 us of its ~8)
 
     def _short_whole_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if x.numel() > self._short_numel:
-            return residual + self._operators(x)
+            return residual + self._long(x)
         x = x.contiguous()
         if residual.is_contiguous() and residual.shape == (*x.shape[:-1], self.out_features):
             return self._short(x, residual)  # the add inside the kernel's call
@@ -211,12 +215,25 @@ class PackedLinear(torch.nn.Module):
     def _short_trimmed(self, x: torch.Tensor) -> torch.Tensor:
         """The short product bound to a weight whose outputs are padded past the layer's, or with a bias."""
         if x.numel() > self._short_numel:
-            return self._operators(x)
+            return self._long(x)
         y = self._short(x.contiguous())
         if self._short.n != self.out_features:
             y = y[..., : self.out_features]
         bias = self._parameters.get("bias")
         return y if bias is None else y + bias
+
+    def _short_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """A long pass through the short product, MAX_ROWS rows a call (`_long` where the product
+        says so: Bound.chunks), trimmed and biased as `_short_trimmed`."""
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        step = cpu_packed_mm.MAX_ROWS
+        y = torch.cat([self._short(x2[i : i + step]) for i in range(0, x2.shape[0], step)])
+        if self._short.n != self.out_features:
+            y = y[:, : self.out_features]
+        bias = self._parameters.get("bias")
+        if bias is not None:
+            y = y + bias
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def _short_trimmed_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         return residual + self._short_trimmed(x)
@@ -257,7 +274,8 @@ def widen_once(modules: list[torch.nn.Module], dtype: torch.dtype):
     (PackedLinear.widened), so the chunks of a long prefill, run layer by layer, widen each layer
     once instead of once a chunk. The products of one decoder layer are held at a time; they are
     dropped on leaving the block."""
-    layers = [m for module in modules for m in module.modules() if isinstance(m, PackedLinear)]
+    layers = [m for module in modules for m in module.modules() if isinstance(m, PackedLinear)
+              and not (m._short is not None and m._short.chunks)]  # those run a prefill in short chunks
     try:
         for m in layers:
             m.held, m.holding = m.widened(dense_dtype(dtype, m.bf16_pays)), True
