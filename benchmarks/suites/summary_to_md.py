@@ -61,10 +61,11 @@ PERFORMANCE = [
         ("cpu-formats-fp32-summary.json", "float32", "int8-int4-weight-only"),
         ("cpu-bench-default-summary.json", "float32, the distilled draft + prompt lookup (the latest run with `exact`)", "default-pair-multi-tier"),
     ]),
-    ("AMD EPYC, AVX2 only (no AVX-512, no BF16)", "2 cores, 24 GiB, torch 2.13.0+cpu, 2 threads", [
-        ("cpu-avx2-bench-default-llamacpp.json", "default (`--quant auto` chose int8 there), 64 new tokens, with llama.cpp", "avx2-cpu-bf16-products"),
-        ("cpu-avx2-bench-int4-summary.json", "int4", "avx2-cpu-bf16-products"),
-        ("cpu-avx2-bench-none-summary.json", "float32", "avx2-cpu-bf16-products"),
+    ("AMD EPYC (Zen 3), AVX2 only (no AVX-512, no BF16), 2026-12-02", "2 cores under KVM, 24 GiB, torch 2.13.0+cpu, 2 threads, 13 held-out prompts x 64 tokens; llama.cpp: llama-cpp-python 0.3.36 built by scripts/install_llama_cpp.sh (its AVX2 build on this CPU); `--quant auto` chose int4 here; the first session on this kind (2026-11-26, the code of then) is in [avx2-cpu-bf16-products](experiments/avx2-cpu-bf16-products.md)", [
+        ("cpu-epyc-zen3-avx2-20261202-int4-llamacpp-summary.json", "int4 against llama.cpp on the same GGUF file: int8 activations times the 4-bit codes", "avx2-int4-int8-activations"),
+        ("cpu-epyc-zen3-avx2-20261202-before-int4-llamacpp-summary.json", "int4 against llama.cpp, the code before (9cec5af: float32 products over widened weights)", "avx2-int4-int8-activations"),
+        ("cpu-epyc-zen3-avx2-20261202-gguf-llamacpp-summary.json", "`--quant gguf` (the file's own Q4_1 blocks) against llama.cpp, int8 activations", "avx2-int4-int8-activations"),
+        ("cpu-epyc-zen3-avx2-20261202-native-fp32-ar-hf-summary.json", "float32 (`--quant none`) against `generate()`", "avx2-int4-int8-activations"),
     ]),
     ("Intel Xeon (Sapphire Rapids), AVX-512 BF16 + AMX, 2026-11-28", "2 cores, 24 GiB, torch 2.13.0+cpu, 2 threads; 13 held-out prompts x 64 tokens (session 28's runs, nothing else running) and 8 prompts x 48 tokens (the first row); llama.cpp: llama-cpp-python 0.3.36 built by scripts/install_llama_cpp.sh (AVX-512 VBMI/VNNI/BF16, no AMX), the same build in every class's row (the cap applies to viasd, not to llama.cpp)", [
         ("cpu-xeon-spr-cap-native-fp32-ar-hf-summary.json", "float32 (`--quant none`), the machine's own class", "instruction-set-classes-capped"),
@@ -96,7 +97,7 @@ GPU = [
 # (machine kind, prefill file, record)
 PREFILL = [
     ("AMD EPYC (Zen 5), AVX-512 BF16", "cpu-epyc-avx512bf16-prefill-packed.json", "fp32-onednn-packed-on-policy-head"),
-    ("AMD EPYC, AVX2 only (no AVX-512, no BF16)", "cpu-avx2-prefill-768-after.json", "avx2-cpu-bf16-products"),
+    ("AMD EPYC (Zen 3), AVX2 only (no AVX-512, no BF16), 2026-12-02", "cpu-epyc-zen3-avx2-20261202-prefill-768-after.json", "avx2-int4-int8-activations"),
     ("Intel Xeon (Sapphire Rapids), AVX-512 BF16 + AMX, 2026-11-28", "cpu-xeon-spr-cap-native-prefill-768.json", "instruction-set-classes-capped"),
     ("AVX-512F/VNNI without BF16 (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx512`)", "cpu-xeon-spr-cap-avx512-prefill-768.json", "instruction-set-classes-capped"),
     ("AVX2+FMA (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx2`)", "cpu-xeon-spr-cap-avx2-prefill-768.json", "instruction-set-classes-capped"),
