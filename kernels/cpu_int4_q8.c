@@ -31,6 +31,16 @@
  * to 32 inputs (at most 16 x 2 x 15 x 127 = 60960 in magnitude over both halves, each half under
  * 32767), then they are widened to int32 and the halves added.
  *
+ * int8 weights (viasd_int8_mm_q8; [N, K], a bfloat16 scale an output: the int8 format's layers and
+ * the int4 format's output head) take the rows quantized the same way, and each output, for each
+ * group g in order, adds its 8 lanes' exact integer sums (lane l: inputs 4 l .. 4 l + 3 of the group,
+ * vpmaddubsw over |w| and xq signed as w, then vpmaddwd) times d_g into 8 float32 lanes,
+ *
+ *     acc[l] = fma((float)I[g][l], d_g, acc[l])
+ *
+ * then y = scale * (((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))),
+ * rounded once to bfloat16 (`int8_mm_q8_reference`).
+ *
  * Built once per machine by cpu_int4_q8.py; where the compiler does not target AVX2 and FMA these
  * functions return -2 and the engine keeps cpu_packed_mm's products.
  */
@@ -249,6 +259,68 @@ static int q8_mm(const int B, const uint16_t *x, const uint8_t *q, const uint16_
     return rc;
 }
 
+/* Output n's 8 float32 lanes over every group for one row (xq, d the row's), K a multiple of 32 */
+static inline __attribute__((always_inline)) __m256 q8_int8_lanes(const int8_t *w, const int8_t *xq, const float *d,
+                                                                  int64_t K) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t k = 0, g = 0; k < K; k += 32, g++) {
+        const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + k));
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + k));
+        /* |w| * (xq signed as w): each pair at most 2 x 128 x 127, within int16 */
+        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+        const __m256i i = _mm256_madd_epi16(p, ones);  /* lane l: inputs 4 l .. 4 l + 3 */
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(d[g]), acc);
+    }
+    return acc;
+}
+
+static inline float q8_fold8(__m256 v) {
+    float a[8];
+    _mm256_storeu_ps(a, v);
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+#define Q8_INT8_OUTS 4  /* outputs a tile: their weights stay in L1 for every row */
+
+static int q8_int8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale, int64_t M, int64_t N, int64_t K,
+                      uint16_t *out, const uint16_t *residual, int threads) {
+    if (M <= 0 || M > Q8_MAX_ROWS || N <= 0 || K <= 0 || K % Q8_CHUNK)
+        return -1;
+    const int64_t groups = K / Q8_CHUNK;
+    int8_t *xq = malloc((size_t)(M * K));
+    float *d = malloc(sizeof(float) * M * groups), *X = malloc(sizeof(float) * M * groups);
+    int32_t *t8 = malloc(sizeof(int32_t) * M * groups);
+    int rc = 0;
+    if (!xq || !d || !X || !t8) {
+        rc = -3;
+    } else {
+        for (int64_t r = 0; r < M; r++)
+            q8_quantize(x + r * K, K, Q8_CHUNK, xq + r * K, d + r * groups, t8 + r * groups, X + r * groups);
+        const int64_t tiles = (N + Q8_INT8_OUTS - 1) / Q8_INT8_OUTS;
+        (void)threads;
+#ifdef _OPENMP
+        #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+#endif
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n0 = t * Q8_INT8_OUTS, n_here = N - n0 < Q8_INT8_OUTS ? N - n0 : Q8_INT8_OUTS;
+            _mm_prefetch((const char *)(q + (n0 + Q8_INT8_OUTS) * K), _MM_HINT_T0);
+            for (int64_t r = 0; r < M; r++)
+                for (int64_t j = 0; j < n_here; j++) {
+                    const int64_t n = n0 + j, at = r * N + n;
+                    const float sum = q8_fold8(q8_int8_lanes(q + n * K, xq + r * K, d + r * groups, K));
+                    const uint16_t y = f32_to_bf16(sum * bf16_to_f32(scale[n]));
+                    out[at] = residual ? f32_to_bf16(bf16_to_f32(y) + bf16_to_f32(residual[at])) : y;
+                }
+        }
+    }
+    free(xq);
+    free(d);
+    free(X);
+    free(t8);
+    return rc;
+}
+
 #endif /* VIASD_Q8 */
 
 /* viasd_int4_mm's arguments and results, the weight in PyTorch's blocks of 32 outputs (AVX2's
@@ -271,6 +343,19 @@ int viasd_int4_mm_q8_64(const uint16_t *x, const uint8_t *q, const uint16_t *sz,
     return q8_mm(64, x, q, sz, M, N, K, group, out, residual, threads);
 #else
     (void)x, (void)q, (void)sz, (void)M, (void)N, (void)K, (void)group, (void)out, (void)residual, (void)threads;
+    return -2;
+#endif
+}
+
+/* viasd_int8_mm's arguments and results (weight [N, K] int8, a bfloat16 scale an output), K a
+ * multiple of 32, any N; the rows quantized as the int4 products quantize them. Returns 0, -1 for
+ * arguments it does not take, -2 where it was not built for AVX2 and FMA, -3 out of memory. */
+int viasd_int8_mm_q8(const uint16_t *x, const int8_t *q, const uint16_t *scale, int64_t M, int64_t N, int64_t K,
+                     uint16_t *out, const uint16_t *residual, int threads) {
+#ifdef VIASD_Q8
+    return q8_int8_mm(x, q, scale, M, N, K, out, residual, threads);
+#else
+    (void)x, (void)q, (void)scale, (void)M, (void)N, (void)K, (void)out, (void)residual, (void)threads;
     return -2;
 #endif
 }

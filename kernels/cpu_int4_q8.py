@@ -10,8 +10,10 @@ portable way), and viasd binds this way only where the machine chose it (cpu_pac
 - `functions(build_dir)`: the built products by block ({32: fn, 64: fn}, the same arguments as
   cpu_packed_mm's int4 products), or None where this CPU (or the instruction-set cap) has no AVX2 and
   FMA, or the build failed (`why_not`).
-- `int4_mm_q8_reference(x, codes, group, scale_and_zero)`: the kernel's numbers with PyTorch's
-  operators ([M, N] bfloat16).
+- `int8_function(build_dir)`: the same for int8 weights ([N, K], a scale an output: the int8
+  format's layers and the int4 format's output head).
+- `int4_mm_q8_reference(x, codes, group, scale_and_zero)`, `int8_mm_q8_reference(x, qdata, scale)`:
+  the kernels' numbers with PyTorch's operators ([M, N] bfloat16).
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ def functions(build_dir: Path) -> dict | None:
         _why_not[build_dir] = "the build does not target AVX2 and FMA here"
         return None
     return {b: cpu_build.function(SOURCE, build_dir, f"viasd_int4_mm_q8_{b}") for b in BLOCKS}
+
+
+def int8_function(build_dir: Path):
+    """The int8-weight product over int8 activations built for this machine (cpu_packed_mm's int8
+    arguments; K a multiple of 32), or None as `functions`."""
+    return None if functions(build_dir) is None else cpu_build.function(SOURCE, build_dir, "viasd_int8_mm_q8")
 
 
 def why_not(build_dir: Path) -> str | None:
@@ -86,3 +94,22 @@ def int4_mm_q8_reference(x: torch.Tensor, codes: torch.Tensor, group: int, scale
         y = _fma32(dd[:, :, g], scale[g].expand(m, n), y)
         y = _fma32(big_x[:, g : g + 1].expand(m, n), zero[g].expand(m, n), y)
     return y.to(torch.bfloat16)
+
+
+def int8_mm_q8_reference(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The int8-weight product over int8 activations bit for bit ([M, N] bfloat16) from x [M, K]
+    bfloat16, qdata [N, K] int8 and scale [N] bfloat16: for each output 8 float32 lanes, lane l of
+    group g the exact sum of inputs 4 l .. 4 l + 3 of the group, acc = fma(I, d_g, acc) over the
+    groups in order, the lanes folded ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7)), times the scale."""
+    from .cpu_packed_mm import _fma32
+
+    m, (n, k) = x.shape[0], qdata.shape
+    groups = k // CHUNK
+    xq, d, _ = quantize_rows_reference(x, CHUNK)
+    lanes = torch.einsum("mgli,ngli->mngl", xq.double().view(m, groups, 8, 4),
+                         qdata.double().view(n, groups, 8, 4))  # exact integers
+    acc = torch.zeros(m, n, 8)
+    for g in range(groups):
+        acc = _fma32(lanes[:, :, g].float(), d[:, g, None, None].expand(m, n, 8), acc)
+    y = ((acc[..., 0] + acc[..., 4]) + (acc[..., 2] + acc[..., 6])) + ((acc[..., 1] + acc[..., 5]) + (acc[..., 3] + acc[..., 7]))
+    return (y * scale.float()).to(torch.bfloat16)

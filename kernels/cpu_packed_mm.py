@@ -57,11 +57,13 @@ _ways: dict[Path, str] = {}
 class _Way:
     """One build's products: `int4` by block, `int8`, and the K limit and multiple int8 takes."""
 
-    __slots__ = ("name", "int4", "int8", "k8_max", "k8_multiple", "int4_q8")
+    __slots__ = ("name", "int4", "int8", "k8_max", "k8_multiple", "int4_q8", "int8_q8")
 
-    def __init__(self, name: str, int4: dict, int8, k8_max: int | None, k8_multiple: int, int4_q8: dict | None = None):
+    def __init__(self, name: str, int4: dict, int8, k8_max: int | None, k8_multiple: int, int4_q8: dict | None = None,
+                 int8_q8=None):
         self.name, self.int4, self.int8, self.k8_max, self.k8_multiple = name, int4, int8, k8_max, k8_multiple
         self.int4_q8 = int4_q8  # {block: the int8-activation product} where the machine's class takes it
+        self.int8_q8 = int8_q8  # the int8 weights' one, likewise
 
 
 def _bf16_why_not() -> str:
@@ -86,7 +88,8 @@ def _functions_for(build_dir: Path) -> _Way | None:
     q8 = cpu_int4_q8.functions(build_dir) if instruction_set.isa_class() in Q8_CLASSES else None
     return _Way(_ways[build_dir], {b: cpu_build.function(SOURCE, build_dir, f"viasd_int4_mm_portable{b}")
                                    for b in PORTABLE_BLOCKS},
-                cpu_build.function(SOURCE, build_dir, "viasd_int8_mm_portable"), None, 16, q8)
+                cpu_build.function(SOURCE, build_dir, "viasd_int8_mm_portable"), None, 16, q8,
+                q8 and cpu_int4_q8.int8_function(build_dir))
 
 
 def available(build_dir: Path) -> bool:
@@ -224,14 +227,18 @@ def scales_by_block(scale_and_zero: torch.Tensor, block: int) -> torch.Tensor:
     return scale_and_zero.view(groups, n // block, block, 2).permute(1, 0, 2, 3).contiguous()
 
 
-def bind_int8(qdata: torch.Tensor, scale: torch.Tensor, *, build_dir: Path) -> Bound | None:
+def bind_int8(qdata: torch.Tensor, scale: torch.Tensor, *, build_dir: Path, int8_activations: bool = True) -> Bound | None:
     """The short-pass product of an int8 weight qdata [N, K] with a bfloat16 scale per output, or None
     where the kernel does not take it or cannot run here (the AVX-512 BF16 way takes K a multiple of
-    32 up to MAX_K8, the portable way any multiple of 16)."""
+    32 up to MAX_K8, the portable way any multiple of 16). Where the machine's class takes them
+    (Q8_CLASSES) and K is a multiple of 32, the product over int8 activations (cpu_int4_q8.py), whose
+    prefill chunks run through it too (`Bound.chunks`); `int8_activations` False: the portable way."""
     fns = _functions_for(build_dir) if qdata.dim() == 2 else None
     if fns is None or not _takes_int8(qdata, scale, (fns.k8_max, fns.k8_multiple)):
         return None
-    return Bound(fns.int8, (qdata, scale), (), k8=(fns.k8_max, fns.k8_multiple))
+    q8 = int8_activations and fns.int8_q8 is not None and qdata.shape[1] % cpu_int4_q8.CHUNK == 0
+    k8 = (fns.k8_max, cpu_int4_q8.CHUNK if q8 else fns.k8_multiple)
+    return Bound(fns.int8_q8 if q8 else fns.int8, (qdata, scale), (), k8=k8, chunks=q8)
 
 
 def int4_mm_reference(x: torch.Tensor, codes: torch.Tensor, group: int, scale_and_zero: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,8 @@ int viasd_int4_mm_q8_32(const uint16_t *x, const uint8_t *q, const uint16_t *sz,
                         int64_t group, uint16_t *out, const uint16_t *residual, int threads);
 int viasd_int4_mm_q8_64(const uint16_t *x, const uint8_t *q, const uint16_t *sz, int64_t M, int64_t N, int64_t K,
                         int64_t group, uint16_t *out, const uint16_t *residual, int threads);
+int viasd_int8_mm_q8(const uint16_t *x, const int8_t *q, const uint16_t *scale, int64_t M, int64_t N, int64_t K,
+                     uint16_t *out, const uint16_t *residual, int threads);
 
 /* cpu_f32_mm.c */
 int viasd_f32_mm_vector_bits(void);

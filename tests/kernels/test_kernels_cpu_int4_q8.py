@@ -1,4 +1,4 @@
-"""viasd_kernels.cpu_int4_q8: int4 products with the rows quantized to int8 (the AVX2 class's way).
+"""viasd_kernels.cpu_int4_q8: int4 and int8 products with the rows quantized to int8 (the AVX2 class's way).
 
 The kernel against its PyTorch reference bit for bit (blocks of 32 and 64, groups of 32 to 256,
 zero groups, rounding ties), every row the same in passes of 1 to 16 rows and on 1 or 2 threads (what
@@ -140,3 +140,40 @@ def test_classes_above_avx2_do_not_bind_it(tmp_path, monkeypatch):
     if own == "avx512_bf16":
         monkeypatch.setenv(instruction_set.ISA_ENV, "avx512")
     assert pm.available(tmp_path) and pm.int4_way(tmp_path) == pm.way(tmp_path) != q8.WAY
+
+
+@pytest.mark.parametrize("shape", [(4, 32), (130, 576), (49, 96), (64, 1536)], ids=lambda s: "{}x{}".format(*s))
+def test_the_int8_weights_product_is_its_reference_bit_for_bit_in_every_pass(avx2, shape):
+    """Output counts off the tiles of 4 included; weights of -128 (|w| = 128 as an unsigned byte)."""
+    n, k = shape
+    g = torch.Generator().manual_seed(n + k)
+    qdata = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    qdata[0, :8] = -128
+    scale = (torch.rand(n, generator=g) * 0.02 + 1e-3).to(torch.bfloat16)
+    bound = pm.Bound(q8.int8_function(avx2), (qdata, scale), (), k8=(None, 32))
+    x = rows(16, k, n)
+    want = q8.int8_mm_q8_reference(x, qdata, scale)
+    assert torch.equal(bits(bound(x)), bits(want)), shape
+    assert torch.equal(bits(rows_alone_equal(bound, x, widths=(1, 2, 5, 16))), bits(want))
+    exact = pm.int8_mm_reference(x, qdata, scale)
+    _, d, _ = q8.quantize_rows_reference(x, 32)
+    w = qdata.double().abs().view(n, k // 32, 32).sum(-1) * scale.double()[:, None]  # [N, groups]
+    assert ((bound(x).double() - exact).abs() <= (d.double() / 2) @ w.T * 1.001 + exact.abs() * 2.0**-8 + 1e-30).all()
+
+
+def test_the_int8_weights_product_binds_in_the_avx2_class_where_k_is_a_multiple_of_32(avx2):
+    g = torch.Generator().manual_seed(3)
+    qdata = torch.randint(-128, 128, (40, 96), generator=g, dtype=torch.int8)
+    scale = (torch.rand(40, generator=g) * 0.02 + 1e-3).to(torch.bfloat16)
+    x = rows(3, 96, 3)
+    bound = pm.bind_int8(qdata, scale, build_dir=avx2)
+    assert bound.chunks and torch.equal(bits(bound(x)), bits(q8.int8_mm_q8_reference(x, qdata, scale)))
+    plain = pm.bind_int8(qdata, scale, build_dir=avx2, int8_activations=False)
+    assert not plain.chunks and not torch.equal(bits(plain(x)), bits(bound(x)))
+    odd = pm.bind_int8(qdata[:, :48].contiguous(), scale, build_dir=avx2)  # 48 inputs: the portable way's
+    assert not odd.chunks
+    out = torch.empty(3, 40, dtype=torch.bfloat16)
+    fn = q8.int8_function(avx2)
+    assert fn(x.data_ptr(), qdata.data_ptr(), scale.data_ptr(), 3, 40, 96, out.data_ptr(), None, 1) == 0
+    assert fn(x.data_ptr(), qdata.data_ptr(), scale.data_ptr(), 3, 40, 80, out.data_ptr(), None, 1) == -1
+    assert fn(x.data_ptr(), qdata.data_ptr(), scale.data_ptr(), 17, 40, 96, out.data_ptr(), None, 1) == -1
