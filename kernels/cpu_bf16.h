@@ -49,6 +49,22 @@ static inline vh16 f32_to_bf16_16(vf16 f) {
     return __builtin_convertvector(r, vh16);
 }
 
+/* A product's bfloat16 output y, plus its residual where `residual` is not NULL: added in float32 and
+ * rounded again, PyTorch's `residual + y` of two bfloat16 tensors, bit for bit. */
+static inline uint16_t bf16_add_residual(uint16_t y, const uint16_t *residual) {
+    return residual ? f32_to_bf16(bf16_to_f32(y) + bf16_to_f32(*residual)) : y;
+}
+
+/* A block of B outputs for M rows (tot [M, B] float32) rounded once to bfloat16 into out [M, N] from
+ * column n0, each plus its residual ([M, N]) where `residual` is not NULL (bf16_add_residual). */
+static inline void store_block_bf16(const float *tot, int64_t M, int B, uint16_t *out, const uint16_t *residual,
+                                    int64_t N, int64_t n0) {
+    for (int64_t r = 0; r < M; r++)
+        for (int j = 0; j < B; j++)
+            out[r * N + n0 + j] = bf16_add_residual(f32_to_bf16(tot[r * B + j]),
+                                                    residual ? residual + r * N + n0 + j : NULL);
+}
+
 /* 16 floats rounded to bfloat16 values (kept as float32). */
 static inline vf16 round_bf16_16(vf16 f) {
     vu16 u = __builtin_convertvector(f32_to_bf16_16(f), vu16) << 16;

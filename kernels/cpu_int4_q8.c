@@ -112,6 +112,37 @@ static void q8_quantize(const uint16_t *x, int64_t K, int64_t G, int8_t *xq, flo
     }
 }
 
+/* Every row's groups quantized (q8_quantize): xq [M, K], d, t8, X [M, K / G] */
+struct q8_rows {
+    int8_t *xq;
+    float *d, *X;
+    int32_t *t8;
+};
+
+static void q8_rows_free(struct q8_rows *rows) {
+    free(rows->xq);
+    free(rows->d);
+    free(rows->X);
+    free(rows->t8);
+}
+
+/* 0, or -3 out of memory (nothing then held) */
+static int q8_rows_quantize(struct q8_rows *rows, const uint16_t *x, int64_t M, int64_t K, int64_t G) {
+    const int64_t groups = K / G;
+    rows->xq = malloc((size_t)(M * K));
+    rows->d = malloc(sizeof(float) * M * groups);
+    rows->X = malloc(sizeof(float) * M * groups);
+    rows->t8 = malloc(sizeof(int32_t) * M * groups);
+    if (!rows->xq || !rows->d || !rows->X || !rows->t8) {
+        q8_rows_free(rows);
+        return -3;
+    }
+    for (int64_t r = 0; r < M; r++)
+        q8_quantize(x + r * K, K, G, rows->xq + r * K, rows->d + r * groups, rows->t8 + r * groups,
+                    rows->X + r * groups);
+    return 0;
+}
+
 /* The two 16-byte slices of inputs k and k + 1 (`stride` bytes apart) in one vector */
 static inline __m256i q8_pair(const uint8_t *at, int64_t stride) {
     if (stride == 16)
@@ -215,14 +246,7 @@ static inline __attribute__((always_inline)) void q8_thread(const int B, const i
                                 B / 2 + s * 16, B, tot + r0 * B, r0 == 0);
                 }
         }
-        for (int64_t r = 0; r < M; r++) {
-            uint16_t *o = out + r * N + nb * B;
-            const uint16_t *res = residual ? residual + r * N + nb * B : NULL;
-            for (int j = 0; j < B; j++) {
-                const uint16_t y = f32_to_bf16(tot[r * B + j]);
-                o[j] = res ? f32_to_bf16(bf16_to_f32(y) + bf16_to_f32(res[j])) : y;
-            }
-        }
+        store_block_bf16(tot, M, B, out, residual, N, nb * B);
     }
 }
 
@@ -231,32 +255,24 @@ static int q8_mm(const int B, const uint16_t *x, const uint8_t *q, const uint16_
     if (M <= 0 || M > Q8_MAX_ROWS || N <= 0 || N % B || K <= 0 || G <= 0 || G > Q8_MAX_GROUP || G % Q8_CHUNK
         || K % G)
         return -1;
-    const int64_t groups = K / G;
-    int8_t *xq = malloc((size_t)(M * K));
-    float *d = malloc(sizeof(float) * M * groups), *X = malloc(sizeof(float) * M * groups);
-    int32_t *t8 = malloc(sizeof(int32_t) * M * groups);
-    int rc = 0;
-    if (!xq || !d || !X || !t8) {
-        rc = -3;
-    } else {
-        for (int64_t r = 0; r < M; r++)
-            q8_quantize(x + r * K, K, G, xq + r * K, d + r * groups, t8 + r * groups, X + r * groups);
-        (void)threads;
+    struct q8_rows rows;
+    if (q8_rows_quantize(&rows, x, M, K, G))
+        return -3;
+    const int8_t *xq = rows.xq;
+    const float *d = rows.d, *X = rows.X;
+    const int32_t *t8 = rows.t8;
+    (void)threads;
 #ifdef _OPENMP
-        #pragma omp parallel num_threads(threads > 0 ? threads : 1)
+    #pragma omp parallel num_threads(threads > 0 ? threads : 1)
 #endif
-        {
-            if (B == 64)
-                q8_thread(64, xq, d, t8, X, q, sz, M, N, K, G, out, residual);
-            else
-                q8_thread(32, xq, d, t8, X, q, sz, M, N, K, G, out, residual);
-        }
+    {
+        if (B == 64)
+            q8_thread(64, xq, d, t8, X, q, sz, M, N, K, G, out, residual);
+        else
+            q8_thread(32, xq, d, t8, X, q, sz, M, N, K, G, out, residual);
     }
-    free(xq);
-    free(d);
-    free(X);
-    free(t8);
-    return rc;
+    q8_rows_free(&rows);
+    return 0;
 }
 
 /* Output n's 8 float32 lanes over every group for one row (xq, d the row's), K a multiple of 32 */
@@ -288,37 +304,27 @@ static int q8_int8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale,
     if (M <= 0 || M > Q8_MAX_ROWS || N <= 0 || K <= 0 || K % Q8_CHUNK)
         return -1;
     const int64_t groups = K / Q8_CHUNK;
-    int8_t *xq = malloc((size_t)(M * K));
-    float *d = malloc(sizeof(float) * M * groups), *X = malloc(sizeof(float) * M * groups);
-    int32_t *t8 = malloc(sizeof(int32_t) * M * groups);
-    int rc = 0;
-    if (!xq || !d || !X || !t8) {
-        rc = -3;
-    } else {
-        for (int64_t r = 0; r < M; r++)
-            q8_quantize(x + r * K, K, Q8_CHUNK, xq + r * K, d + r * groups, t8 + r * groups, X + r * groups);
-        const int64_t tiles = (N + Q8_INT8_OUTS - 1) / Q8_INT8_OUTS;
-        (void)threads;
+    struct q8_rows rows;
+    if (q8_rows_quantize(&rows, x, M, K, Q8_CHUNK))
+        return -3;
+    const int64_t tiles = (N + Q8_INT8_OUTS - 1) / Q8_INT8_OUTS;
+    (void)threads;
 #ifdef _OPENMP
-        #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
+    #pragma omp parallel for schedule(static) num_threads(threads > 0 ? threads : 1)
 #endif
-        for (int64_t t = 0; t < tiles; t++) {
-            const int64_t n0 = t * Q8_INT8_OUTS, n_here = N - n0 < Q8_INT8_OUTS ? N - n0 : Q8_INT8_OUTS;
-            _mm_prefetch((const char *)(q + (n0 + Q8_INT8_OUTS) * K), _MM_HINT_T0);
-            for (int64_t r = 0; r < M; r++)
-                for (int64_t j = 0; j < n_here; j++) {
-                    const int64_t n = n0 + j, at = r * N + n;
-                    const float sum = q8_fold8(q8_int8_lanes(q + n * K, xq + r * K, d + r * groups, K));
-                    const uint16_t y = f32_to_bf16(sum * bf16_to_f32(scale[n]));
-                    out[at] = residual ? f32_to_bf16(bf16_to_f32(y) + bf16_to_f32(residual[at])) : y;
-                }
-        }
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * Q8_INT8_OUTS, n_here = N - n0 < Q8_INT8_OUTS ? N - n0 : Q8_INT8_OUTS;
+        _mm_prefetch((const char *)(q + (n0 + Q8_INT8_OUTS) * K), _MM_HINT_T0);
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t j = 0; j < n_here; j++) {
+                const int64_t n = n0 + j, at = r * N + n;
+                const float sum = q8_fold8(q8_int8_lanes(q + n * K, rows.xq + r * K, rows.d + r * groups, K));
+                const uint16_t y = f32_to_bf16(sum * bf16_to_f32(scale[n]));
+                out[at] = bf16_add_residual(y, residual ? residual + at : NULL);
+            }
     }
-    free(xq);
-    free(d);
-    free(X);
-    free(t8);
-    return rc;
+    q8_rows_free(&rows);
+    return 0;
 }
 
 #endif /* VIASD_Q8 */

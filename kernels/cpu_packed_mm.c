@@ -337,7 +337,7 @@ int viasd_int8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale, int
                     for (int r = 0; r < R; r++) {
                         const int64_t at = (r0 + r) * N + n0 + j;
                         const uint16_t y = int8_out(acc[r][j], sc);
-                        out[at] = residual ? f32_to_bf16(bf16_to_f32(y) + bf16_to_f32(residual[at])) : y;
+                        out[at] = bf16_add_residual(y, residual ? residual + at : NULL);
                     }
                 }
             }
@@ -643,14 +643,7 @@ static inline __attribute__((always_inline)) int p4_thread(const int B, const fl
                     }
                 }
         }
-        for (int64_t r = 0; r < M; r++) {
-            uint16_t *o = out + r * N + nb * B;
-            const uint16_t *res = residual ? residual + r * N + nb * B : NULL;
-            for (int j = 0; j < B; j++) {
-                const uint16_t y = f32_to_bf16(tot[r * B + j]);
-                o[j] = res ? f32_to_bf16(bf16_to_f32(y) + bf16_to_f32(res[j])) : y;
-            }
-        }
+        store_block_bf16(tot, M, B, out, residual, N, nb * B);
     }
     free(buf);
     return failed;
@@ -860,7 +853,7 @@ int viasd_int8_mm_portable(const uint16_t *x, const int8_t *q, const uint16_t *s
                     for (int r = 0; r < R; r++) {
                         const int64_t at = (r0 + r) * N + n0 + j;
                         const uint16_t y = f32_to_bf16(sums[r * J + j] * sc);
-                        out[at] = residual ? f32_to_bf16(bf16_to_f32(y) + bf16_to_f32(residual[at])) : y;
+                        out[at] = bf16_add_residual(y, residual ? residual + at : NULL);
                     }
                 }
             }
