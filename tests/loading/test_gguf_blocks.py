@@ -127,10 +127,13 @@ def test_a_tiny_gguf_model_runs_its_blocks_with_rows_in_transformers_order(tiny_
         cast = ref.model.to(torch.bfloat16)(ids).logits.float()  # transformers' model itself in bfloat16
     # bfloat16 activations and an int8 head on a random model with peaked logits: within a small
     # multiple of what casting transformers' own model to bfloat16 costs (measured: 0.93x Q4_0,
-    # 1.33x Q4_1, 2.56x Q8_0, int8 everywhere)
+    # 1.33x Q4_1, 2.56x Q8_0, int8 everywhere). Where the machine's class multiplies int8
+    # activations (the AVX2 class: cpu_int4_q8, each group of 32 kept in 8 bits as llama.cpp keeps
+    # it) the multiple measured 2.42x Q4_1 and 2.06x Q4_K on an AVX2 EPYC, 2026-12-02: 3x there.
+    int8_activations = any(layers[name]._short is not None and layers[name]._short.chunks for name in decoder)
     rel = float((a - b).abs().max() / b.abs().max())
     budget = float((cast - b).abs().max() / b.abs().max())
-    assert rel <= (3 if qtype == Q.Q8_0 else 2) * budget, (rel, budget)
+    assert rel <= (3 if qtype == Q.Q8_0 or int8_activations else 2) * budget, (rel, budget)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.85
     if qtype == Q.Q4_0:  # torchao's own int4 codes for the same values: 0.58 off (measured), the blocks far closer
         int4 = load_model(str(path), device="cpu", quant="int4", with_tokenizer=False)
