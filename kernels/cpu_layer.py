@@ -25,6 +25,7 @@ separate calls compute (tests/runtime/test_layer_calls.py compares the passes bi
 from __future__ import annotations
 
 import ctypes
+import threading
 from pathlib import Path
 
 import torch
@@ -57,6 +58,23 @@ def _address(fn) -> int:
 
 _data_ptr = torch.Tensor.data_ptr
 _BF16, _INT64 = torch.bfloat16, torch.int64
+_scratch = threading.local()  # per thread: (rows, sizes) -> the buffers a call writes and reads again itself
+
+
+def _scratch_for(key: tuple) -> tuple[int, ...]:
+    """The addresses of the call's own buffers (h, qkv, q, a, h2) for `key` = (T, hidden, qkv_n,
+    heads, head_dim), made once per thread and shape: nothing outside the call reads them, and each
+    is written before it is read, so every call of every layer of that shape takes the same ones
+    (five fewer tensors a call: ~3.4 us each on a 2-core Zen 3)."""
+    held, kept = _scratch.__dict__.setdefault("held", {}), _scratch.__dict__.setdefault("kept", [])
+    if key not in held:
+        T, hidden, qkv_n, heads, head_dim = key
+        tensors = (torch.empty(T, hidden, dtype=_BF16), torch.empty(T, qkv_n, dtype=_BF16),
+                   torch.empty(heads, T, head_dim, dtype=_BF16), torch.empty(T, heads * head_dim, dtype=_BF16),
+                   torch.empty(T, hidden, dtype=_BF16))
+        kept.append(tensors)  # alive for the thread's life: held keeps their addresses
+        held[key] = tuple(map(_data_ptr, tensors))
+    return held[key]
 
 
 def _watched(parts: tuple) -> tuple[torch.Tensor, ...]:
@@ -78,7 +96,7 @@ class LayerFront:
     """One layer's front half bound to its weights and cache; `parts` keeps what the pointers point into."""
 
     __slots__ = ("fn", "kernels", "layer", "parts", "writer", "hidden", "heads", "head_dim", "qkv_n", "gate_up_n",
-                 "sources", "watched", "ptrs", "scale", "window", "slots", "sizes")
+                 "sources", "watched", "ptrs", "scale", "window", "slots", "sizes", "scratch", "kernels_at", "layer_at")
 
     def __init__(self, fn, kernels: _Kernels, parts: tuple, heads: int, scale: float, window: int):
         self.fn, self.kernels, self.parts, self.writer = fn, kernels, parts, parts[5]
@@ -92,6 +110,9 @@ class LayerFront:
         self.qkv_n, self.gate_up_n, self.slots = self.layer.qkv_n, self.layer.gate_up_n, self.layer.slots
         self.sizes = {T: (torch.Size((1, T, self.hidden)), torch.Size((T, self.head_dim)), torch.Size((T,)))
                       for T in range(1, cpu_packed_mm.MAX_ROWS + 1)}
+        self.scratch = {T: (T, self.hidden, self.qkv_n, self.heads, self.head_dim)
+                        for T in range(1, cpu_packed_mm.MAX_ROWS + 1)}
+        self.kernels_at, self.layer_at = ctypes.addressof(self.kernels), ctypes.addressof(self.layer)
         self.watched = _watched(self.parts)
         self.ptrs = tuple(map(_data_ptr, self.watched))
 
@@ -128,15 +149,13 @@ class LayerFront:
         T, bf = xs[1], _BF16
         if tuple(map(_data_ptr, self.watched)) != self.ptrs:
             self.check()
-        h, h2 = torch.empty(T, self.hidden, dtype=bf), torch.empty(T, self.hidden, dtype=bf)
-        qkv = torch.empty(T, self.qkv_n, dtype=bf)
-        q = torch.empty(self.heads, T, self.head_dim, dtype=bf)
-        a = torch.empty(T, self.heads * self.head_dim, dtype=bf)
+        held = _scratch.__dict__.get("held")
+        h, qkv, q, a, h2 = (held.get(self.scratch[T]) if held is not None else None) or _scratch_for(self.scratch[T])
         x2 = torch.empty(1, T, self.hidden, dtype=bf)
         gu = torch.empty(1, T, self.gate_up_n, dtype=bf)
-        rc = self.fn(ctypes.addressof(self.kernels), ctypes.addressof(self.layer), T, x.data_ptr(), h.data_ptr(),
-                     qkv.data_ptr(), q.data_ptr(), a.data_ptr(), x2.data_ptr(), h2.data_ptr(), gu.data_ptr(),
-                     cos.data_ptr(), sin_signed.data_ptr(), pos.data_ptr(), end, torch.get_num_threads())
+        rc = self.fn(self.kernels_at, self.layer_at, T, x.data_ptr(), h, qkv, q, a, x2.data_ptr(), h2,
+                     gu.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), pos.data_ptr(), end,
+                     torch.get_num_threads())
         if rc != 0:
             raise ValueError(f"the layer kernel's step {rc} refused its arguments: x {tuple(x.shape)}, end {end}, "
                              f"slots {pos.tolist()} of {self.slots}")

@@ -105,6 +105,29 @@ static inline vf16 sum16(vf16 v[16]) {
     return PICK(c[0], c[1], LO1) + PICK(c[0], c[1], HI1);
 }
 
+/* Each of R heads' scores (row r at scores + r * padded, nk of them) to exp(s - m[r]), m[r] the
+ * largest (its max is the same in any order), in place, and their sum into den[r]: 16 at a time, in 16 partial sums by i % 16, folded. The
+ * padding after the last key is set to 0 (it adds nothing). */
+static inline __attribute__((always_inline)) void softmax(const int R, int nk, int padded, float *scores,
+                                                          const float *m, float *den) {
+    const vf16 zero = {0};
+    for (int r = 0; r < R; r++) {
+        float *sr = scores + (int64_t)r * padded;
+        vf16 part = zero;
+        for (int i0 = 0; i0 < nk; i0 += LANES) {
+            const int n = nk - i0 < LANES ? nk - i0 : LANES;
+            vf16 x;
+            memcpy(&x, sr + i0, sizeof x);
+            x = exp16(x - m[r]);
+            if (n < LANES)
+                for (int i = n; i < LANES; i++) x[i] = 0.0f;  /* the padding adds nothing */
+            memcpy(sr + i0, &x, sizeof x);
+            part += x;
+        }
+        den[r] = fold(part);
+    }
+}
+
 /* The keys of row t, in cache order, into `keys`; returns how many. */
 static int row_keys(int t, int T, int end, int window, const uint8_t *mask, int64_t mask_stride, int32_t *keys) {
     int n = 0;
@@ -162,24 +185,12 @@ static inline __attribute__((always_inline)) void heads(const int B, const int R
             }
         }
     }
-    for (int r = 0; r < R; r++) {
+    for (int r = 0; r < R; r++)
         for (int i = 0; i < LANES; i++)
             if (mv[r][i] > m[r]) m[r] = mv[r][i];
-        float *sr = scores + (int64_t)r * padded;
-        vf16 part = zero;
-        for (int i0 = 0; i0 < nk; i0 += LANES) {
-            const int n = nk - i0 < LANES ? nk - i0 : LANES;
-            vf16 x;
-            memcpy(&x, sr + i0, sizeof x);
-            x = exp16(x - m[r]);
-            if (n < LANES)
-                for (int i = n; i < LANES; i++) x[i] = 0.0f;  /* the padding adds nothing */
-            memcpy(sr + i0, &x, sizeof x);
-            part += x;
-        }
-        den[r] = fold(part);
+    softmax(R, nk, padded, scores, m, den);
+    for (int r = 0; r < R; r++)
         for (int j = 0; j < B; j++) acc[r][j] = zero;
-    }
     for (int i = 0; i < nk; i++) {
         for (int j = 0; j < B; j++) row[j] = load16(v, head + (int64_t)keys[i] * D + j * LANES, dtype);
         for (int r = 0; r < R; r++) {
@@ -195,14 +206,134 @@ static inline __attribute__((always_inline)) void heads(const int B, const int R
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* The AVX2 class's heads: the arithmetic above, every lane's operations the same and in the same
+ * order (the bit-for-bit test builds both: viasd_row_attention_plain is `heads` alone), laid out for
+ * 16 registers of 8 floats. The plain code's 16-lane vectors spill on AVX2 (a head of 64 is 8
+ * registers, its keys' partial sums 32 more) and GCC moves them through general registers: a row over
+ * 700 keys took ~10x its arithmetic. Here a key's 16 partial sums are two registers (lanes 0-7 and
+ * 8-15), added into one at once (sum16's first step), 8 keys' sums folded together in sum16's tree
+ * (fold8), and the values are summed 16 dimensions and at most 4 heads at a time over every key. */
+#include <immintrin.h>
+#define ROW_AVX2 1
+
+static inline __m256 load8(const void *base, int64_t at, int dtype) {
+    if (dtype == 0)
+        return _mm256_loadu_ps((const float *)base + at);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + at));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* The dot products of 8 keys in key order, w[i] holding key i's 8 sums of lanes m and m + 8: each
+ * added as fold() adds a vector's halves (m with m + 4, then m with m + 2, then the two left). */
+static inline __m256 fold8(const __m256 w[8]) {
+    __m256 u[4], y[2];
+    for (int i = 0; i < 4; i++)  /* [key 2i's 4 sums | key 2i + 1's] */
+        u[i] = _mm256_add_ps(_mm256_permute2f128_ps(w[2 * i], w[2 * i + 1], 0x20),
+                             _mm256_permute2f128_ps(w[2 * i], w[2 * i + 1], 0x31));
+    for (int i = 0; i < 2; i++)  /* [keys 4i, 4i + 2: 2 sums each | keys 4i + 1, 4i + 3] */
+        y[i] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+    /* [keys 0 2 4 6 | 1 3 5 7], put in key order */
+    const __m256 z = _mm256_add_ps(_mm256_shuffle_ps(y[0], y[1], 0x88), _mm256_shuffle_ps(y[0], y[1], 0xDD));
+    return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+static inline __attribute__((always_inline)) void heads8(const int B, const int R, const int dtype, const void *q,
+                                                         int64_t q_sh, int64_t q_st, const void *k, const void *v,
+                                                         int t, int h0, int Hq, int D, int64_t head,
+                                                         const int32_t *keys, int nk, float scale, float *scores,
+                                                         void *out) {
+    float m[MAX_GROUP], den[MAX_GROUP];
+    __m256 mv[MAX_GROUP];
+    float keyrows[8][MAX_HEAD_DIM] __attribute__((aligned(32)));  /* 8 keys, widened */
+    const __m256 zero = _mm256_setzero_ps();
+    const int padded = (nk + LANES - 1) / LANES * LANES;
+    for (int r = 0; r < R; r++) {
+        m[r] = -3.0e38f;
+        mv[r] = _mm256_set1_ps(-3.0e38f);
+    }
+    for (int i0 = 0; i0 < nk; i0 += 8) {
+        const int n = nk - i0 < 8 ? nk - i0 : 8;
+        for (int i = 0; i < 8; i++)
+            for (int j = 0; j < 2 * B; j++)
+                _mm256_store_ps(keyrows[i] + 8 * j,
+                                i < n ? load8(k, head + (int64_t)keys[i0 + i] * D + 8 * j, dtype) : zero);
+        for (int r = 0; r < R; r++) {
+            __m256 qr[2 * MAX_BLOCKS], w[8];
+            for (int j = 0; j < 2 * B; j++) qr[j] = load8(q, (int64_t)(h0 + r) * q_sh + (int64_t)t * q_st + 8 * j, dtype);
+            for (int i = 0; i < 8; i++) {
+                __m256 lo = zero, hi = zero;  /* lanes 0-7 and 8-15 of each block of 16 */
+                for (int j = 0; j < B; j++) {
+                    lo = _mm256_fmadd_ps(qr[2 * j], _mm256_load_ps(keyrows[i] + 16 * j), lo);
+                    hi = _mm256_fmadd_ps(qr[2 * j + 1], _mm256_load_ps(keyrows[i] + 16 * j + 8), hi);
+                }
+                w[i] = _mm256_add_ps(lo, hi);
+            }
+            const __m256 s = _mm256_mul_ps(fold8(w), _mm256_set1_ps(scale));
+            _mm256_storeu_ps(scores + (int64_t)r * padded + i0, s);
+            if (n == 8) {
+                mv[r] = _mm256_max_ps(mv[r], s);
+            } else {
+                for (int i = 0; i < n; i++)
+                    if (scores[(int64_t)r * padded + i0 + i] > m[r]) m[r] = scores[(int64_t)r * padded + i0 + i];
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mv[r]);
+        for (int i = 0; i < 8; i++)
+            if (lanes[i] > m[r]) m[r] = lanes[i];
+    }
+    softmax(R, nk, padded, scores, m, den);
+    for (int r0 = 0; r0 < R; r0 += 4) {
+        const int nr = R - r0 < 4 ? R - r0 : 4;
+        for (int j = 0; j < B; j++) {  /* dimensions 16 j .. 16 j + 15 of nr heads, over every key */
+            __m256 acc[4][2] = {{zero, zero}, {zero, zero}, {zero, zero}, {zero, zero}};
+            for (int i = 0; i < nk; i++) {
+                const int64_t at = head + (int64_t)keys[i] * D + 16 * j;
+                const __m256 v0 = load8(v, at, dtype), v1 = load8(v, at + 8, dtype);
+                for (int r = 0; r < nr; r++) {
+                    const __m256 p = _mm256_broadcast_ss(scores + (int64_t)(r0 + r) * padded + i);
+                    acc[r][0] = _mm256_fmadd_ps(p, v0, acc[r][0]);
+                    acc[r][1] = _mm256_fmadd_ps(p, v1, acc[r][1]);
+                }
+            }
+            for (int r = 0; r < nr; r++) {
+                float o[LANES] __attribute__((aligned(32)));
+                const __m256 d = _mm256_set1_ps(den[r0 + r]);
+                _mm256_store_ps(o, _mm256_div_ps(acc[r][0], d));
+                _mm256_store_ps(o + 8, _mm256_div_ps(acc[r][1], d));
+                vf16 ov;
+                memcpy(&ov, o, sizeof ov);
+                store16(out, ((int64_t)t * Hq + h0 + r0 + r) * D + 16 * j, ov, dtype);
+            }
+        }
+    }
+}
+#endif
+
+#ifdef ROW_AVX2
+#define HEADS(B, R, DT) heads8(B, R, DT, q, q_sh, q_st, k, v, t, h0, Hq, D, head, keys, nk, scale, scores, out)
+#else
 #define HEADS(B, R, DT) heads(B, R, DT, q, q_sh, q_st, k, v, t, h0, Hq, D, head, keys, nk, scale, scores, out)
+#endif
 
 /* Row t's query heads h0 .. h0 + R - 1 (R at most heads_per_task), which read KV head g. */
 static void some_heads(const void *q, int64_t q_sh, int64_t q_st, const void *k, const void *v, int dtype, int t,
                        int g, int h0, int R, int Hq, int D, int64_t S, const int32_t *keys, int nk, float scale,
-                       float *scores, void *out) {
+                       float *scores, void *out, int plain) {
     const int B = D / LANES;
     const int64_t head = (int64_t)g * S * D;
+#ifdef ROW_AVX2
+    if (plain) {  /* the plain code, its shapes not compiled in (the same operations, lane by lane) */
+        heads(B, R, dtype, q, q_sh, q_st, k, v, t, h0, Hq, D, head, keys, nk, scale, scores, out);
+        return;
+    }
+#else
+    (void)plain;
+#endif
     switch (B * 64 + R * 2 + dtype) {  /* constant shapes for the common head widths */
     case 4 * 64 + 2: HEADS(4, 1, 0); break;
     case 4 * 64 + 3: HEADS(4, 1, 1); break;
@@ -234,9 +365,9 @@ static int heads_per_task(int D, int nh) {
  * (q, k, v and out alike). Row t's keys: with `mask` ([T, mask_stride]
  * bytes) the slots l < end it marks; without, the causal range ending at slot end - T + t
  * (within `window` slots when window > 0). Returns 0, or -1 for arguments it cannot take. */
-int viasd_row_attention(const void *q, int64_t q_sh, int64_t q_st, const void *k, const void *v, int dtype, int T,
-                        int Hq, int Hkv, int D, int64_t S, int end, int window, const uint8_t *mask,
-                        int64_t mask_stride, float scale, void *out, int threads) {
+static int attend(const void *q, int64_t q_sh, int64_t q_st, const void *k, const void *v, int dtype, int T, int Hq,
+                  int Hkv, int D, int64_t S, int end, int window, const uint8_t *mask, int64_t mask_stride,
+                  float scale, void *out, int threads, int plain) {
     if (D <= 0 || D % LANES || D > MAX_HEAD_DIM || Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_GROUP || T <= 0 || end <= 0 || end > S || (dtype != 0 && dtype != 1))
         return -1;
     if (!mask && end - T < 0)
@@ -257,10 +388,34 @@ int viasd_row_attention(const void *q, int64_t q_sh, int64_t q_st, const void *k
             int t = task / (Hkv * chunks), g = task / chunks % Hkv, c = task % chunks * per;
             int nk = row_keys(t, T, end, window, mask, mask_stride, keys);
             some_heads(q, q_sh, q_st, k, v, dtype, t, g, g * nh + c, nh - c < per ? nh - c : per, Hq, D, S, keys, nk,
-                       scale, scores, out);
+                       scale, scores, out, plain);
         }
         free(scores);
         free(keys);
     }
     return failed ? -2 : 0;
+}
+
+int viasd_row_attention(const void *q, int64_t q_sh, int64_t q_st, const void *k, const void *v, int dtype, int T,
+                        int Hq, int Hkv, int D, int64_t S, int end, int window, const uint8_t *mask,
+                        int64_t mask_stride, float scale, void *out, int threads) {
+    return attend(q, q_sh, q_st, k, v, dtype, T, Hq, Hkv, D, S, end, window, mask, mask_stride, scale, out, threads, 0);
+}
+
+/* viasd_row_attention through the plain code alone (`heads`), on every class: the reference that the
+ * AVX2 class's heads8 is compared with, bit for bit (tests/kernels/test_kernels_cpu_row_attention.py). */
+int viasd_row_attention_plain(const void *q, int64_t q_sh, int64_t q_st, const void *k, const void *v, int dtype,
+                              int T, int Hq, int Hkv, int D, int64_t S, int end, int window, const uint8_t *mask,
+                              int64_t mask_stride, float scale, void *out, int threads) {
+    return attend(q, q_sh, q_st, k, v, dtype, T, Hq, Hkv, D, S, end, window, mask, mask_stride, scale, out, threads, 1);
+}
+
+/* The lanes a head's partial sums are laid out in: 8 where this build runs the AVX2 class's heads8,
+ * 16 where it runs the plain code alone. */
+int viasd_row_attention_lanes(void) {
+#ifdef ROW_AVX2
+    return 8;
+#else
+    return LANES;
+#endif
 }

@@ -14,6 +14,10 @@ float32 and bfloat16.
 - **Reference**: `row_attention_reference`, the same rows in float64 with PyTorch's ops: what the
   kernel computes, up to float32 rounding (tests/kernels/test_kernels_cpu_row_attention.py compares them, and
   checks that a row's result is bit for bit the same in a pass of 1, 2, 6 or 16 rows).
+- **Fast code of the AVX2 class**: a build for AVX2 without AVX-512 lays the same arithmetic out
+  in registers of 8 floats (`heads8`; `lanes(build_dir)` says 8): every lane's operations the same
+  and in the same order as the plain code's, which `plain=True` runs alone; the test compares them
+  bit for bit (natively on AVX2 CPUs, under VIASD_MAX_CPU_ISA=avx2 above them).
 """
 
 from __future__ import annotations
@@ -30,8 +34,15 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 LANES, MAX_HEAD_DIM, MAX_GROUP = 16, 512, 16  # the C file's limits: head width a multiple of 16, 16 query heads a KV head
 
 
-def _function(build_dir: Path):
-    return cpu_build.function(SOURCE, build_dir, "viasd_row_attention")
+def _function(build_dir: Path, plain: bool = False):
+    return cpu_build.function(SOURCE, build_dir, "viasd_row_attention_plain" if plain else "viasd_row_attention")
+
+
+def lanes(build_dir: Path) -> int | None:
+    """8 where the kernel built here lays a head's sums out for AVX2 (its fast code), 16 where it runs
+    the plain code; None where it is not built."""
+    fn = cpu_build.function(SOURCE, build_dir, "viasd_row_attention_lanes")
+    return None if fn is None else fn()
 
 
 def why_not() -> str | None:
@@ -41,7 +52,7 @@ def why_not() -> str | None:
 
 def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, window: int | None = None,
                   scale: float | None = None, key_mask: torch.Tensor | None = None, *,
-                  build_dir: Path) -> torch.Tensor | None:
+                  build_dir: Path, plain: bool = False) -> torch.Tensor | None:
     """Causal attention of q [1, Hq, T, D] at slots end - T .. end - 1 over one layer's cache k, v
     [1, Hkv, S, D] (S >= end), each row over exactly its keys: [1, T, Hq * D] in q's dtype.
 
@@ -49,7 +60,8 @@ def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, w
     without, the slots up to its own (the last `window` of them under a sliding window). None where
     the kernel cannot take these tensors here (the caller then attends its own way); ValueError, one
     line naming it, for tensors that do not fit together (shapes, `end` outside the cache or short of
-    the pass, a mask that is not [T, >= end] on the CPU)."""
+    the pass, a mask that is not [T, >= end] on the CPU). `plain` runs the kernel's plain code alone
+    (on the AVX2 class its fast code is another layout of the same arithmetic: the test compares them)."""
     if not q.is_cpu or q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype):
         return None
     if not k.is_cpu or not v.is_cpu or not (k.is_contiguous() and v.is_contiguous()):
@@ -68,7 +80,7 @@ def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, end: int, w
                                  or key_mask.shape[1] < end):
         raise ValueError(f"row attention refused its arguments: key_mask {tuple(key_mask.shape)} on "
                          f"{key_mask.device}, not [{T}, >= {end}] on the CPU")
-    fn = _function(build_dir)
+    fn = _function(build_dir, plain)
     if fn is None:
         return None
     if q.stride(3) != 1:

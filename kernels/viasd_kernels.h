@@ -31,6 +31,10 @@ int viasd_rope_write(const void *q, int64_t q_st, const void *k, int64_t k_st, c
 int viasd_row_attention(const void *q, int64_t q_sh, int64_t q_st, const void *k, const void *v, int dtype, int T,
                         int Hq, int Hkv, int D, int64_t S, int end, int window, const uint8_t *mask,
                         int64_t mask_stride, float scale, void *out, int threads);
+int viasd_row_attention_plain(const void *q, int64_t q_sh, int64_t q_st, const void *k, const void *v, int dtype,
+                              int T, int Hq, int Hkv, int D, int64_t S, int end, int window, const uint8_t *mask,
+                              int64_t mask_stride, float scale, void *out, int threads);
+int viasd_row_attention_lanes(void);
 
 /* cpu_int4_widen.c */
 int viasd_int4_widen(const uint8_t *q, const uint16_t *sz, int64_t N, int64_t K, int64_t group, int block,

@@ -10,11 +10,9 @@ tests skip with the reason, and under CI on x86-64 they must run.
 
 from __future__ import annotations
 
-import os
-import platform
-
 import pytest
 import torch
+from support.avx2_class import built_or_skip, enter_avx2
 from support.int4_cases import case, pack
 from support.row_checks import rows_alone_equal
 from viasd_kernels import cpu_int4_q8 as q8, cpu_packed_mm as pm, instruction_set
@@ -30,16 +28,8 @@ def folder(tmp_path_factory):
 @pytest.fixture
 def avx2(folder, monkeypatch):
     """A build folder whose kernels are built for the AVX2 class (the cap where this CPU is above it)."""
-    own = instruction_set.cpu_isa_class()
-    monkeypatch.delenv(instruction_set.ISA_ENV, raising=False)
-    if own in ("avx512", "avx512_bf16"):
-        monkeypatch.setenv(instruction_set.ISA_ENV, "avx2")
-    elif own != "avx2":
-        pytest.skip(f"this CPU's class is {own}: no AVX2 build to test")
-    if q8.functions(folder) is None:
-        why = q8.why_not(folder)
-        assert not (os.environ.get("CI") and platform.machine() == "x86_64"), f"the int8-activation kernel must build in CI: {why}"
-        pytest.skip(f"the int8-activation kernel does not run here: {why}")
+    enter_avx2(monkeypatch)
+    built_or_skip(q8.functions(folder) is not None, "the int8-activation kernel", q8.why_not(folder))
     return folder
 
 

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from support.avx2_class import built_or_skip, enter_avx2
 from viasd_kernels import cpu_build, cpu_flags, cpu_row_attention as ra
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -77,6 +78,49 @@ def test_a_tree_row_is_the_plain_row_over_its_path(build_dir, dtype):
         plain = ra.row_attention(q[:, :, t : t + 1], k2, v2, len(keys), build_dir=build_dir)
         assert torch.equal(got[0, t], plain[0, 0])
     torch.testing.assert_close(got.double(), ra.row_attention_reference(q, k, v, end, None, None, mask), **TOL[dtype])
+
+
+@pytest.fixture(scope="module")
+def avx2_folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("kernels-avx2")
+
+
+@pytest.fixture
+def avx2_build(avx2_folder, monkeypatch):
+    """A build folder whose kernel is built for the AVX2 class (the cap where this CPU is above it)."""
+    enter_avx2(monkeypatch)
+    lanes = ra.lanes(avx2_folder)
+    built_or_skip(lanes == 8, f"the AVX2 class's row attention (lanes {lanes})", ra.why_not())
+    return avx2_folder
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 16), (4, 2, 32), (9, 3, 64), (8, 1, 128), (12, 4, 48), (5, 5, 64),
+                                   (16, 4, 64), (14, 2, 64), (6, 2, 128), (16, 1, 64), (4, 1, 512)],
+                         ids=lambda s: "Hq{}kv{}D{}".format(*s))
+def test_the_avx2_class_computes_the_plain_code_bit_for_bit(avx2_build, dtype, shape):
+    """The AVX2 class's layout (heads8: registers of 8 floats) against the plain code built beside it,
+    bit for bit: key counts that are and are not multiples of 8 and 16, windows, tree masks, 1-16 rows,
+    1 and 2 threads."""
+    Hq, Hkv, D = shape
+    q, k, v = qkv(Hq, Hkv, 16, 300, D, dtype, seed=D + Hq + 7)
+    k[:, :, 5] *= 40  # one key far above the rest: scores far from the max underflow in exp
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for T, end, window in ((1, 1, None), (1, 7, None), (1, 8, None), (1, 9, None), (3, 17, None),
+                                   (6, 300, None), (16, 129, None), (2, 200, 37)):
+                got = ra.row_attention(q[:, :, :T], k, v, end, window, build_dir=avx2_build)
+                want = ra.row_attention(q[:, :, :T], k, v, end, window, build_dir=avx2_build, plain=True)
+                assert torch.equal(got, want), (T, end, window, n_threads)
+            mask = torch.rand(4, 120, generator=torch.Generator().manual_seed(D)) < 0.6
+            mask[:, 0] = True
+            got = ra.row_attention(q[:, :, :4], k, v, 120, None, None, mask, build_dir=avx2_build)
+            assert torch.equal(got, ra.row_attention(q[:, :, :4], k, v, 120, None, None, mask, build_dir=avx2_build,
+                                                     plain=True))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_stale_keys_past_the_pass_change_nothing(build_dir):

@@ -109,7 +109,7 @@ class DecoderPass:
             # the calls up to the MLP's activation in one C call, bit for bit the calls below
             x, gate_up = bound.front(x, cos, sin, pos, end)
             gate, up = gate_up.split(c.gate_up_split, dim=-1)
-            return c.down(c.act(gate) * up, x)  # x + down_proj(...)
+            return c.down(c.act(gate).mul_(up), x)  # x + down_proj(...); the product in act's output
         h = c.input_norm(x)
         layer_cache = self.cache.layers[ci]
         # On CPU, eager: RoPE and the cache writes in one call, bit for bit the operators below
