@@ -62,7 +62,8 @@ PERFORMANCE = [
         ("cpu-bench-default-summary.json", "float32, the distilled draft + prompt lookup (the latest run with `exact`)", "default-pair-multi-tier"),
     ]),
     ("AMD EPYC (Zen 3), AVX2 only (no AVX-512, no BF16), 2026-12-02", "2 cores under KVM, 24 GiB, torch 2.13.0+cpu, 2 threads, 13 held-out prompts x 64 tokens; llama.cpp: llama-cpp-python 0.3.36 built by scripts/install_llama_cpp.sh (its AVX2 build on this CPU); `--quant auto` chose int4 here; the first session on this kind (2026-11-26, the code of then) is in [avx2-cpu-bf16-products](experiments/avx2-cpu-bf16-products.md)", [
-        ("cpu-epyc-zen3-avx2-20261202-int4-q8-head-llamacpp-run0-summary.json", "int4 against llama.cpp on the same GGUF file: every product over int8 activations, the int8 output head's too", "avx2-int4-int8-activations"),
+        ("cpu-epyc-zen3-avx2-20261202-int4-attention8-llamacpp-run0-summary.json", "int4 against llama.cpp on the same GGUF file: the row attention laid out for AVX2's registers, the layer call's own buffers made once (run 0 of 2; run 1: 1.24x)", "avx2-row-attention-layout"),
+        ("cpu-epyc-zen3-avx2-20261202-int4-q8-head-llamacpp-run0-summary.json", "the same before that: every product over int8 activations, the int8 output head's too", "avx2-int4-int8-activations"),
         ("cpu-epyc-zen3-avx2-20261202-int4-llamacpp-summary.json", "the same with the output head's float32 products (the int4 layers over int8 activations)", "avx2-int4-int8-activations"),
         ("cpu-epyc-zen3-avx2-20261202-before-int4-llamacpp-summary.json", "int4 against llama.cpp, the code before (9cec5af: float32 products over widened weights)", "avx2-int4-int8-activations"),
         ("cpu-epyc-zen3-avx2-20261202-gguf-llamacpp-summary.json", "`--quant gguf` (the file's own Q4_1 blocks) against llama.cpp, int4 layers over int8 activations", "avx2-int4-int8-activations"),

@@ -108,7 +108,7 @@ class DecoderPass:
         if by_row and key_mask is None and bound.front is not None:
             # the calls up to the MLP's activation in one C call, bit for bit the calls below
             x, gate_up = bound.front(x, cos, sin, pos, end)
-            gate, up = gate_up.split(c.gate_up_split, dim=-1)
+            gate, up = gate_up.split_with_sizes(c.gate_up_split, -1)
             return c.down(c.act(gate).mul_(up), x)  # x + down_proj(...); the product in act's output
         h = c.input_norm(x)
         layer_cache = self.cache.layers[ci]
@@ -120,7 +120,7 @@ class DecoderPass:
             qkv = c.qkv(h)
             rotated = None if writer is None else writer.fused(qkv, c.qkv_split, cos, sin, pos)
             if rotated is None:
-                q, k, v = qkv.split(c.qkv_split, dim=-1)
+                q, k, v = qkv.split_with_sizes(c.qkv_split, -1)
         else:
             q, k, v = c.q(h), c.k(h), c.v(h)
             rotated = None if writer is None else writer(q, k, v, cos, sin, pos)
@@ -143,7 +143,7 @@ class DecoderPass:
         x = c.o(o, x)  # x + o_proj(o)
         h = c.post_norm(x)
         if c.gate_up is not None:
-            gate, up = c.gate_up(h).split(c.gate_up_split, dim=-1)
+            gate, up = c.gate_up(h).split_with_sizes(c.gate_up_split, -1)
             return c.down(c.act(gate).mul_(up), x)  # x + down_proj(...); the product in act's output
         return x + c.mlp(h)
     def _products(self, ci: int) -> list[torch.nn.Module]:
