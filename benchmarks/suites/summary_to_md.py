@@ -67,7 +67,8 @@ PERFORMANCE = [
         ("cpu-epyc-zen3-avx2-20261202-int4-llamacpp-summary.json", "the same with the output head's float32 products (the int4 layers over int8 activations)", "avx2-int4-int8-activations"),
         ("cpu-epyc-zen3-avx2-20261202-before-int4-llamacpp-summary.json", "int4 against llama.cpp, the code before (9cec5af: float32 products over widened weights)", "avx2-int4-int8-activations"),
         ("cpu-epyc-zen3-avx2-20261202-gguf-llamacpp-summary.json", "`--quant gguf` (the file's own Q4_1 blocks) against llama.cpp, int4 layers over int8 activations", "avx2-int4-int8-activations"),
-        ("cpu-epyc-zen3-avx2-20261202-native-fp32-ar-hf-summary.json", "float32 (`--quant none`) against `generate()`", "avx2-int4-int8-activations"),
+        ("cpu-epyc-zen3-avx2-20261202-native-fp32-ar-hf-attention8-summary.json", "float32 (`--quant none`) against `generate()`, the row attention laid out for AVX2's registers", "avx2-row-attention-layout"),
+        ("cpu-epyc-zen3-avx2-20261202-native-fp32-ar-hf-summary.json", "float32 (`--quant none`) against `generate()`, before that", "avx2-int4-int8-activations"),
     ]),
     ("Intel Xeon (Sapphire Rapids), AVX-512 BF16 + AMX, 2026-11-28", "2 cores, 24 GiB, torch 2.13.0+cpu, 2 threads; 13 held-out prompts x 64 tokens (session 28's runs, nothing else running) and 8 prompts x 48 tokens (the first row); llama.cpp: llama-cpp-python 0.3.36 built by scripts/install_llama_cpp.sh (AVX-512 VBMI/VNNI/BF16, no AMX), the same build in every class's row (the cap applies to viasd, not to llama.cpp)", [
         ("cpu-xeon-spr-cap-native-fp32-ar-hf-summary.json", "float32 (`--quant none`), the machine's own class", "instruction-set-classes-capped"),
