@@ -167,6 +167,10 @@ def test_one_slot_a_short_request_parks_the_long_one_unless_parking_is_out_of_me
             take, step = worker._take, worker._step
             worker._take = lambda job, live: (take(job, live), events.append(("take", job.budget)))[0]
             worker._step = lambda job: (events.append(("step", job.budget)), step(job))[1]
+            gauges, metrics = [], worker.metrics
+            for name in ("running", "waiting"):
+                setter = getattr(metrics, f"set_{name}")
+                setattr(metrics, f"set_{name}", lambda n, name=name, setter=setter: (gauges.append((name, n)), setter(n)))
             timed, finished = timed_calls(lambda *args, **kwargs: ask(base, *args, **kwargs))
 
             pool = ThreadPoolExecutor(2)
@@ -183,8 +187,12 @@ def test_one_slot_a_short_request_parks_the_long_one_unless_parking_is_out_of_me
         undo()
     taken, shorts = events.index(("take", 4)), events.count(("step", 4))
     assert shorts >= 2  # ar: a step a token (its last step ends it)
+    held = [n for name, n in gauges if name == "running"]
+    assert max(held) == 1 and held[-1] == 0  # the gauge counts slot holders: a parked request holds none
+    assert [n for name, n in gauges if name == "waiting"][-1] == 0
     if limit is None:  # the short one took every step from its arrival to its end: the long one was parked
         assert worker.parks == 1
+        assert ("waiting", 2) in gauges  # the parked one waits again (as vLLM counts a preempted request)
         assert events[taken + 1 : taken + 1 + shorts] == [("step", 4)] * shorts
         assert finished["short"] < finished["long"]
     else:  # nothing may be parked: the short one waits for the slot

@@ -50,8 +50,8 @@ class ServeMetrics:
                                 name + ["endpoint", "status"], registry=r)
         self.finished = Counter("vllm:request_success", "Generations the engine ran, by how they ended "
                                 "(stop, length, abort: client gone, timeout, shutdown)", m + ["finished_reason"], registry=r)
-        self.running = Gauge("vllm:num_requests_running", "Requests on the engine now (0 or 1)", name, registry=r)
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued for the engine", name, registry=r)
+        self.running = Gauge("vllm:num_requests_running", "Requests holding a slot now (0 to --slots)", name, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests queued for the engine, or parked", name, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of the generations", m, registry=r)
         self.cache_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the KV cache", m, registry=r)
         self.cached_tokens = Counter("vllm:prefix_cache_hits", "Prompt tokens served from the KV cache "

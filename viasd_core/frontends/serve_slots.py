@@ -190,6 +190,10 @@ class SlotPool:
     def release(self, slot: Slot) -> None:
         slot.holder = None
 
+    def held(self) -> int:
+        """How many slots a running request holds (0 to `count`)."""
+        return sum(s.holder is not None for s in self.slots)
+
     # ------------------------------------------------------------------ swapping
     def _values(self, slot: Slot) -> dict[int, tuple]:
         """`slot`'s part attributes: the live objects' when it is live, else what it put aside."""

@@ -96,8 +96,7 @@ class EngineWorker:
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._live: set[Job] = set()  # waiting or running
-        self._waiting = 0
-        self._running = 0
+        self._waiting = 0  # queued, and parked (vLLM counts a preempted request as waiting)
         self._closing = False
         self._service_s = 1.0  # moving average of a job's time on the engine (for Retry-After)
         self.jobs_run = 0
@@ -272,15 +271,12 @@ class EngineWorker:
             victim.parked = self.pool.park(slot)
             victim.parks += 1
             self.parks += 1
+            self._count(waiting=+1)
         if job.parked is None:  # its first slot
             with self._lock:
                 if job.state != "waiting":  # cancelled meanwhile: _next drops it
                     return False
                 job.state = "running"
-                self._waiting -= 1
-                self._running += 1
-                self.metrics.set_waiting(self._waiting)
-                self.metrics.set_running(self._running)
             job.started = time.monotonic()
             job.steps = self._steps(job)
         else:
@@ -288,7 +284,15 @@ class EngineWorker:
             job.parked = None
         self.pool.hold(slot, job)
         job.slot = slot
+        self._count(waiting=-1)
         return True
+
+    def _count(self, waiting: int) -> None:
+        """Move the gauges: `waiting` more queued or parked jobs; running: the jobs holding a slot."""
+        with self._lock:
+            self._waiting += waiting
+            self.metrics.set_waiting(self._waiting)
+        self.metrics.set_running(self.pool.held())
 
     def _end_waiting(self, job: Job, last: tuple[str, object]) -> None:
         with self._lock:
@@ -319,8 +323,7 @@ class EngineWorker:
         with self._lock:  # the job leaves before its answer goes out: the client's next request fits
             job.state = "done"
             self._live.discard(job)
-            self._running -= 1
-            self.metrics.set_running(self._running)
+        self._count(waiting=0)
         self._service_s = 0.8 * self._service_s + 0.2 * (time.monotonic() - job.started)
         self.jobs_run += 1
         self._post(job, *last)
