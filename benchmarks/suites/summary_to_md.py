@@ -166,9 +166,11 @@ def performance() -> str:
                     f"[{record}](experiments/{record}.md) |")
             base = ", ".join(f"`{k}` {v['tokens_per_s_mean']:.1f} tok/s" for k, v in ok.items() if k in ("ar", "hf", "llama.cpp"))
             skipped = "; ".join(f"`{k}` {v['status']}" for k, v in ms.items() if v["status"] != "ok")
+            build = ok.get("llama.cpp", {}).get("build")  # recorded by runs since 2026-12-02
             cmds.append(f"- `{RESULTS}{fname}` ({meta.get('device_name')}, {meta.get('n_prompts')} prompts, "
                         f"{meta.get('max_new_tokens')} new tokens, torch {meta.get('torch')}): `{_cmd(meta)}`; "
-                        f"same-run baselines: {base}" + (f"; {skipped}" if skipped else ""))
+                        f"same-run baselines: {base}" + (f"; {skipped}" if skipped else "")
+                        + (f"; llama.cpp's build: `{build}`" if build else ""))
         missing = [f"`{k}`" for k in ("ar", "sd", "exact", "hf", "llama.cpp") if k not in seen]
         out += ["", "Not measured in these runs: " + (", ".join(missing) if missing else "-") + " (`hf` is transformers' `generate()`).",
                 "", "Runs:", ""] + cmds + [""]

@@ -193,7 +193,9 @@ def test_methods_take_turns_on_each_prompt_and_a_late_failure_drops_only_its_met
 
     def make_runners(session, config, **kw):
         runners = original(session, config, **kw)
-        return {m: Recorded(m, r, fail_on=2 if m == "sd" else None) for m, r in runners.items()}
+        recorded = {m: Recorded(m, r, fail_on=2 if m == "sd" else None) for m, r in runners.items()}
+        recorded["hf"].build = "CPU : AVX2 = 1"  # a runner that says what it runs (llama.cpp's build line)
+        return recorded
 
     monkeypatch.setattr(core, "make_runners", make_runners)
     out = tmp_path / "run"
@@ -206,6 +208,7 @@ def test_methods_take_turns_on_each_prompt_and_a_late_failure_drops_only_its_met
     assert rows[-1]["status"] == "failed" and rows[-1]["reason"] == "RuntimeError: late"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["methods"]["sd"]["status"] == "failed" and summary["methods"]["hf"]["runs"] == 4
+    assert summary["methods"]["hf"]["build"] == "CPU : AVX2 = 1" and "build" not in summary["methods"]["ar"]
 
 
 def test_ngram_draft_skips_hf_assisted_and_bad_options(tiny_dirs, viasd_home, prompt_file):

@@ -39,6 +39,7 @@ class FakeLlama:
 def fake_llama_cpp(monkeypatch):
     module = types.ModuleType("llama_cpp")
     module.Llama = FakeLlama
+    module.llama_print_system_info = lambda: b"CPU : SSE3 = 1 | AVX2 = 1 | FMA = 1 | "
     module.__spec__ = types.SimpleNamespace(name="llama_cpp")
     monkeypatch.setitem(sys.modules, "llama_cpp", module)
     FakeLlama.made.clear()
@@ -60,6 +61,17 @@ def test_runner_feeds_the_prompt_ids_greedily_and_stops_at_eos(fake_llama_cpp):
     fed, kwargs = runner.llm.llm.fed
     assert fed == [1, 5, 6] and kwargs["temp"] == 0.0 and kwargs["top_k"] == 1 and kwargs["repeat_penalty"] == 1.0
     assert runner.llm.llm.resets == 1
+    assert runner.build == "CPU : SSE3 = 1 | AVX2 = 1 | FMA = 1"  # the build compared, kept by the bench
+
+
+def test_the_bench_keeps_the_build_a_method_ran_beside_its_figures():
+    from viasd_core.bench.summary import summarize
+
+    statuses = {"ar": {"status": "ok", "reason": None},
+                "llama.cpp": {"status": "ok", "reason": None, "build": "CPU : AVX2 = 1"}}
+    out = summarize([], statuses, methods=["ar", "llama.cpp"])
+    assert out["llama.cpp"]["build"] == "CPU : AVX2 = 1" and "build" not in out["ar"]
+    assert llama_cpp_proc.system_info(types.SimpleNamespace()) is None  # a package without the call
 
 
 def test_runner_stops_at_the_token_budget(fake_llama_cpp):
@@ -91,6 +103,10 @@ class Llama:
 
     def generate(self, tokens, **kwargs):
         yield from [len(tokens), os.getpid(), self.kwargs["n_threads"], 2, 5]
+
+
+def llama_print_system_info():
+    return b"CPU : AVX = 1 | AVX2 = 1 | pid %d | " % os.getpid()
 """
 
 
@@ -107,6 +123,7 @@ def test_by_default_llama_cpp_answers_from_a_process_of_its_own(tmp_path, monkey
         assert out.tokens[0] == 3 and out.tokens[2:] == [3, 2] and out.finish_reason == "eos"
         assert out.tokens[1] != os.getpid()  # generated in another process
         assert runner([4]).tokens[0] == 1  # the next prompt on the same child
+        assert runner.build == f"CPU : AVX = 1 | AVX2 = 1 | pid {out.tokens[1]}"  # the child's build line
     finally:
         runner.close()
     assert not runner.llm.proc.is_alive()

@@ -326,6 +326,8 @@ def run_bench(session: Session, prompts: list[Prompt], config: BenchConfig,
                     on_run(method, prompt.id, 1)
     for method in running:
         statuses[method] = {"status": "ok", "reason": None}
+        if getattr(runners[method], "build", None):  # what the method ran, where it says (llama.cpp's build)
+            statuses[method]["build"] = runners[method].build
         if device.type != "cuda":
             peaks[method] = peak_memory_bytes(device)  # the process's high-water mark (meta.peak_memory)
     if made:  # the runners made here end here (llama.cpp's process)

@@ -15,7 +15,8 @@ llama.cpp would. The bench times the call from its side, so a pipe message each 
 under a millisecond against seconds of generation) is inside llama.cpp's figure.
 
 `InProcess` is the plain reference (the tests drive it with a stand-in module); `OwnProcess` runs
-the same `greedy` in a spawned child.
+the same `greedy` in a spawned child. Both say which build they run (`system_info`: llama.cpp's own
+line of the instruction sets it was compiled for), which the bench keeps beside the method's figures.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class InProcess:
         import llama_cpp
 
         self.llm = llama_cpp.Llama(**kwargs)
+        self.system_info = system_info(llama_cpp)
 
     def reset(self) -> None:
         self.llm.reset()
@@ -62,6 +64,16 @@ class InProcess:
 
     def close(self) -> None:
         pass
+
+
+def system_info(module) -> str | None:
+    """llama.cpp's line of what this build runs ("CPU : SSE3 = 1 | AVX2 = 1 | ..."), None where the
+    module has no such call."""
+    call = getattr(module, "llama_print_system_info", None)
+    if call is None:
+        return None
+    info = call()
+    return (info.decode(errors="replace") if isinstance(info, bytes) else str(info)).strip(" |\n")
 
 
 def build_note(lib_dir: Path | None) -> str:
@@ -110,7 +122,7 @@ def _serve(conn, kwargs: dict) -> None:
     except Exception as e:  # reported to the parent as one line
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    conn.send(("ready", None))
+    conn.send(("ready", local.system_info))
     try:
         while (request := conn.recv()) is not None:
             conn.send(local.greedy(*request))
@@ -146,6 +158,7 @@ class OwnProcess:
         if status != "ready":
             self.close()
             raise ViasdError(f"llama.cpp did not start: {detail}")
+        self.system_info = detail
 
     def _receive(self):
         try:

@@ -199,6 +199,7 @@ class LlamaCppRunner:
         self.llm = (llama_cpp_proc.OwnProcess if own_process else llama_cpp_proc.InProcess)(kwargs)
         self.eos = eos
         self.max_new_tokens = max_new_tokens
+        self.build = self.llm.system_info  # which instruction sets this llama.cpp was built for
 
     def reset(self) -> None:
         self.llm.reset()

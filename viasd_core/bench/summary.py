@@ -37,6 +37,8 @@ def summarize(rows: list[dict], statuses: dict[str, dict], peaks: dict[str, int]
         st = statuses.get(m, {"status": "failed", "reason": "not run"})
         rs = ok[m]
         entry = {"status": st["status"], "reason": st["reason"], "runs": len(rs)}
+        if st.get("build"):
+            entry["build"] = st["build"]
         if st["status"] != "ok" or not rs:
             out[m] = entry
             continue
