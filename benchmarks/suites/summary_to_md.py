@@ -170,7 +170,8 @@ def performance() -> str:
             cmds.append(f"- `{RESULTS}{fname}` ({meta.get('device_name')}, {meta.get('n_prompts')} prompts, "
                         f"{meta.get('max_new_tokens')} new tokens, torch {meta.get('torch')}): `{_cmd(meta)}`; "
                         f"same-run baselines: {base}" + (f"; {skipped}" if skipped else "")
-                        + (f"; llama.cpp's build: `{build}`" if build else ""))
+                        + (f"; llama.cpp's build: `{build}`" if build else "")
+                        + (f"; instruction set: {meta['instruction_set']}" if meta.get("instruction_set") else ""))
         missing = [f"`{k}`" for k in ("ar", "sd", "exact", "hf", "llama.cpp") if k not in seen]
         out += ["", "Not measured in these runs: " + (", ".join(missing) if missing else "-") + " (`hf` is transformers' `generate()`).",
                 "", "Runs:", ""] + cmds + [""]

@@ -360,3 +360,19 @@ def test_sd_starts_at_the_measured_block_and_the_probe_speaks_through_the_log(ti
     assert quiet.exit_code == 0 and quiet.stderr == ""
     given = json.loads(run(*args, "-q", "--gamma", "4").stdout)["meta"]
     assert given["gamma"] == 4
+
+
+def test_the_meta_says_which_instruction_set_class_ran_and_the_cap(monkeypatch):
+    """A capped run (VIASD_MAX_CPU_ISA) is told from a native one by its summary alone."""
+    import torch
+    from viasd_kernels import instruction_set
+
+    from viasd_core.bench.files import make_meta
+
+    monkeypatch.setenv(instruction_set.ISA_ENV, "avx2")
+    said = make_meta(torch.device("cpu"))["instruction_set"]
+    assert said.startswith(instruction_set.isa_class() + ":") and f"{instruction_set.ISA_ENV}=avx2" in said
+    monkeypatch.delenv(instruction_set.ISA_ENV)
+    assert make_meta(torch.device("cpu"))["instruction_set"] == instruction_set.describe_isa()
+    assert "VIASD_MAX_CPU_ISA" not in make_meta(torch.device("cpu"))["instruction_set"]
+    assert make_meta(torch.device("meta"))["instruction_set"] is None  # not a CPU run

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from viasd_core.bench.harness import BenchConfig, peak_memory_source
+from viasd_core import cpu_isa
 from viasd_core.bench.plots import PLOTS, write_plots
 from viasd_core.devices import device_name
 from viasd_core.errors import ViasdError
@@ -48,6 +49,8 @@ def make_meta(device: torch.device, label: str = "measurement", command: list[st
         "command": list(sys.argv if command is None else command),
         "device": str(device),
         "device_name": device_name(device),
+        # the class viasd's and PyTorch's CPU kernels ran (VIASD_MAX_CPU_ISA's cap, if any, named in it)
+        "instruction_set": cpu_isa.in_force()[1] if device.type == "cpu" else None,
         "torch_threads": torch.get_num_threads(),
         **versions(),
         **extra,
