@@ -70,6 +70,20 @@ PERFORMANCE = [
         ("cpu-epyc-zen3-avx2-20261202-native-fp32-ar-hf-attention8-summary.json", "float32 (`--quant none`) against `generate()`, the row attention laid out for AVX2's registers", "avx2-row-attention-layout"),
         ("cpu-epyc-zen3-avx2-20261202-native-fp32-ar-hf-summary.json", "float32 (`--quant none`) against `generate()`, before that", "avx2-int4-int8-activations"),
     ]),
+    ("Intel Xeon (Sapphire Rapids), AVX-512 BF16 + AMX, 2026-12-02", "2 cores under KVM, 24 GiB, torch 2.13.0+cpu, 2 threads, 13 held-out prompts x 64 tokens, nothing else running; llama.cpp: llama-cpp-python 0.3.36 built by scripts/install_llama_cpp.sh for the class of each table (`LLAMA_CPP_ISA`; the build line is in each run's summary from run 2 on); this day the machine ran ~1.6x faster than on 2026-12-01: compare within a run", [
+        ("cpu-xeon-spr-20261202-native-int4-llamacpp-summary.json", "int4 against llama.cpp's default build (AVX-512 VBMI/VNNI/BF16), run 2 of 2 (run 1: 1.96x)", "xeon-classes-20261202"),
+        ("cpu-xeon-spr-20261202-native-gguf-llamacpp-summary.json", "`--quant gguf` (the file's own Q4_1 blocks) against llama.cpp", "xeon-classes-20261202"),
+        ("cpu-xeon-spr-20261202-native-default-ar-sd-summary.json", "default (`--quant auto` chose int4), `ar` and `sd`", "xeon-classes-20261202"),
+        ("cpu-xeon-spr-20261202-native-fp32-ar-hf-summary.json", "float32 (`--quant none`) against `generate()`", "xeon-classes-20261202"),
+    ]),
+    ("AVX-512F/VNNI without BF16 (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx512`), 2026-12-02", "2 cores under KVM, 24 GiB, torch 2.13.0+cpu, 2 threads, 13 held-out prompts x 64 tokens, nothing else running; llama.cpp: llama-cpp-python 0.3.36 built by scripts/install_llama_cpp.sh for the class of each table (`LLAMA_CPP_ISA`; the build line is in each run's summary from run 2 on); this day the machine ran ~1.6x faster than on 2026-12-01: compare within a run", [
+        ("cpu-xeon-spr-20261202-avx512-int4-llamacpp-own-class-summary.json", "int4 against llama.cpp built for this class (LLAMA_CPP_ISA=avx512), run 2 of 2 (run 1: 1.71x)", "xeon-classes-20261202"),
+        ("cpu-xeon-spr-20261202-avx512-fp32-ar-hf-summary.json", "float32 (`--quant none`) against `generate()`", "xeon-classes-20261202"),
+    ]),
+    ("AVX2+FMA (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx2`), 2026-12-02", "2 cores under KVM, 24 GiB, torch 2.13.0+cpu, 2 threads, 13 held-out prompts x 64 tokens, nothing else running; llama.cpp: llama-cpp-python 0.3.36 built by scripts/install_llama_cpp.sh for the class of each table (`LLAMA_CPP_ISA`; the build line is in each run's summary from run 2 on); this day the machine ran ~1.6x faster than on 2026-12-01: compare within a run; the native AVX2 EPYC's figures (a 32 MiB L3: 1.22-1.24x) are in its own table: the cap runs this class's instructions with this Xeon's cache", [
+        ("cpu-xeon-spr-20261202-avx2-int4-llamacpp-own-class-summary.json", "int4 against llama.cpp built for this class (LLAMA_CPP_ISA=avx2), run 2 of 2 (run 1: 1.75x)", "xeon-classes-20261202"),
+        ("cpu-xeon-spr-20261202-avx2-fp32-ar-hf-summary.json", "float32 (`--quant none`) against `generate()`", "xeon-classes-20261202"),
+    ]),
     ("Intel Xeon (Sapphire Rapids), AVX-512 BF16 + AMX, 2026-11-28", "2 cores, 24 GiB, torch 2.13.0+cpu, 2 threads; 13 held-out prompts x 64 tokens (session 28's runs, nothing else running) and 8 prompts x 48 tokens (the first row); llama.cpp: llama-cpp-python 0.3.36 built by scripts/install_llama_cpp.sh (AVX-512 VBMI/VNNI/BF16, no AMX), the same build in every class's row (the cap applies to viasd, not to llama.cpp)", [
         ("cpu-xeon-spr-cap-native-fp32-ar-hf-summary.json", "float32 (`--quant none`), the machine's own class", "instruction-set-classes-capped"),
         ("cpu-xeon-spr-20261128-native-fp32-ar-hf-summary.json", "float32 (`--quant none`), 13 x 64", "llama-cpp-baseline-xeon"),
@@ -101,6 +115,9 @@ GPU = [
 PREFILL = [
     ("AMD EPYC (Zen 5), AVX-512 BF16", "cpu-epyc-avx512bf16-prefill-packed.json", "fp32-onednn-packed-on-policy-head"),
     ("AMD EPYC (Zen 3), AVX2 only (no AVX-512, no BF16), 2026-12-02", "cpu-epyc-zen3-avx2-20261202-prefill-768-after.json", "avx2-int4-int8-activations"),
+    ("Intel Xeon (Sapphire Rapids), AVX-512 BF16 + AMX, 2026-12-02", "cpu-xeon-spr-20261202-native-prefill-768.json", "xeon-classes-20261202"),
+    ("AVX-512F/VNNI without BF16 (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx512`), 2026-12-02", "cpu-xeon-spr-20261202-avx512-prefill-768.json", "xeon-classes-20261202"),
+    ("AVX2+FMA (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx2`), 2026-12-02", "cpu-xeon-spr-20261202-avx2-prefill-768.json", "xeon-classes-20261202"),
     ("Intel Xeon (Sapphire Rapids), AVX-512 BF16 + AMX, 2026-11-28", "cpu-xeon-spr-cap-native-prefill-768.json", "instruction-set-classes-capped"),
     ("AVX-512F/VNNI without BF16 (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx512`)", "cpu-xeon-spr-cap-avx512-prefill-768.json", "instruction-set-classes-capped"),
     ("AVX2+FMA (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx2`)", "cpu-xeon-spr-cap-avx2-prefill-768.json", "instruction-set-classes-capped"),
