@@ -11,6 +11,7 @@ from rich.table import Table
 
 from viasd_core.frontends.doctor import run_doctor
 from viasd_core.frontends.doctor_checks import FAIL, PASS
+from viasd_core.machine import packed_way
 from viasd_core.errors import UsageError
 from viasd_core.loading.prompts import default_prompts, encode
 from viasd_core.session import build_session
@@ -43,6 +44,9 @@ def _shown(key: str, value) -> str:
     if key == "bf16_products" and isinstance(value, dict):
         timed = f" (a product: {value['bf16_ms']:g} ms bfloat16, {value['fp32_ms']:g} ms float32)" if "bf16_ms" in value else ""
         return ("pay" if value.get("pays") else "do not pay: int8/int4 prefill and training use float32") + timed
+    if key == "packed_way" and isinstance(value, dict):
+        way, why = packed_way.shown(value)
+        return f"{way} ({why})"
     return str(value)
 
 

@@ -73,21 +73,26 @@ def _bf16_why_not() -> str:
     return "this CPU has no AVX-512 BF16 instructions"
 
 
-def _functions_for(build_dir: Path) -> _Way | None:
+def _functions_for(build_dir: Path, portable: bool = False) -> _Way | None:
+    """The products this build runs: the AVX-512 BF16 way where it builds, else the portable one;
+    `portable` True: the portable way even where the BF16 way builds (a machine that timed it faster:
+    viasd_core/machine/packed_way.py)."""
     has = cpu_build.function(SOURCE, build_dir, "viasd_packed_mm_available")
     if has is None:
         _why_not[build_dir] = cpu_build.why_not(SOURCE) or "the kernel could not be built"
         return None
-    if has():
+    bf16 = bool(has())
+    if bf16 and not portable:
         _ways[build_dir] = BF16_WAY
         return _Way(BF16_WAY, {BLOCK: cpu_build.function(SOURCE, build_dir, "viasd_int4_mm")},
                     cpu_build.function(SOURCE, build_dir, "viasd_int8_mm"), MAX_K8, 32)
-    _why_not[build_dir] = _bf16_why_not()
     fused = cpu_build.function(SOURCE, build_dir, "viasd_packed_mm_fma")()
-    _ways[build_dir] = PORTABLE_WAY if fused else PORTABLE_NO_FMA_WAY
+    name = PORTABLE_WAY if fused else PORTABLE_NO_FMA_WAY
+    if not bf16:
+        _why_not[build_dir] = _bf16_why_not()
+        _ways[build_dir] = name
     q8 = cpu_int4_q8.functions(build_dir) if instruction_set.isa_class() in Q8_CLASSES else None
-    return _Way(_ways[build_dir], {b: cpu_build.function(SOURCE, build_dir, f"viasd_int4_mm_portable{b}")
-                                   for b in PORTABLE_BLOCKS},
+    return _Way(name, {b: cpu_build.function(SOURCE, build_dir, f"viasd_int4_mm_portable{b}") for b in PORTABLE_BLOCKS},
                 cpu_build.function(SOURCE, build_dir, "viasd_int8_mm_portable"), None, 16, q8,
                 q8 and cpu_int4_q8.int8_function(build_dir))
 
@@ -97,15 +102,26 @@ def available(build_dir: Path) -> bool:
     return _functions_for(build_dir) is not None
 
 
-def way(build_dir: Path) -> str | None:
-    """Which way the products run here (BF16_WAY or PORTABLE_WAY), None where neither does."""
-    return _functions_for(build_dir) and _ways[build_dir]
+def ways(build_dir: Path) -> tuple[str, ...]:
+    """The ways the products can run here: (BF16_WAY, PORTABLE_WAY) where the BF16 way builds (the
+    portable one is built beside it), the portable way alone elsewhere, () where nothing builds."""
+    fns = _functions_for(build_dir)
+    if fns is None:
+        return ()
+    return (BF16_WAY, _functions_for(build_dir, portable=True).name) if fns.name == BF16_WAY else (fns.name,)
 
 
-def int4_way(build_dir: Path) -> str | None:
+def way(build_dir: Path, portable: bool = False) -> str | None:
+    """Which way the products run here (BF16_WAY or PORTABLE_WAY; `portable`: as bound with it), None
+    where neither does."""
+    fns = _functions_for(build_dir, portable)
+    return fns and fns.name
+
+
+def int4_way(build_dir: Path, portable: bool = False) -> str | None:
     """Which way the int4 products of groups of 32 run here: `way`, or cpu_int4_q8.WAY where the
     machine's class takes the int8-activation products (Q8_CLASSES)."""
-    fns = _functions_for(build_dir)
+    fns = _functions_for(build_dir, portable)
     return fns and (cpu_int4_q8.WAY if fns.int4_q8 is not None else fns.name)
 
 
@@ -199,7 +215,7 @@ def _takes_int8(qdata: torch.Tensor, scale: torch.Tensor, k8: tuple[int | None, 
 
 
 def bind_int4(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, block: int | None, *,
-              build_dir: Path, int8_activations: bool = True) -> Bound | None:
+              build_dir: Path, int8_activations: bool = True, portable: bool = False) -> Bound | None:
     """The short-pass product of a CPU int4 weight (qdata [N, K / 2] uint8 in PyTorch's layout with
     blocks of `block` outputs, scale_and_zero [K / group, N, 2] bfloat16, contiguous), or None where
     the kernel does not take it or cannot run here: the AVX-512 BF16 way takes blocks of 64, the
@@ -211,8 +227,9 @@ def bind_int4(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, blo
     (cpu_int4_q8.py); `int8_activations` False: the portable way's float32 products there too (the
     tests' and the A/B benchmarks' other side); a prefill's chunks then run through them too, 16
     rows a call (`Bound.chunks`: on that CPU faster than widening the weight to float32 for one
-    dense product, and every row's numbers the short passes')."""
-    fns = _functions_for(build_dir) if block in PORTABLE_BLOCKS else None
+    dense product, and every row's numbers the short passes'). `portable`: the portable way where the
+    BF16 way builds too (`_functions_for`)."""
+    fns = _functions_for(build_dir, portable) if block in PORTABLE_BLOCKS else None
     if fns is None or not _takes_int4(qdata, group, scale_and_zero, block, tuple(fns.int4)):
         return None
     q8 = int8_activations and fns.int4_q8 is not None and group % cpu_int4_q8.CHUNK == 0
@@ -227,13 +244,15 @@ def scales_by_block(scale_and_zero: torch.Tensor, block: int) -> torch.Tensor:
     return scale_and_zero.view(groups, n // block, block, 2).permute(1, 0, 2, 3).contiguous()
 
 
-def bind_int8(qdata: torch.Tensor, scale: torch.Tensor, *, build_dir: Path, int8_activations: bool = True) -> Bound | None:
+def bind_int8(qdata: torch.Tensor, scale: torch.Tensor, *, build_dir: Path, int8_activations: bool = True,
+              portable: bool = False) -> Bound | None:
     """The short-pass product of an int8 weight qdata [N, K] with a bfloat16 scale per output, or None
     where the kernel does not take it or cannot run here (the AVX-512 BF16 way takes K a multiple of
     32 up to MAX_K8, the portable way any multiple of 16). Where the machine's class takes them
     (Q8_CLASSES) and K is a multiple of 32, the product over int8 activations (cpu_int4_q8.py), whose
-    prefill chunks run through it too (`Bound.chunks`); `int8_activations` False: the portable way."""
-    fns = _functions_for(build_dir) if qdata.dim() == 2 else None
+    prefill chunks run through it too (`Bound.chunks`); `int8_activations` False: the portable way;
+    `portable`: the portable way where the BF16 way builds too."""
+    fns = _functions_for(build_dir, portable) if qdata.dim() == 2 else None
     if fns is None or not _takes_int8(qdata, scale, (fns.k8_max, fns.k8_multiple)):
         return None
     q8 = int8_activations and fns.int8_q8 is not None and qdata.shape[1] % cpu_int4_q8.CHUNK == 0

@@ -19,9 +19,13 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True, scope="session")
 def _session_home(tmp_path_factory):
     """A temporary home for the whole run, so that what a test measures and caches lazily (the
-    bfloat16 verdict, say) never lands in the user's cache; `viasd_home` gives a test its own."""
+    bfloat16 verdict, say) never lands in the user's cache; `viasd_home` gives a test its own. The
+    packed products' way is pinned for the run (tests/machine/test_packed_way.py unpins it)."""
     patch = pytest.MonkeyPatch()
     patch.setenv("VIASD_HOME", str(tmp_path_factory.mktemp("session_home")))
+    # the packed products' way pinned to the one the kernels' tests name (machine/packed_way.py):
+    # a timed choice could differ between test processes (a CLI's subprocess, an xdist worker)
+    patch.setenv("VIASD_PACKED_WAY", "bf16")
     yield
     patch.undo()
 

@@ -87,6 +87,10 @@ def test_doctor_reports_and_passes_on_a_sound_engine(tiny_dirs, viasd_home, monk
     assert _shown("bf16_products", {"pays": False, "bf16_ms": 192.779, "fp32_ms": 2.383}) == \
         "do not pay: int8/int4 prefill and training use float32 (a product: 192.779 ms bfloat16, 2.383 ms float32)"
     assert _shown("bf16_products", {"pays": True}) == "pay"  # a GPU: no timing
+    # which way the int8/int4 short-pass products run (machine/packed_way.py; the suite pins it)
+    assert env["packed_way"] == {"portable": False, "pinned": "VIASD_PACKED_WAY=bf16"} and "packed_way" in table.stdout
+    assert _shown("packed_way", {"portable": True, "bf16_ms": 3.269, "portable_ms": 2.598}) == \
+        "portable (3.269 ms BF16 pair dot products, 2.598 ms portable)"
 
 
 def test_doctor_says_how_the_int_formats_attend_row_by_row_and_widen_for_prefill(tiny_dirs, viasd_home, monkeypatch):

@@ -160,11 +160,14 @@ def test_each_way_says_what_runs(kernels):
     if way != "native":
         assert pm.way(folder) == pm.PORTABLE_WAY  # this CPU has FMA wherever it is above AVX2
         assert pm.why_not(folder) == f"{instruction_set.ISA_ENV}={way} caps the instruction set below AVX-512 BF16"
+        assert pm.ways(folder) == (pm.PORTABLE_WAY,) and pm.way(folder, portable=True) == pm.PORTABLE_WAY
     elif instruction_set.cpu_isa_class() == "avx512_bf16":
         assert pm.way(folder) == pm.BF16_WAY and pm.why_not(folder) is None
+        assert pm.ways(folder) == (pm.BF16_WAY, pm.PORTABLE_WAY)  # a machine chooses between the two
+        assert pm.way(folder, portable=True) == pm.PORTABLE_WAY and pm.why_not(folder) is None
     else:
         assert pm.way(folder) in (pm.PORTABLE_WAY, pm.PORTABLE_NO_FMA_WAY)
-        assert pm.why_not(folder) == NO_BF16
+        assert pm.why_not(folder) == NO_BF16 and pm.ways(folder) == (pm.way(folder),)
 
 
 def test_the_portable_way_gives_the_same_bits_in_every_class_and_layout(folders, monkeypatch):
@@ -228,11 +231,12 @@ def mirrored_case(n: int, k: int, group: int, seed: int):
 def test_the_portable_int4_way_is_its_reference_bit_for_bit(kernels, block):
     """Every portable build (AVX2's staged widening and paired groups, AVX-512's lookups, the vector
     extensions') returns `int4_mm_portable_reference`'s bits: each output's D in input order, the
-    groups in order, rounded once; in passes of every width and on 1 and 2 threads."""
+    groups in order, rounded once; in passes of every width and on 1 and 2 threads. A build that runs
+    the AVX-512 BF16 way builds the portable one beside it, which a machine may choose
+    (viasd_core/machine/packed_way.py): that one is tested here as the native way."""
     way, folder = kernels
-    if pm.way(folder) == pm.BF16_WAY:
-        pytest.skip("the AVX-512 BF16 way rounds otherwise (its float64 reference bounds it above)")
-    fused = pm.way(folder) == pm.PORTABLE_WAY
+    portable = pm.way(folder) == pm.BF16_WAY  # the BF16 build's portable products, as packed_way binds them
+    fused = pm.way(folder, portable) == pm.PORTABLE_WAY
     bits = lambda t: t.view(torch.int16)
     for n, k, group in ((192, 576, 32), (64, 120, 40), (64, 512, 256), (64, 48, 16)):
         for seed in (1, 2):
@@ -240,7 +244,8 @@ def test_the_portable_int4_way_is_its_reference_bit_for_bit(kernels, block):
             cases = [(values, sz, activations(16, k, seed)), cancelling_case(n, k, group, seed),
                      mirrored_case(n, k, group, seed)]
             for values, sz, x in cases:
-                bound = pm.bind_int4(pack(values, block), group, sz, block, build_dir=folder, int8_activations=False)
+                bound = pm.bind_int4(pack(values, block), group, sz, block, build_dir=folder, int8_activations=False,
+                                     portable=portable)
                 want = pm.int4_mm_portable_reference(x, values, group, sz, fused)
                 assert torch.equal(bits(bound(x)), bits(want)), (n, k, group, seed)
                 alone = rows_alone_equal(bound, x, widths=(1, 2, 3, 5, 6, 16))

@@ -28,7 +28,7 @@ def test_the_order_is_the_documented_one_and_every_stored_decision_has_a_version
     for d in profile.ORDER + profile.MACHINE_WIDE:
         assert callable(d.measure) and d.explain
     assert {d.name for d in profile.ORDER + profile.MACHINE_WIDE if d.stored} == {
-        "format", "short-rows", "compile", "tree", "bf16-products"}
+        "format", "short-rows", "compile", "tree", "bf16-products", "packed-way"}
     with pytest.raises(ValueError, match="not stored"):
         profile.ORDER[1].record(CPU, {})  # threads: measured every session, never stored
 

@@ -60,6 +60,7 @@ def environment(session: Session, refresh: bool = False) -> dict:
     device = engine.device
     machine = session.machine.resolved
     bf16_products = session.machine.bf16_products(refresh)
+    packed = session.machine.packed_way(refresh) if device.type == "cpu" else None
     env = {
         "device": str(device),
         "device_name": device_name(device),
@@ -82,6 +83,7 @@ def environment(session: Session, refresh: bool = False) -> dict:
         "cuda_available": torch.cuda.is_available(),
         "bf16_supported": bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported()),
         "bf16_products": bf16_products,
+        "packed_way": packed,  # which way the int8/int4 short-pass products run where two build (machine/packed_way.py)
         "exactness": promise_words(exactness(engine.target)),
         "exactness_reason": exactness(engine.target).why,
         **versions(),

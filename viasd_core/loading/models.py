@@ -26,7 +26,9 @@ from viasd_core.loading.progress import loading_status, quiet_transformers, show
 from viasd_core.errors import UsageError, ViasdError
 from viasd_core.runtime.families import check_family, language_model
 from viasd_core.runtime.weight_format import AUTO, BITSANDBYTES, NONE, TORCHAO, WeightFormat
+from viasd_core.runtime import cpu_kernels
 from viasd_core.runtime.weight_formats import BF16_PAYS, activation_dtype, apply_weight_format
+from viasd_core.machine import packed_way
 from viasd_core.machine.bf16 import bf16_products_pay
 from viasd_core.machine.format import QUALITY_MEASURED, choose_format, forget
 
@@ -263,6 +265,8 @@ def load_model(ref: str, *, dtype: str | None = None, device: str | None = None,
             model.to(dev)
         model.eval()
         setattr(model, BF16_PAYS, bf16_products_pay(dev))  # the machine's verdict, bound into its packed layers
+        if dev.type == "cpu" and (fmt.packed or fmt.from_file):  # the packed products' way, timed per machine
+            cpu_kernels.use_packed_way(packed_way.portable())
         if fmt.from_file:  # the file's own 4-bit blocks first; apply_weight_format packs the rest
             from viasd_core.loading.gguf_blocks import apply_gguf_blocks, gguf_source
 

@@ -20,8 +20,9 @@ A session resolves its decisions in ORDER, each resting on those before it:
   products, compiled or not);
 - first-block: sd's first block without `-g`, derived from the tree's probe.
 
-bf16-products is machine-wide (MACHINE_WIDE): it depends on no model and no setting, and is read
-once a process where it is first needed (an int format's CPU prefill, training, doctor).
+bf16-products and packed-way are machine-wide (MACHINE_WIDE): they depend on no model and no
+setting, and are read once a process where first needed (bf16-products: an int format's CPU prefill,
+training, doctor; packed-way: an int format loaded on a CPU, doctor).
 
 `MachineProfile` holds what one session resolved, refuses a decision resolved after a later one,
 and gives doctor and `--verbose` their picture.
@@ -34,7 +35,7 @@ from typing import Callable
 
 import torch
 
-from viasd_core.machine import bf16, first_block, short_rows, threads, tree
+from viasd_core.machine import bf16, first_block, packed_way, short_rows, threads, tree
 from viasd_core.machine import compile as compiling
 from viasd_core.machine import format as formats
 from viasd_core.machine.record import Decision, machine_identity, machine_records
@@ -43,7 +44,7 @@ SHORT_ROWS = short_rows.DECISION
 
 ORDER: tuple[Decision, ...] = (formats.DECISION, threads.DECISION, SHORT_ROWS, compiling.DECISION, tree.DECISION,
                                first_block.DECISION)
-MACHINE_WIDE: tuple[Decision, ...] = (bf16.DECISION,)
+MACHINE_WIDE: tuple[Decision, ...] = (bf16.DECISION, packed_way.DECISION)
 LABELS = {"format": "weights", "threads": "threads", "short-rows": "short passes", "compile": "compile",
           "tree": "tree", "first-block": "first block"}  # as --verbose and doctor name them
 
@@ -62,7 +63,7 @@ class MachineProfile:
     def __init__(self, device: torch.device):
         self.device = device
         self.resolved: dict[str, Resolved] = {}  # in the order resolved
-        self.wide: dict[str, dict] = {}  # the machine-wide verdicts read so far (bf16_products)
+        self.wide: dict[str, dict] = {}  # the machine-wide verdicts read so far (bf16_products, packed_way)
 
     def resolve(self, decision: Decision, choose: Callable[[], object], shown: Callable[[object], tuple[str, str]]):
         """`choose()`'s answer for `decision`, kept with `shown(answer)` = (value, reason). A decision
@@ -91,17 +92,28 @@ class MachineProfile:
         self.wide[bf16.DECISION.name] = bf16.verdict(self.device, refresh=refresh)
         return self.wide[bf16.DECISION.name]
 
+    def packed_way(self, refresh: bool = False) -> dict:
+        """The machine-wide choice of the packed products' way (machine/packed_way.py: {"portable",
+        ...}), read, or measured again (`refresh`: for the picture; this process's products keep the
+        way they were bound with), now; kept for the picture."""
+        self.wide[packed_way.DECISION.name] = packed_way.verdict(self.device, refresh=refresh)
+        return self.wide[packed_way.DECISION.name]
+
     def picture(self) -> dict:
         """What doctor shows of the profile, JSON-ready: the machine's identity, the records stored for
         it, and every decision (the machine-wide ones read, then the session's in ORDER): its name, option,
         version, what it chose and why (None where not resolved here) and what it decides."""
         decisions = []
         for decision in MACHINE_WIDE:
-            if decision.name in self.wide:
-                verdict = self.wide[decision.name]
-                timed = (f"{verdict['bf16_ms']:g} ms bfloat16, {verdict['fp32_ms']:g} ms float32 a product"
-                         if "bf16_ms" in verdict else "a GPU's support" if self.device.type == "cuda" else "not timed here")
-                decisions.append(_entry(decision, "pay" if verdict["pays"] else "do not pay", timed))
+            if decision.name not in self.wide:
+                continue
+            verdict = self.wide[decision.name]
+            if decision is packed_way.DECISION:
+                decisions.append(_entry(decision, *packed_way.shown(verdict)))
+                continue
+            timed = (f"{verdict['bf16_ms']:g} ms bfloat16, {verdict['fp32_ms']:g} ms float32 a product"
+                     if "bf16_ms" in verdict else "a GPU's support" if self.device.type == "cuda" else "not timed here")
+            decisions.append(_entry(decision, "pay" if verdict["pays"] else "do not pay", timed))
         for decision in ORDER:
             entry = self.resolved.get(decision.name)
             decisions.append(_entry(decision, entry.value if entry else None, entry.reason if entry else None))

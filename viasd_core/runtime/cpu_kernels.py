@@ -19,6 +19,18 @@ from viasd_kernels import cpu_row_attention
 
 from viasd_core import paths
 
+# Whether the int8/int4 short-pass products bind the portable way where the AVX-512 BF16 way builds
+# too: the machine's choice (machine/packed_way.py), handed over by the loader as it loads an int
+# format (loading/models.py), as it records the bfloat16 verdict on the model; the runtime never asks
+# the machine wing. Until then, the BF16 way where it builds.
+_portable = False
+
+
+def use_packed_way(portable: bool) -> None:
+    """The way the packed products bind from now on (layers bound before keep theirs)."""
+    global _portable
+    _portable = bool(portable)
+
 
 def folder() -> Path:
     """Where the kernels are built for this machine."""
@@ -56,17 +68,18 @@ def int4_widen(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, bl
 
 
 def int4_mm(qdata: torch.Tensor, group: int, scale: torch.Tensor, block: int | None):
-    return cpu_packed_mm.bind_int4(qdata, group, scale, block, build_dir=folder())
+    """In the way handed over (`use_packed_way`)."""
+    return cpu_packed_mm.bind_int4(qdata, group, scale, block, build_dir=folder(), portable=_portable)
 
 
 def int8_mm(qdata: torch.Tensor, scale: torch.Tensor):
-    return cpu_packed_mm.bind_int8(qdata, scale, build_dir=folder())
+    return cpu_packed_mm.bind_int8(qdata, scale, build_dir=folder(), portable=_portable)
 
 
 def packed_mm_way() -> str | None:
-    """Which way the packed products run here (cpu_packed_mm.way; and the int4 products' where they
-    run another, cpu_packed_mm.int4_way), None where they do not."""
-    way, int4 = cpu_packed_mm.way(folder()), cpu_packed_mm.int4_way(folder())
+    """Which way the packed products run here (cpu_packed_mm.way, as handed over; and the int4
+    products' where they run another, cpu_packed_mm.int4_way), None where they do not."""
+    way, int4 = cpu_packed_mm.way(folder(), _portable), cpu_packed_mm.int4_way(folder(), _portable)
     return way if int4 == way else f"int4: {int4}; int8: {way}"
 
 
