@@ -71,9 +71,11 @@ PERFORMANCE = [
         ("cpu-epyc-zen3-avx2-20261202-native-fp32-ar-hf-summary.json", "float32 (`--quant none`) against `generate()`, before that", "avx2-int4-int8-activations"),
     ]),
     ("Intel Xeon (Sapphire Rapids), AVX-512 BF16 + AMX, 2026-12-02", "2 cores under KVM, 24 GiB, torch 2.13.0+cpu, 2 threads, 13 held-out prompts x 64 tokens, nothing else running; llama.cpp: llama-cpp-python 0.3.36 built by scripts/install_llama_cpp.sh for the class of each table (`LLAMA_CPP_ISA`; the build line is in each run's summary from run 2 on); this day the machine ran ~1.6x faster than on 2026-12-01: compare within a run", [
-        ("cpu-xeon-spr-20261202-native-int4-llamacpp-summary.json", "int4 against llama.cpp's default build (AVX-512 VBMI/VNNI/BF16), run 2 of 2 (run 1: 1.96x)", "xeon-classes-20261202"),
+        ("cpu-xeon-spr-20261202-native-packed-way-int4-llamacpp-summary.json", "int4 against llama.cpp's default build (AVX-512 VBMI/VNNI/BF16), the packed products' way timed (packed-way chose the portable one)", "xeon-classes-20261202"),
+        ("cpu-xeon-spr-20261202-native-packed-way-default-ar-sd-summary.json", "default (`--quant auto` chose int4), `ar` and `sd`, packed-way chose the portable products", "xeon-classes-20261202"),
+        ("cpu-xeon-spr-20261202-native-int4-llamacpp-summary.json", "the same before packed-way (the BF16 pair dot products), run 2 of 2 (run 1: 1.96x)", "xeon-classes-20261202"),
         ("cpu-xeon-spr-20261202-native-gguf-llamacpp-summary.json", "`--quant gguf` (the file's own Q4_1 blocks) against llama.cpp", "xeon-classes-20261202"),
-        ("cpu-xeon-spr-20261202-native-default-ar-sd-summary.json", "default (`--quant auto` chose int4), `ar` and `sd`", "xeon-classes-20261202"),
+        ("cpu-xeon-spr-20261202-native-default-ar-sd-summary.json", "default, `ar` and `sd`, before packed-way (the BF16 pair dot products)", "xeon-classes-20261202"),
         ("cpu-xeon-spr-20261202-native-fp32-ar-hf-summary.json", "float32 (`--quant none`) against `generate()`", "xeon-classes-20261202"),
     ]),
     ("AVX-512F/VNNI without BF16 (emulated: the Sapphire Rapids Xeon under `VIASD_MAX_CPU_ISA=avx512`), 2026-12-02", "2 cores under KVM, 24 GiB, torch 2.13.0+cpu, 2 threads, 13 held-out prompts x 64 tokens, nothing else running; llama.cpp: llama-cpp-python 0.3.36 built by scripts/install_llama_cpp.sh for the class of each table (`LLAMA_CPP_ISA`; the build line is in each run's summary from run 2 on); this day the machine ran ~1.6x faster than on 2026-12-01: compare within a run", [
