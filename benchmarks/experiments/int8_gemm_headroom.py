@@ -16,22 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
 import viasd_core  # noqa: F401 (applies VIASD_MAX_CPU_ISA to PyTorch's kernels before the first call)
 from viasd_core.devices import device_name
+from viasd_core.runtime.pass_timing import call_seconds
 
 
 def ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e3
+    return statistics.median(call_seconds(fn, repeats)) * 1e3
 
 
 def main() -> None:

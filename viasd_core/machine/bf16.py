@@ -62,13 +62,8 @@ def verdict(device: torch.device | str = "cpu", refresh: bool = False) -> dict:
         return {"pays": bool(torch.cuda.is_bf16_supported())}
     if device.type != "cpu":
         return {"pays": False}
-    record = DECISION.record(device, {})
-    stored = None if refresh else record.read(_from_json)
-    if stored is not None:
-        return stored
-    result = measure(device)
-    record.store(result)
-    _pays.cache_clear()
+    result = DECISION.stored_or_measured(device, {}, _from_json, lambda: measure(device), refresh)
+    _pays.cache_clear()  # the per-process answer follows a refresh
     return result
 
 

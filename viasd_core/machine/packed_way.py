@@ -103,13 +103,8 @@ def verdict(device: torch.device | str = "cpu", refresh: bool = False) -> dict:
     pin = pinned()
     if pin is not None:
         return {"portable": pin == "portable", "pinned": f"{ENV}={pin}"}
-    record = DECISION.record(device, {})
-    stored = None if refresh else record.read(_from_json)
-    if stored is not None:
-        return stored
-    result = measure(device)
-    record.store(result)
-    portable.cache_clear()
+    result = DECISION.stored_or_measured(device, {}, _from_json, lambda: measure(device), refresh)
+    portable.cache_clear()  # the per-process answer follows a refresh
     return result
 
 

@@ -124,3 +124,15 @@ class Decision:
         if self.version is None:
             raise ValueError(f"the '{self.name}' decision is not stored (it has no version)")
         return MachineRecord(self.name, device, key, self.version)
+
+    def stored_or_measured(self, device: torch.device, key: dict, from_json: Callable[[dict], object],
+                           measure: Callable[[], object], refresh: bool = False):
+        """The stored answer for `key` on `device` (read through `from_json`), or `measure()`'s, stored,
+        where there is none or `refresh` asks to measure again."""
+        record = self.record(device, key)
+        stored = None if refresh else record.read(from_json)
+        if stored is not None:
+            return stored
+        result = measure()
+        record.store(result)
+        return result
