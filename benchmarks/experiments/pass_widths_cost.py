@@ -3,7 +3,8 @@
     python benchmarks/experiments/pass_widths_cost.py --format int4 --threads 2
     VIASD_MAX_CPU_ISA=avx2 python benchmarks/experiments/pass_widths_cost.py --format int4
 
-The embedded target's FastModel after 300 cached positions; for each width, `--passes` passes of w
+The embedded target's FastModel after 300 cached positions, its int products in the way the machine
+chose (machine/packed_way.py; `VIASD_PACKED_WAY` pins one, as for an A/B); for each width, `--passes` passes of w
 new positions (each over the same cached prefix), the best of `--rounds` interleaved rounds. A verify
 pass of gamma + 1 positions pays off only while its cost stays near a 1-position pass's: tau / cost
 is sd's ceiling over ar (docs/experiments/xeon-classes-20261202.md). Prints one JSON object.
@@ -19,6 +20,8 @@ import torch
 
 from viasd_core.devices import device_name
 from viasd_core.loading.models import load_model
+from viasd_core.machine import packed_way
+from viasd_core.runtime import cpu_kernels
 from viasd_core.runtime.model import FastModel
 from viasd_core.runtime.weight_format import WeightFormat
 from viasd_core.runtime.weight_formats import packed_copy
@@ -35,6 +38,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     widths = [int(w) for w in args.widths.split(",")]
     target = load_model("smollm2-135m", dtype="float32")
+    cpu_kernels.use_packed_way(packed_way.portable())  # as the loader hands it over for an int format
     model = target.model if args.format == "none" else packed_copy(target.model, WeightFormat.parse(args.format))
     fast = FastModel(model, max_len=300 + max(widths) + 32)
     ids = torch.randint(100, 40000, (300 + max(widths),), generator=torch.Generator().manual_seed(0))
@@ -51,6 +55,7 @@ def main() -> None:
                 best[w] = min(best.get(w, ms), ms)
     one = best[widths[0]]
     print(json.dumps({"device": device_name(torch.device("cpu")), "format": args.format, "threads": args.threads,
+                      "packed_way": cpu_kernels.packed_mm_way(),
                       "ms": {str(w): round(v, 3) for w, v in best.items()},
                       "x_first": {str(w): round(v / one, 2) for w, v in best.items()}}, indent=2))
 
