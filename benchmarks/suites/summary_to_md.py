@@ -190,7 +190,8 @@ def performance() -> str:
                         f"{meta.get('max_new_tokens')} new tokens, torch {meta.get('torch')}): `{_cmd(meta)}`; "
                         f"same-run baselines: {base}" + (f"; {skipped}" if skipped else "")
                         + (f"; llama.cpp's build: `{build}`" if build else "")
-                        + (f"; instruction set: {meta['instruction_set']}" if meta.get("instruction_set") else ""))
+                        + (f"; instruction set: {meta['instruction_set']}" if meta.get("instruction_set") else "")
+                        + (f"; int products: {meta['packed_way']}" if meta.get("packed_way") else ""))
         missing = [f"`{k}`" for k in ("ar", "sd", "exact", "hf", "llama.cpp") if k not in seen]
         out += ["", "Not measured in these runs: " + (", ".join(missing) if missing else "-") + " (`hf` is transformers' `generate()`).",
                 "", "Runs:", ""] + cmds + [""]

@@ -120,6 +120,11 @@ def test_cli_runs_formats_end_to_end(tiny_dirs, viasd_home, tmp_path):
     assert combined["rows"][0]["x_fp32_ar"] == 1.0
     assert combined["formats"]["int8"]["meta"]["quant"] == "int8" and combined["formats"]["none"]["meta"]["quant"] == "none"
     assert combined["formats"]["int8"]["meta"]["n_prompts"] == 1  # the other options reached each process
+    # the way the int8 short passes multiplied (the suite pins it: machine/packed_way.py); float32 has none
+    from viasd_core.runtime import cpu_kernels
+
+    assert combined["formats"]["int8"]["meta"]["packed_way"] == cpu_kernels.packed_mm_way()
+    assert combined["formats"]["none"]["meta"]["packed_way"] is None
     assert (out / "int8" / "results.jsonl").is_file() and (out / "formats.json").is_file()
 
 

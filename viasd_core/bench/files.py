@@ -24,6 +24,7 @@ from viasd_core import cpu_isa
 from viasd_core.bench.plots import PLOTS, write_plots
 from viasd_core.devices import device_name
 from viasd_core.errors import ViasdError
+from viasd_core.runtime import cpu_kernels
 from viasd_core.paths import atomic_write_text, check_writable_dir, check_writable_file, write_elsewhere
 from viasd_core.session import Session
 
@@ -85,6 +86,9 @@ def session_meta(session: Session, config: BenchConfig, prompts_source: str | No
         # sd's first block where -g was left unset (gamma None), and why
         first_block=session.first_block_record(),
         threads=None if session.threads is None else session.threads.to_dict(),  # every method runs with this count
+        # the way its int8/int4 short passes multiplied (machine/packed_way.py), where the target has such layers
+        packed_way=(cpu_kernels.packed_mm_way() if session.engine.device.type == "cpu" and session.target.format.packed
+                    else None),
     )
 
 
