@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.int4_cases import case, pack
-from viasd_kernels import cpu_packed_mm as pm
+from viasd_kernels import cpu_int4_q8 as q8, cpu_packed_mm as pm
 
 from viasd_core.errors import UsageError
 from viasd_core.machine import packed_way
@@ -95,13 +95,17 @@ def test_the_runtime_binds_the_way_handed_over_bit_for_bit(handed_back, portable
         pytest.skip(f"the packed products do not run here: {cpu_kernels.packed_mm_why_not()}")
     folder = cpu_kernels.folder()
     chosen = pm._functions_for(folder, portable)  # the products of the way handed over
-    assert bound.fn is chosen.int4[64] and cpu_kernels.int8_mm(*INT8).fn is chosen.int8
+    q8s = chosen.int4_q8 is not None  # the AVX2 class's int4 and int8 products take int8 activations
+    assert bound.fn is (chosen.int4_q8[64] if q8s else chosen.int4[64])
+    assert cpu_kernels.int8_mm(*INT8).fn is (chosen.int8_q8 if q8s else chosen.int8)
     if not portable and pm.BF16_WAY in pm.ways(folder):
         assert cpu_kernels.packed_mm_way() == pm.BF16_WAY
         assert bound.fn is not pm._functions_for(folder, True).int4[64]
     else:  # handed over, or the one way this CPU builds
         assert chosen.name == pm.PORTABLE_WAY and pm.PORTABLE_WAY in cpu_kernels.packed_mm_way()
-        assert torch.equal(bits(bound(x)), bits(pm.int4_mm_portable_reference(x, values, 32, sz)))
+        want = (q8.int4_mm_q8_reference(x, values, 32, sz) if q8s
+                else pm.int4_mm_portable_reference(x, values, 32, sz))
+        assert torch.equal(bits(bound(x)), bits(want))
 
 
 @pytest.mark.parametrize("pin", ["bf16", "portable"])
