@@ -50,11 +50,16 @@ def test_a_cpu_that_builds_one_way_times_nothing():
 
 def test_the_pin_decides_and_a_wrong_value_is_one_line(unpinned, monkeypatch):
     monkeypatch.setattr(packed_way, "measure", lambda device: pytest.fail("measured a pinned choice"))
+    monkeypatch.setattr(pm, "ways", lambda folder: BOTH())  # a CPU that builds both ways
     monkeypatch.setenv(packed_way.ENV, "Portable")
     assert packed_way.verdict(CPU) == {"portable": True, "pinned": f"{packed_way.ENV}=portable"}
     assert packed_way.shown(packed_way.verdict(CPU)) == ("portable", f"pinned by {packed_way.ENV}=portable")
     monkeypatch.setenv(packed_way.ENV, "bf16")
     assert packed_way.verdict(CPU)["portable"] is False
+    monkeypatch.setattr(pm, "ways", lambda folder: (pm.PORTABLE_WAY,))  # one way: a pin changes nothing, and says so
+    assert packed_way.verdict(CPU) == {"portable": True, "only": pm.PORTABLE_WAY, "pinned": f"{packed_way.ENV}=bf16"}
+    assert packed_way.shown(packed_way.verdict(CPU)) == (
+        "portable", f"the one way that builds here ({pm.PORTABLE_WAY}); {packed_way.ENV}=bf16 changes nothing")
     monkeypatch.setenv(packed_way.ENV, "amx")
     with pytest.raises(UsageError, match=f"{packed_way.ENV}='amx' is not one of bf16, portable"):
         packed_way.verdict(CPU)
@@ -117,11 +122,12 @@ def test_loading_an_int_format_hands_the_machines_way_to_its_layers(unpinned, ha
     monkeypatch.setenv(packed_way.ENV, pin)
     cpu_kernels.use_packed_way(pin != "portable")  # the other way: the loader must hand its own over
     loaded = load_model(str(tiny_dirs["target"]), device="cpu", quant="int8", with_tokenizer=False)
-    assert cpu_kernels._portable is (pin == "portable")
+    two = len(pm.ways(cpu_kernels.folder())) == 2
+    assert cpu_kernels._portable is (pin == "portable" or not two)  # one way here: the pin changes nothing
     layers = [m for m in loaded.model.modules() if isinstance(m, PackedLinear) and m._short is not None]
     if not layers:
         pytest.skip(f"the packed products do not run here: {cpu_kernels.packed_mm_why_not()}")
-    chosen = pm._functions_for(cpu_kernels.folder(), pin == "portable")
+    chosen = pm._functions_for(cpu_kernels.folder(), cpu_kernels._portable)
     assert all(m._short.fn in (chosen.int8, chosen.int8_q8) for m in layers)
     cpu_kernels.use_packed_way(False)
     load_model(str(tiny_dirs["target"]), device="cpu", with_tokenizer=False)  # float32: no products to bind

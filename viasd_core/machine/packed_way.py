@@ -102,6 +102,9 @@ def verdict(device: torch.device | str = "cpu", refresh: bool = False) -> dict:
         return {"portable": False}
     pin = pinned()
     if pin is not None:
+        built = cpu_packed_mm.ways(_folder())
+        if len(built) < 2:  # one way builds here: the pin changes nothing, and the verdict says so
+            return {"portable": True, "only": built[0] if built else "none", "pinned": f"{ENV}={pin}"}
         return {"portable": pin == "portable", "pinned": f"{ENV}={pin}"}
     result = DECISION.stored_or_measured(device, {}, _from_json, lambda: measure(device), refresh)
     portable.cache_clear()  # the per-process answer follows a refresh
@@ -111,10 +114,11 @@ def verdict(device: torch.device | str = "cpu", refresh: bool = False) -> dict:
 def shown(result: dict) -> tuple[str, str]:
     """(value, reason) for doctor's picture."""
     value = "portable" if result["portable"] else "bf16"
+    if "only" in result:
+        unpinned = f"; {result['pinned']} changes nothing" if "pinned" in result else ""
+        return value, f"the one way that builds here ({result['only']}){unpinned}"
     if "pinned" in result:
         return value, f"pinned by {result['pinned']}"
-    if "only" in result:
-        return value, f"the one way that builds here ({result['only']})"
     if "bf16_ms" in result:
         return value, f"{result['bf16_ms']:g} ms BF16 pair dot products, {result['portable_ms']:g} ms portable"
     return value, "not a CPU"
