@@ -24,6 +24,7 @@ from viasd_core.speculation.eagle_files import save_feature_head
 from viasd_core.errors import UsageError
 from viasd_core.loading.models import load_model
 from viasd_core.loading.prompts import load_prompts
+from viasd_core.runtime.weight_format import INT4
 from viasd_core.training import campaign_store as store
 from viasd_core.training import eagle_data, eagle_init, eagle_train, eagle_ttt, teacher_answers
 from viasd_core.training.campaign import CampaignConfig, run_campaign, status
@@ -274,6 +275,9 @@ def test_every_stage_resumes_after_a_kill_and_ends_as_an_uninterrupted_run(tiny_
     for figures in [*report["candidates"].values(), report["shipped"]]:  # every head, in the one interleaved loop
         assert figures["tau_default"]["target_passes"] > 0 and figures["tau_default"]["new_tokens"] == 2 * 8
     assert report["decision"] in ("ship data", "ship on_policy", "keep the shipped head")
+    assert report["target_format"] == "none"  # measured on the float32 target, under the first campaigns' names
+    assert (straight.work / "eval" / "features.pt").exists() and not list((straight.work / "eval").glob("features-*"))
+    assert {json.loads(p.read_text())["target_format"] for p in (straight.work / "eval").glob("*.json")} == {"none"}
     lines = status(killed)
     assert lines[0].startswith("prompts: 2/2 request shards") and lines[-1] == "eval: done", lines
 
@@ -301,12 +305,16 @@ def test_every_stage_resumes_after_a_kill_and_ends_as_an_uninterrupted_run(tiny_
     assert any(m.startswith("eval shipped:") for m in logs) and not any(m.startswith("eval data:") for m in logs)
     assert again["shipped"]["weights_sha256"] != only["shipped"]["weights_sha256"]
     assert again["candidates"]["data"] == only["candidates"]["data"]
-    # ... and for the measuring code it records: a figure from an older one is measured again
+    # ... and for the measuring code it records: a figure from an older one is measured again; one cached
+    # before the format was recorded was measured on the float32 target, and stays valid
     cached = alone.work / "eval" / "data.json"
     cached.write_text(json.dumps({**json.loads(cached.read_text()), "measured_with": 1}))
+    unrecorded = alone.work / "eval" / "shipped.json"
+    unrecorded.write_text(json.dumps({k: v for k, v in json.loads(unrecorded.read_text()).items() if k != "target_format"}))
     logs.clear()
     run_campaign(alone, log=logs.append)
     assert any(m.startswith("eval data:") for m in logs) and not any(m.startswith("eval shipped:") for m in logs)
+    assert "target_format" not in json.loads(unrecorded.read_text())
     assert any(m.startswith("eval: default tau, every head in one interleaved loop: data ") for m in logs)
 
     # a finished data training extended (a warm restart): the head it had made stays as data-<steps>,
@@ -380,7 +388,13 @@ def test_the_default_tau_measures_every_head_prompt_by_prompt_in_rotating_order(
 
     (tmp_path / "dev.jsonl").write_text("".join(json.dumps({"category": "qa", "prompt": f"p{i}"}) + "\n" for i in range(4)))
     order: list[tuple[str, str]] = []
-    monkeypatch.setattr(campaign_eval, "head_session", lambda target, folder, ctx, hybrid=False: str(folder))
+    formats = set()
+
+    def session(target, folder, ctx, hybrid=False, fmt=None):
+        formats.add((hybrid, fmt))
+        return str(folder)
+
+    monkeypatch.setattr(campaign_eval, "head_session", session)
 
     def run(session, prompts, config, gen, total):
         assert gen.adaptive and len(prompts) == 1
@@ -390,7 +404,8 @@ def test_the_default_tau_measures_every_head_prompt_by_prompt_in_rotating_order(
 
     monkeypatch.setattr(campaign_eval, "_run_sd", run)
     heads = {name: tmp_path / name for name in ("a", "b", "shipped")}
-    out = campaign_eval.tau_default("t", heads, EvalConfig(prompts=tmp_path / "dev.jsonl"))
+    out = campaign_eval.tau_default("t", heads, EvalConfig(prompts=tmp_path / "dev.jsonl"), INT4)
+    assert formats == {(True, INT4)}  # the sessions' target at the format asked for
     assert [str(Path(h).name) for _, h in order] == ["a", "b", "shipped", "b", "shipped", "a",
                                                       "shipped", "a", "b", "a", "b", "shipped"]
     assert [p for p, _ in order] == [f"p{i}" for i in range(4) for _ in range(3)]
@@ -453,8 +468,6 @@ def test_a_campaign_for_a_weight_format_answers_with_that_target_and_refuses_ano
             run_campaign(other, until="answers")
     with pytest.raises(UsageError, match="uses the prompts of"):
         run_campaign(replace(q, prompts_from=tmp_path / "extra.jsonl"), until="answers")
-    with pytest.raises(UsageError, match="evaluation measures heads on the float32 target only"):
-        run_campaign(q)
     assert _files(q.data) == before and not (base.data / "campaign.json").exists()  # nothing written by a refused run
 
     # prompts appended upstream (a later round) leave the lines used alone: accepted, nothing redone
@@ -478,6 +491,75 @@ def test_a_campaign_for_a_weight_format_answers_with_that_target_and_refuses_ano
     assert torch.equal(stored[1], torch.cat([r.top_ids for r in recs]))
     record = json.loads((q.work / "heads" / "data" / "config.json").read_text())["viasd_training"]
     assert record["target_format"] == "int4"
+
+
+def test_an_int4_campaign_is_evaluated_on_the_int4_target(tiny_target, tmp_path, viasd_home, monkeypatch):
+    """--quant int4 runs to the end: the evaluation's answers and features are the int4 target's (not
+    float32's), every `sd` session's target is packed int4, the shipped head is measured on it too, the
+    report and the cached figures name the format, and a figure cached at another format is measured
+    again."""
+    from viasd_core.runtime.weight_formats import PackedLinear
+    from viasd_core.training import campaign_eval
+
+    (tmp_path / "dev.jsonl").write_text("".join(json.dumps({"category": c, "prompt": p}) + "\n" for c, p in
+                                               [("qa", "What is the w3 of w4 ?"), ("writing", "Write a haiku about bees .")]))
+    (tmp_path / "extra.jsonl").write_text("".join(json.dumps({"category": "text", "prompt": f"w{i} w{i + 1} w{2 * i} ?"}) + "\n"
+                                                 for i in range(10, 20)))
+    q = replace(tiny_config(tiny_target, tmp_path, tmp_path), quant="int4")
+    save_feature_head(eagle_init.init_head(AutoModelForCausalLM.from_pretrained(tiny_target), (1, 2, 3),
+                                           torch.arange(0, 256, 4), seed=9), q.ship_to)
+    sessions = []
+    plain_session = campaign_eval.build_session
+
+    def spy(opts, **k):  # at one thread: --threads auto's timing at each session is not what this test checks
+        sessions.append(plain_session(replace(opts, threads="1"), **k))
+        return sessions[-1]
+
+    monkeypatch.setattr(campaign_eval, "build_session", spy)
+    logs: list[str] = []
+    report = run_campaign(q, log=logs.append)
+    assert report["target_format"] == "int4" and json.loads((q.data / "eval-report.json").read_text()) == report
+    assert report["decision"] in ("ship data", "ship on_policy", "keep the shipped head")
+    figures = [report["candidates"]["data"], report["candidates"]["on_policy"], report["shipped"]]
+    assert all(f["target_format"] == "int4" and f["tau_fixed"]["target_passes"] > 0 for f in figures)
+    assert status(q)[-1] == "eval: done"
+
+    # the records: the int4 target's greedy answers to the evaluation prompts, teacher-forced by it
+    assert not (q.work / "eval" / "features.pt").exists()  # the float32 target's name is left to it
+    records = eagle_data.load_records(q.work / "eval" / "features-int4.pt")
+    prompts = load_prompts(tmp_path / "dev.jsonl")
+    texts, cats = [p.text for p in prompts], [p.category for p in prompts]
+    targets = {"int4": load_model(str(tiny_target), quant="int4"), "none": load_model(str(tiny_target), dtype="float32")}
+    answers = teacher_answers.build_dataset(targets["int4"], texts, q.evaluation.answer_tokens, batch_size=32, categories=cats)
+    assert [r.tokens.tolist() for r in records] == [r.input_ids.tolist() for r in answers]
+    seqs = [(r.tokens.tolist(), r.prompt_len, r.category) for r in records]
+    feats = {fmt: eagle_data.teacher_pass(t.model, seqs, eagle_data.default_feature_layers(4)) for fmt, t in targets.items()}
+    assert all(torch.equal(r.features, f.features) for r, f in zip(records, feats["int4"]))
+    assert not all(torch.equal(r.features, f.features) for r, f in zip(records, feats["none"]))  # not float32's
+
+    # every sd session (the head alone, each head; the default, every head) drafts for the int4 target
+    assert len(sessions) == 3 + 3
+    for session in sessions:
+        assert session.target.quant == "int4" and session.options.dtype is None
+        assert "int4" in {m.kind for m in session.target.model.modules() if isinstance(m, PackedLinear)}
+
+    # the cached figures hold for their format only: one measured at another format is measured again
+    monkeypatch.setattr(campaign_eval, "tau_fixed", lambda ref, head, config, fmt: {"tau": 1.0, "format": fmt.name})
+
+    def measure(name: str, fmt: str) -> dict:
+        return campaign_eval.measure(name, q.work / "heads" / name, targets[fmt], str(tiny_target), records, q.evaluation,
+                                     q.work, logs.append)
+
+    cached = {name: json.loads((q.work / "eval" / f"{name}.json").read_text()) for name in ("data", "on_policy")}
+    assert cached["data"]["target_format"] == "int4" and cached["data"]["tau_fixed"] == report["candidates"]["data"]["tau_fixed"]
+    logs.clear()
+    assert measure("on_policy", "int4") == cached["on_policy"] and logs == []  # the same format: reused
+    (q.work / "eval" / "data.json").write_text(json.dumps({**cached["data"], "target_format": "none"}))
+    again = measure("data", "int4")  # cached at float32: measured again at int4
+    assert logs[-1].startswith("eval data:") and again["tau_fixed"] == {"tau": 1.0, "format": "int4"}
+    assert again["target_format"] == "int4" and again["agreement"] == cached["data"]["agreement"]
+    assert json.loads((q.work / "eval" / "data.json").read_text()) == again
+    assert measure("on_policy", "none")["tau_fixed"] == {"tau": 1.0, "format": "none"}  # and int4's not read as float32's
 
 
 def test_packed_answers_hold_the_widened_weights_once_and_the_numbers_stay(tiny_target, monkeypatch):

@@ -20,11 +20,12 @@ index % held_out_every == 0 are held out: never trained on, their greedy answers
 
 The target's weight format (`quant`: none, int8 or int4) is the one the head will draft for: the
 answers and features (and so the on-policy rejections, simulated on them) come from the target in
-that format. `none` is the float32 target, the first campaign's. Another format is recorded in
-`data/campaign.json` and `work/campaign.json`, which may also name another campaign's prompts
-(`prompts_from`: the file by path from the data folder, the number of prompts used and a checksum
-of their lines) instead of writing new ones; a run that asks for another format than its folders
-hold is refused. A folder without the record holds a float32 campaign (made before the record).
+that format, and the evaluation measures the heads on it. `none` is the float32 target, the first
+campaign's. Another format is recorded in `data/campaign.json` and `work/campaign.json`, which may
+also name another campaign's prompts (`prompts_from`: the file by path from the data folder, the
+number of prompts used and a checksum of their lines) instead of writing new ones; a run that asks
+for another format than its folders hold is refused. A folder without the record holds a float32
+campaign (made before the record).
 """
 
 from __future__ import annotations
@@ -39,14 +40,13 @@ from typing import Callable, Optional
 import torch
 
 from viasd_core import paths
-from viasd_core.runtime.weight_format import WeightFormat
+from viasd_core.runtime.weight_format import NONE, WeightFormat
 from viasd_core.speculation.eagle_files import load_feature_head
 from viasd_core.errors import UsageError
-from viasd_core.loading.models import load_model
 from viasd_core.loading.prompts import load_prompts
 from viasd_core.training import campaign_store as store
 from viasd_core.training.campaign_answers import SPLITS, AnswerConfig, answer_shards, run_answer_stage
-from viasd_core.training.campaign_eval import EvalConfig, better, eval_records, measure, ship, tau_default
+from viasd_core.training.campaign_eval import EvalConfig, better, eval_records, load_target, measure, ship, tau_default
 from viasd_core.training.campaign_features import CampaignRecords, run_feature_stage
 from viasd_core.training.campaign_prompts import PROMPTS, PromptConfig, raw_shards, run_prompt_stage
 from viasd_core.training.campaign_train import TrainConfig, rejection_focus, train_on_data, train_on_policy
@@ -85,13 +85,10 @@ def run_campaign(config: CampaignConfig, until: Optional[str] = None, log: Calla
         raise UsageError(f"unknown stage '{until}': use one of {', '.join(STAGES)}")
     stop = STAGES.index(until) if until else len(STAGES) - 1
     fmt = WeightFormat.parse(config.quant)
-    if fmt.name != "none" and stop >= STAGES.index("eval"):
-        raise UsageError(f"the evaluation measures heads on the float32 target only: run the --quant {fmt} "
-                         "campaign with --until on_policy")
     torch.set_num_threads(config.threads)
     data, work = Path(config.data), Path(config.work)
     source = check_record(config)
-    target = load_model(config.target, dtype="float32" if fmt.name == "none" else None, quant=fmt)
+    target = load_target(config.target, fmt)
     layers = default_feature_layers(target.model.config.num_hidden_layers)
     if source is None:
         prompts_file = run_prompt_stage(target, data, config.prompts, log)
@@ -111,7 +108,7 @@ def run_campaign(config: CampaignConfig, until: Optional[str] = None, log: Calla
         return {}
     if fmt.name != "none":  # the head starts from the float32 target's output rows and trains in float32
         del target
-        target = load_model(config.target, dtype="float32")
+        target = load_target(config.target, NONE)
     model = target.model
     categories = [p.category for p in prompts]
     train = CampaignRecords(shards, features, keep=lambda i: not config.held_out(i), categories=categories)
@@ -137,19 +134,27 @@ def run_campaign(config: CampaignConfig, until: Optional[str] = None, log: Calla
 
 
 def evaluate(config: CampaignConfig, target, layers, heads: dict[str, Path], log: Callable[[str], None]) -> dict:
-    """Measure the shipped head and the candidates; ship the best candidate when it beats the shipped one."""
+    """Measure the shipped head and the candidates with the target at the campaign's weight format;
+    ship the best candidate when it beats the shipped one.
+
+    `target` is the one the heads trained with (float32); at another format the target is loaded
+    again at that format, beside it (the models are small), so that the records, the agreement and
+    the `sd` sessions all measure the target the heads draft for."""
     if config.evaluation.prompts is None:
         raise UsageError("the campaign needs evaluation prompts (EvalConfig.prompts)")
     work = Path(config.work)
+    fmt = WeightFormat.parse(config.quant)
+    if target.format != fmt:
+        target = load_target(config.target, fmt)
     records = eval_records(target, layers, config.evaluation, work)
     results = {name: measure(name, folder, target, config.target, records, config.evaluation, work, log)
                for name, folder in heads.items()}
-    report: dict = {"candidates": results}
+    report: dict = {"target_format": fmt.name, "candidates": results}
     compared = dict(heads)
     if config.ship_to is not None and (Path(config.ship_to) / "config.json").exists():
         report["shipped"] = measure("shipped", Path(config.ship_to), target, config.target, records, config.evaluation, work, log)
         compared["shipped"] = Path(config.ship_to)
-    defaults = tau_default(config.target, compared, config.evaluation)
+    defaults = tau_default(config.target, compared, config.evaluation, fmt)
     for name, figures in defaults.items():
         (report["shipped"] if name == "shipped" else results[name])["tau_default"] = figures
     log("eval: default tau, every head in one interleaved loop: "

@@ -12,9 +12,13 @@ everything near them, and they are never answered for training):
   the default policy's plain-step choices follow measured wall times, so its tau moves with the
   machine's load: every head of a comparison is measured in one loop, prompt by prompt, in turn.
 
-The deterministic figures of each head are written once (`eval/<name>.json`), so a killed run
-measures only what is missing; the default tau is measured again at each evaluation. `ship`
-replaces the shipped head with the best candidate only when it beats it (`better`).
+Every figure is measured with the target at the campaign's weight format (`CampaignConfig.quant`),
+the one the heads draft for: the answers and their features teacher-forced, and the `sd` sessions'
+target (float32 for `none`, as the first campaigns measured; int8 or int4 as `viasd generate --quant`
+runs it). The deterministic figures of each head are written once (`eval/<name>.json`, with the
+format they were measured at), so a killed run measures only what is missing; the default tau is
+measured again at each evaluation. `ship` replaces the shipped head with the best candidate only
+when it beats it (`better`), the shipped head measured at the same format.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ import torch
 from viasd_core import paths
 from viasd_core.speculation.eagle_files import load_feature_head
 from viasd_core.speculation.stats import RunStats
-from viasd_core.loading.models import Loaded
+from viasd_core.loading.models import Loaded, load_model
 from viasd_core.loading.options import ModelOptions
 from viasd_core.loading.prompts import encode, load_prompts
+from viasd_core.runtime.weight_format import NONE, WeightFormat
 from viasd_core.session import GenerationRequest, build_session, resolve_config
 from viasd_core.training import eagle_data, eagle_ttt
 from viasd_core.training.teacher_answers import build_dataset
@@ -49,9 +54,29 @@ class EvalConfig:
     fixed_gamma: int = 4  # the head alone, blocks of this many drafts
 
 
+def target_dtype(fmt: WeightFormat) -> Optional[str]:
+    """The target's dtype at the weight format `fmt`: float32 for `none` (the float32 campaign), the
+    format's own activations otherwise (None: what `--quant int4` picks, bfloat16 on a CPU)."""
+    return "float32" if fmt == NONE else None
+
+
+def load_target(ref: str, fmt: WeightFormat) -> Loaded:
+    """The target at the campaign's weight format, as the answer and feature stages and the
+    evaluation use it."""
+    return load_model(ref, dtype=target_dtype(fmt), quant=fmt)
+
+
+def records_file(work: Path, fmt: WeightFormat) -> Path:
+    """Where the evaluation records made at `fmt` are cached: `eval/features.pt` for the float32
+    target (the name the first campaigns' work folders hold), `eval/features-<format>.pt` for
+    another, so records of one format are never read as another's."""
+    return work / "eval" / ("features.pt" if fmt == NONE else f"features-{fmt.name}.pt")
+
+
 def eval_records(target: Loaded, layers, config: EvalConfig, work: Path) -> list[eagle_data.FeatureRecord]:
-    """The target's greedy answers to the evaluation prompts, teacher-forced (cached in `work/eval`)."""
-    path = work / "eval" / "features.pt"
+    """The target's greedy answers to the evaluation prompts, teacher-forced, both made by `target` in
+    its weight format (cached in `work/eval`, per format: records_file)."""
+    path = records_file(work, target.format)
     if path.exists():
         return eagle_data.load_records(path)
     prompts = load_prompts(config.prompts)
@@ -63,11 +88,12 @@ def eval_records(target: Loaded, layers, config: EvalConfig, work: Path) -> list
     return feats
 
 
-def head_session(target_ref: str, head: Path | str, max_context: int, hybrid: bool = False):
+def head_session(target_ref: str, head: Path | str, max_context: int, hybrid: bool = False, fmt: WeightFormat = NONE):
     """A session for `sd` with `head` as the draft (with prompt lookup beside it when `hybrid`), the
-    target in float32, eager: what `viasd generate --mode sd -d HEAD --quant none` builds."""
+    target at the weight format `fmt` (float32 for `none`), eager: what `viasd generate --mode sd -d
+    HEAD --quant FMT` builds."""
     draft = f"{head}+ngram" if hybrid else str(head)
-    return build_session(ModelOptions(model=target_ref, draft=draft, dtype="float32", quant="none",
+    return build_session(ModelOptions(model=target_ref, draft=draft, dtype=target_dtype(fmt), quant=fmt.name,
                                       max_context=max_context, compile="off"), mode="sd")
 
 
@@ -85,10 +111,11 @@ def _tau_figures(total: RunStats) -> dict:
             "acceptance_by_position": total.acceptance_by_position[:8]}
 
 
-def tau_fixed(target_ref: str, head: Path, config: EvalConfig) -> dict:
+def tau_fixed(target_ref: str, head: Path, config: EvalConfig, fmt: WeightFormat) -> dict:
     """Tokens per target pass of greedy `sd` with `head` alone over the evaluation prompts, in blocks
-    of `config.fixed_gamma` drafts (no policy: a figure of the head alone, machine-independent)."""
-    session = head_session(target_ref, head, config.max_context)
+    of `config.fixed_gamma` drafts (no policy: a figure of the head alone, machine-independent), the
+    target at `fmt`."""
+    session = head_session(target_ref, head, config.max_context, fmt=fmt)
     total = RunStats(mode="sd")
     asked = GenerationRequest(mode="sd", max_new_tokens=config.tau_tokens, gamma=config.fixed_gamma, adaptive=False,
                               trees=False)
@@ -96,13 +123,14 @@ def tau_fixed(target_ref: str, head: Path, config: EvalConfig) -> dict:
     return _tau_figures(total)
 
 
-def tau_default(target_ref: str, heads: dict[str, Path], config: EvalConfig) -> dict[str, dict]:
+def tau_default(target_ref: str, heads: dict[str, Path], config: EvalConfig, fmt: WeightFormat) -> dict[str, dict]:
     """Tokens per target pass of the default `sd` (each head plus prompt lookup, the adaptive policy)
-    over the evaluation prompts, for every head in one loop: prompt by prompt, the heads in turn (the
-    first one rotating), so that a change in the machine's load while measuring reaches every head
-    alike. The policy's plain steps follow wall times, which is why the heads are not measured one
-    after the other."""
-    sessions = {name: head_session(target_ref, folder, config.max_context, hybrid=True) for name, folder in heads.items()}
+    over the evaluation prompts, the target at `fmt`, for every head in one loop: prompt by prompt, the
+    heads in turn (the first one rotating), so that a change in the machine's load while measuring
+    reaches every head alike. The policy's plain steps follow wall times, which is why the heads are
+    not measured one after the other."""
+    sessions = {name: head_session(target_ref, folder, config.max_context, hybrid=True, fmt=fmt)
+                for name, folder in heads.items()}
     totals = {name: RunStats(mode="sd") for name in heads}
     # chains from GenerationConfig's first block, no --tree auto probe: what earlier evaluations measured
     asked = GenerationRequest(mode="sd", max_new_tokens=config.tau_tokens, trees=False, measured_start=False)
@@ -123,22 +151,28 @@ MEASURED_WITH = 3
 
 def measure(name: str, head: Path, target: Loaded, target_ref: str, records, config: EvalConfig, work: Path,
             log: Callable[[str], None]) -> dict:
-    """Agreement and fixed-block tau of the head in folder `head` (cached in `work/eval/<name>.json`, for these
-    weights and MEASURED_WITH only: once a head ships, "shipped" names other weights and is measured
-    again)."""
+    """Agreement and fixed-block tau of the head in folder `head`, with `target` at its weight format
+    (the records made by it: eval_records; the head reads its input embedding, as in an `sd`
+    session). Cached in `work/eval/<name>.json`, for these weights, MEASURED_WITH and the target's
+    format only: once a head ships, "shipped" names other weights and is measured again; a figure
+    of another format is measured again (a file without the format was measured on the float32
+    target, before the format was recorded)."""
     path = work / "eval" / f"{name}.json"
     weights = hashlib.sha256((head / "model.safetensors").read_bytes()).hexdigest()
+    fmt = target.format
     if path.exists():
         cached = json.loads(path.read_text())
-        if cached.get("weights_sha256") == weights and cached.get("measured_with") == MEASURED_WITH:
+        if (cached.get("weights_sha256") == weights and cached.get("measured_with") == MEASURED_WITH
+                and cached.get("target_format", NONE.name) == fmt.name):
             return cached
     model = target.model
     h = load_feature_head(head, model.config, embed=model.get_input_embeddings(), dtype=torch.float32)
     scores = eagle_ttt.evaluate_head(h, records, steps=config.positions)
     by_cat = {c: eagle_ttt.evaluate_head(h, [r for r in records if r.category == c])["agreement"][0]
               for c in sorted({r.category for r in records})}
-    result = {"head": name, "weights_sha256": weights, "measured_with": MEASURED_WITH, "agreement": scores["agreement"], "tokens": scores["tokens"], "first_by_category": by_cat,
-              "tau_fixed": tau_fixed(target_ref, head, config)}
+    result = {"head": name, "weights_sha256": weights, "measured_with": MEASURED_WITH, "target_format": fmt.name,
+              "agreement": scores["agreement"], "tokens": scores["tokens"], "first_by_category": by_cat,
+              "tau_fixed": tau_fixed(target_ref, head, config, fmt)}
     paths.atomic_write_json(path, result)
     log(f"eval {name}: first-position agreement {scores['agreement'][0]:.3f}, "
         f"tau of the head alone ({config.fixed_gamma} drafts a block) {result['tau_fixed']['tau']:.3f}")
