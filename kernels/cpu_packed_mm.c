@@ -249,10 +249,12 @@ int viasd_int4_mm(const uint16_t *x, const uint8_t *q, const uint16_t *sz, int64
 #define MAX_K8 8192       /* int8 inputs held widened for the other rows */
 
 /* The 16-lane sums of OUTS outputs for rows r0 .. r0 + R - 1, the weights widened now (`src` set:
- * kept in `buf` when `keep`) or read from `buf` */
+ * kept in `buf` when `keep`) or read from `buf`. `gs` (NULL: one scale an output, applied later) the
+ * first output's scales of its groups of 32 inputs, the next output's K / 32 on: each group's pair
+ * dot products summed into zero lanes, then added to the lanes times the group's scale (fma) */
 static inline __attribute__((always_inline)) void int8_rows(int R, const uint16_t *x, int64_t K, int64_t n_here,
                                                             const int8_t *src, int keep, __m512i (*buf)[OUTS],
-                                                            __m512 acc[][OUTS]) {
+                                                            __m512 acc[][OUTS], const float *gs) {
     for (int r = 0; r < R; r++)
         for (int j = 0; j < OUTS; j++)
             acc[r][j] = _mm512_setzero_ps();
@@ -273,6 +275,18 @@ static inline __attribute__((always_inline)) void int8_rows(int R, const uint16_
                 w[j] = buf[k / 32][j];
             }
         }
+        if (gs) {
+            __m512 sc[OUTS];
+            for (int j = 0; j < OUTS; j++)
+                sc[j] = _mm512_set1_ps(gs[(j < n_here ? j : 0) * (K / 32) + k / 32]);
+            for (int r = 0; r < R; r++) {
+                __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + k));
+                for (int j = 0; j < OUTS; j++)
+                    acc[r][j] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xv, (__m512bh)w[j]), sc[j],
+                                                acc[r][j]);
+            }
+            continue;
+        }
         for (int r = 0; r < R; r++) {
             __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + r * K + k));
             for (int j = 0; j < OUTS; j++)
@@ -284,20 +298,35 @@ static inline __attribute__((always_inline)) void int8_rows(int R, const uint16_
 static void int8_chunk(int R, const uint16_t *x, int64_t K, int64_t n_here, const int8_t *src, int keep,
                        __m512i (*buf)[OUTS], __m512 acc[][OUTS]) {
     switch (R) {  /* a constant row count for each body */
-    case 1: int8_rows(1, x, K, n_here, src, keep, buf, acc); break;
-    case 2: int8_rows(2, x, K, n_here, src, keep, buf, acc); break;
-    case 3: int8_rows(3, x, K, n_here, src, keep, buf, acc); break;
-    default: int8_rows(4, x, K, n_here, src, keep, buf, acc); break;
+    case 1: int8_rows(1, x, K, n_here, src, keep, buf, acc, NULL); break;
+    case 2: int8_rows(2, x, K, n_here, src, keep, buf, acc, NULL); break;
+    case 3: int8_rows(3, x, K, n_here, src, keep, buf, acc, NULL); break;
+    default: int8_rows(4, x, K, n_here, src, keep, buf, acc, NULL); break;
     }
 }
 
-/* the 16 lanes summed in a fixed tree (halves, then quarters, ...), times the scale, in bfloat16 */
-static inline uint16_t int8_out(__m512 v, float scale) {
+/* int8_chunk over scales by groups of 32 (`gs`: int8_rows) */
+static void int8g_chunk(int R, const uint16_t *x, int64_t K, int64_t n_here, const int8_t *src, int keep,
+                        __m512i (*buf)[OUTS], __m512 acc[][OUTS], const float *gs) {
+    switch (R) {
+    case 1: int8_rows(1, x, K, n_here, src, keep, buf, acc, gs); break;
+    case 2: int8_rows(2, x, K, n_here, src, keep, buf, acc, gs); break;
+    case 3: int8_rows(3, x, K, n_here, src, keep, buf, acc, gs); break;
+    default: int8_rows(4, x, K, n_here, src, keep, buf, acc, gs); break;
+    }
+}
+
+/* the 16 lanes summed in a fixed tree (halves, then quarters, ...) */
+static inline float int8_sum(__m512 v) {
     __m256 h8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
     __m128 h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
     __m128 h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
-    __m128 h1 = _mm_add_ss(h2, _mm_movehdup_ps(h2));
-    __m128bh yb = _mm_cvtneps_pbh(_mm_set_ss(_mm_cvtss_f32(h1) * scale));
+    return _mm_cvtss_f32(_mm_add_ss(h2, _mm_movehdup_ps(h2)));
+}
+
+/* int8_sum times the scale, in bfloat16 */
+static inline uint16_t int8_out(__m512 v, float scale) {
+    __m128bh yb = _mm_cvtneps_pbh(_mm_set_ss(int8_sum(v) * scale));
     uint16_t bits;
     memcpy(&bits, &yb, sizeof bits);
     return bits;
@@ -340,6 +369,49 @@ int viasd_int8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale, int
                         out[at] = bf16_add_residual(y, residual ? residual + at : NULL);
                     }
                 }
+            }
+        }
+        _mm_free(buf);
+    }
+    return failed ? -3 : 0;
+#endif
+}
+
+/* out [M, N] float32 = x [M, K] bfloat16 times q [N, K] int8, transposed, each output's groups of 32
+ * inputs times their float32 scale gs [N, K / 32] (a GGUF file's Q8_0 blocks, exactly): per group the
+ * pair dot products (vdpbf16ps) into zero lanes, added to the output's lanes times the scale (fma,
+ * groups in order), the lanes summed in int8_sum's tree; not rounded to bfloat16 (logits), plus
+ * `residual` [M, N] float32 where it is not NULL. K a multiple of 32, at most MAX_K8. Returns 0, -1,
+ * -2 or -3 as viasd_int4_mm. */
+int viasd_int8g_mm(const uint16_t *x, const int8_t *q, const float *gs, int64_t M, int64_t N, int64_t K, float *out,
+                   const float *residual, int threads) {
+#ifndef VIASD_PACKED
+    (void)x; (void)q; (void)gs; (void)M; (void)N; (void)K; (void)out; (void)residual; (void)threads;
+    return -2;
+#else
+    if (M <= 0 || M > MAX_ROWS || N <= 0 || K <= 0 || K % 32 || K > MAX_K8)
+        return -1;
+    const int64_t tiles = (N + OUTS - 1) / OUTS;
+    int failed = 0;
+    #pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(|| : failed)
+    {
+        __m512i (*buf)[OUTS] = M > CHUNK ? _mm_malloc(sizeof(__m512i) * OUTS * (K / 32), 64) : NULL;
+        failed = M > CHUNK && !buf;
+        #pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (failed)
+                continue;  /* this thread's outputs stay unwritten: the call returns -3 */
+            const int64_t n0 = t * OUTS, n_here = N - n0 < OUTS ? N - n0 : OUTS;
+            for (int64_t r0 = 0; r0 < M; r0 += CHUNK) {
+                const int R = M - r0 < CHUNK ? (int)(M - r0) : CHUNK;
+                __m512 acc[CHUNK][OUTS];
+                int8g_chunk(R, x + r0 * K, K, n_here, r0 == 0 ? q + n0 * K : NULL, M > CHUNK, buf, acc,
+                            gs + n0 * (K / 32));
+                for (int64_t j = 0; j < n_here; j++)
+                    for (int r = 0; r < R; r++) {
+                        const int64_t at = (r0 + r) * N + n0 + j;
+                        out[at] = residual ? residual[at] + int8_sum(acc[r][j]) : int8_sum(acc[r][j]);
+                    }
             }
         }
         _mm_free(buf);
@@ -758,14 +830,17 @@ static inline __attribute__((always_inline)) void fold_sums(int n, vfn (*v)[NV],
 
 /* The sums of outputs n0 .. n0 + J - 1 (`w0` the first's weights; those past n_here read the first's
  * and are dropped) for R rows (R, J, MODE constants where inlined): sums[r * J + j]. MODE as p4_tile,
- * buf [K / 16][J][NV]. */
+ * buf [K / 16][J][NV]. `gs` (NULL: one scale an output, applied later) the first output's scales of
+ * its groups of 32 inputs, the next output's K / 32 on: each group summed into zero lanes, then added
+ * to the output's lanes times the group's scale (one multiply-add a lane). */
 static inline __attribute__((always_inline)) void p8_tile(const int R, const int J, const int MODE, const float *xf,
                                                           int64_t K, const int8_t *w0, int64_t n_here, vfn *buf,
-                                                          float *sums) {
+                                                          float *sums, const float *gs) {
     vfn acc[P_ROWS * (P8_ROW1_OUTS > P8_OUTS ? P8_ROW1_OUTS : P8_OUTS)][NV];
+    vfn grp[P_ROWS * (P8_ROW1_OUTS > P8_OUTS ? P8_ROW1_OUTS : P8_OUTS)][NV];
     for (int i = 0; i < R * J; i++)
         for (int v = 0; v < NV; v++)
-            acc[i][v] = (vfn){0};
+            acc[i][v] = grp[i][v] = (vfn){0};
     for (int64_t k = 0; k < K; k += 16) {
         vfn w[P8_ROW1_OUTS > P8_OUTS ? P8_ROW1_OUTS : P8_OUTS][NV];
         for (int j = 0; j < J; j++) {
@@ -781,6 +856,25 @@ static inline __attribute__((always_inline)) void p8_tile(const int R, const int
                         buf[((k / 16) * J + j) * NV + v] = w[j][v];
             }
         }
+        if (gs) {
+            for (int r = 0; r < R; r++)
+                for (int v = 0; v < NV; v++) {
+                    vfn xv;
+                    memcpy(&xv, xf + r * K + k + v * VL, sizeof xv);
+                    for (int j = 0; j < J; j++)
+                        grp[r * J + j][v] = grp[r * J + j][v] + xv * w[j][v];
+                }
+            if (k % 32 == 16)  /* the group's end */
+                for (int j = 0; j < J; j++) {
+                    const float g = gs[(j < n_here ? j : 0) * (K / 32) + k / 32];
+                    for (int r = 0; r < R; r++)
+                        for (int v = 0; v < NV; v++) {
+                            acc[r * J + j][v] = acc[r * J + j][v] + grp[r * J + j][v] * g;
+                            grp[r * J + j][v] = (vfn){0};
+                        }
+                }
+            continue;
+        }
         for (int r = 0; r < R; r++)
             for (int v = 0; v < NV; v++) {
                 vfn xv;
@@ -793,26 +887,28 @@ static inline __attribute__((always_inline)) void p8_tile(const int R, const int
 }
 
 #if P_ROWS > 2
-#define P8_TILES(MODE)                                                                                          \
+#define P8_TILES(MODE, GS)                                                                                         \
     switch (R) {                                                                                                \
-    case 1: p8_tile(1, P8_OUTS, MODE, xr, K, w0, n_here, buf, sums); break;                                    \
-    case 2: p8_tile(2, P8_OUTS, MODE, xr, K, w0, n_here, buf, sums); break;                                    \
-    case 3: p8_tile(3, P8_OUTS, MODE, xr, K, w0, n_here, buf, sums); break;                                    \
-    default: p8_tile(P_ROWS, P8_OUTS, MODE, xr, K, w0, n_here, buf, sums); break;                              \
+    case 1: p8_tile(1, P8_OUTS, MODE, xr, K, w0, n_here, buf, sums, GS); break;                                    \
+    case 2: p8_tile(2, P8_OUTS, MODE, xr, K, w0, n_here, buf, sums, GS); break;                                    \
+    case 3: p8_tile(3, P8_OUTS, MODE, xr, K, w0, n_here, buf, sums, GS); break;                                    \
+    default: p8_tile(P_ROWS, P8_OUTS, MODE, xr, K, w0, n_here, buf, sums, GS); break;                              \
     }
 #else
-#define P8_TILES(MODE)                                                                                          \
+#define P8_TILES(MODE, GS)                                                                                         \
     switch (R) {                                                                                                \
-    case 1: p8_tile(1, P8_OUTS, MODE, xr, K, w0, n_here, buf, sums); break;                                    \
-    default: p8_tile(P_ROWS, P8_OUTS, MODE, xr, K, w0, n_here, buf, sums); break;                              \
+    case 1: p8_tile(1, P8_OUTS, MODE, xr, K, w0, n_here, buf, sums, GS); break;                                    \
+    default: p8_tile(P_ROWS, P8_OUTS, MODE, xr, K, w0, n_here, buf, sums, GS); break;                              \
     }
 #endif
 
-/* viasd_int8_mm's arguments and results (K a multiple of 16, any width); the portable arithmetic
- * above. Returns 0, -1 for arguments it does not take, -3 out of memory. */
-int viasd_int8_mm_portable(const uint16_t *x, const int8_t *q, const uint16_t *scale, int64_t M, int64_t N,
-                           int64_t K, uint16_t *out, const uint16_t *residual, int threads) {
-    if (M <= 0 || M > MAX_ROWS || N <= 0 || K <= 0 || K % 16)
+/* The portable int8 products: viasd_int8_mm_portable (`scale` one bfloat16 an output, `out` and
+ * `residual` bfloat16) and viasd_int8g_mm_portable (`gs` float32 scales by groups of 32, `out32` and
+ * `residual32` float32, not rounded). */
+static int p8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale, const float *gs, int64_t M, int64_t N,
+                 int64_t K, uint16_t *out, float *out32, const uint16_t *residual, const float *residual32,
+                 int threads) {
+    if (M <= 0 || M > MAX_ROWS || N <= 0 || K <= 0 || K % (gs ? 32 : 16))
         return -1;
     float *xf = malloc(sizeof(float) * M * K);
     if (!xf)
@@ -835,18 +931,36 @@ int viasd_int8_mm_portable(const uint16_t *x, const int8_t *q, const uint16_t *s
                 continue;  /* this thread's outputs stay unwritten: the call returns -3 */
             const int64_t n0 = t * J, n_here = N - n0 < J ? N - n0 : J;
             const int8_t *w0 = q + n0 * K;
+            const float *g0 = gs ? gs + n0 * (K / 32) : NULL;
             for (int64_t r0 = 0; r0 < M; r0 += P_ROWS) {
                 const float *xr = xf + r0 * K;
                 float sums[16];
                 const int R = M - r0 < P_ROWS ? (int)(M - r0) : P_ROWS;
+                if (gs) {  /* logits: once a pass, the tiles' modes not specialised */
+                    if (M == 1) {
+                        p8_tile(1, P8_ROW1_OUTS, 0, xr, K, w0, n_here, NULL, sums, g0);
+                    } else if (r0 > 0) {
+                        P8_TILES(2, g0)
+                    } else if (M > P_ROWS) {
+                        P8_TILES(1, g0)
+                    } else {
+                        P8_TILES(0, g0)
+                    }
+                    for (int64_t j = 0; j < n_here; j++)
+                        for (int r = 0; r < R; r++) {
+                            const int64_t at = (r0 + r) * N + n0 + j;
+                            out32[at] = residual32 ? residual32[at] + sums[r * J + j] : sums[r * J + j];
+                        }
+                    continue;
+                }
                 if (M == 1) {
-                    p8_tile(1, P8_ROW1_OUTS, 0, xr, K, w0, n_here, NULL, sums);
+                    p8_tile(1, P8_ROW1_OUTS, 0, xr, K, w0, n_here, NULL, sums, NULL);
                 } else if (r0 > 0) {
-                    P8_TILES(2)
+                    P8_TILES(2, NULL)
                 } else if (M > P_ROWS) {
-                    P8_TILES(1)
+                    P8_TILES(1, NULL)
                 } else {
-                    P8_TILES(0)
+                    P8_TILES(0, NULL)
                 }
                 for (int64_t j = 0; j < n_here; j++) {
                     const float sc = bf16_to_f32(scale[n0 + j]);
@@ -862,4 +976,17 @@ int viasd_int8_mm_portable(const uint16_t *x, const int8_t *q, const uint16_t *s
     }
     free(xf);
     return failed ? -3 : 0;
+}
+
+/* viasd_int8_mm's arguments and results (K a multiple of 16, any width); the portable arithmetic
+ * above. Returns 0, -1 for arguments it does not take, -3 out of memory. */
+int viasd_int8_mm_portable(const uint16_t *x, const int8_t *q, const uint16_t *scale, int64_t M, int64_t N,
+                           int64_t K, uint16_t *out, const uint16_t *residual, int threads) {
+    return p8_mm(x, q, scale, NULL, M, N, K, out, NULL, residual, NULL, threads);
+}
+
+/* viasd_int8g_mm's arguments and results (K a multiple of 32, any width), the portable arithmetic. */
+int viasd_int8g_mm_portable(const uint16_t *x, const int8_t *q, const float *gs, int64_t M, int64_t N, int64_t K,
+                            float *out, const float *residual, int threads) {
+    return p8_mm(x, q, NULL, gs, M, N, K, NULL, out, NULL, residual, threads);
 }

@@ -17,12 +17,14 @@ one instruction-set class's: VIASD_MAX_CPU_ISA picks the portable way on a CPU w
 
 - **Kernels**: `bind_int4(qdata, group, scale_and_zero, block, build_dir=...)` and `bind_int8(qdata,
   scale, build_dir=...)` bind a layer's weight once and return its product (`Bound`: 1 to MAX_ROWS
-  bfloat16 rows a call), or None where the kernel does not take the weight or cannot be built here
+  bfloat16 rows a call), and `bind_int8g(qdata, scales, build_dir=...)` an int8 weight with a float32
+  scale for each group of 32 inputs (a GGUF file's Q8_0 blocks: the output head of `--quant gguf`),
+  whose outputs are float32 (logits, not rounded to bfloat16); or None where the kernel does not take the weight or cannot be built here
   (no compiler), and the caller keeps PyTorch's kernels. Whether a layer takes it depends on the
   layer and the machine, never on a pass's width, so every pass of a layer takes the same kernel.
   `available(build_dir)`: whether either way runs; `way(build_dir)`: which; `why_not(build_dir)`:
   why the AVX-512 BF16 way does not (and why neither does, where the build failed).
-- **References**: `int4_mm_reference` and `int8_mm_reference`, the same sums in float64 with
+- **References**: `int4_mm_reference`, `int8_mm_reference` and `int8g_mm_reference`, the same sums in float64 with
   PyTorch's ops (tests/kernels/test_kernels_cpu_packed_mm.py compares them, and checks rows bit for
   bit across pass widths and thread counts, each way, under each instruction-set cap);
   `int4_mm_portable_reference`, the portable way's int4 arithmetic bit for bit (the test compares
@@ -39,6 +41,7 @@ from . import cpu_build, cpu_int4_q8, instruction_set
 
 SOURCE = Path(__file__).with_name("cpu_packed_mm.c")
 MAX_ROWS, BLOCK, MAX_GROUP, MAX_K8 = 16, 64, 256, 8192  # the C file's limits (the AVX-512 BF16 way's)
+GROUP8 = 32  # the inputs of a scale's group in bind_int8g's weights (GGUF's Q8_0 blocks)
 PORTABLE_BLOCKS = (64, 32)  # the int4 layouts the portable way takes: PyTorch's AVX-512 and AVX2 blocks
 BF16_WAY = "AVX-512 BF16 pair dot products"
 PORTABLE_WAY = "float32 FMA over widened weights (portable)"
@@ -57,11 +60,12 @@ _ways: dict[Path, str] = {}
 class _Way:
     """One build's products: `int4` by block, `int8`, and the K limit and multiple int8 takes."""
 
-    __slots__ = ("name", "int4", "int8", "k8_max", "k8_multiple", "int4_q8", "int8_q8")
+    __slots__ = ("name", "int4", "int8", "int8g", "k8_max", "k8_multiple", "int4_q8", "int8_q8")
 
-    def __init__(self, name: str, int4: dict, int8, k8_max: int | None, k8_multiple: int, int4_q8: dict | None = None,
-                 int8_q8=None):
+    def __init__(self, name: str, int4: dict, int8, int8g, k8_max: int | None, k8_multiple: int,
+                 int4_q8: dict | None = None, int8_q8=None):
         self.name, self.int4, self.int8, self.k8_max, self.k8_multiple = name, int4, int8, k8_max, k8_multiple
+        self.int8g = int8g  # int8 with a float32 scale for each group of 32 inputs, float32 out (bind_int8g)
         self.int4_q8 = int4_q8  # {block: the int8-activation product} where the machine's class takes it
         self.int8_q8 = int8_q8  # the int8 weights' one, likewise
 
@@ -85,7 +89,8 @@ def _functions_for(build_dir: Path, portable: bool = False) -> _Way | None:
     if bf16 and not portable:
         _ways[build_dir] = BF16_WAY
         return _Way(BF16_WAY, {BLOCK: cpu_build.function(SOURCE, build_dir, "viasd_int4_mm")},
-                    cpu_build.function(SOURCE, build_dir, "viasd_int8_mm"), MAX_K8, 32)
+                    cpu_build.function(SOURCE, build_dir, "viasd_int8_mm"),
+                    cpu_build.function(SOURCE, build_dir, "viasd_int8g_mm"), MAX_K8, 32)
     fused = cpu_build.function(SOURCE, build_dir, "viasd_packed_mm_fma")()
     name = PORTABLE_WAY if fused else PORTABLE_NO_FMA_WAY
     if not bf16:
@@ -93,7 +98,8 @@ def _functions_for(build_dir: Path, portable: bool = False) -> _Way | None:
         _ways[build_dir] = name
     q8 = cpu_int4_q8.functions(build_dir) if instruction_set.isa_class() in Q8_CLASSES else None
     return _Way(name, {b: cpu_build.function(SOURCE, build_dir, f"viasd_int4_mm_portable{b}") for b in PORTABLE_BLOCKS},
-                cpu_build.function(SOURCE, build_dir, "viasd_int8_mm_portable"), None, 16, q8,
+                cpu_build.function(SOURCE, build_dir, "viasd_int8_mm_portable"),
+                cpu_build.function(SOURCE, build_dir, "viasd_int8g_mm_portable"), None, 16, q8,
                 q8 and cpu_int4_q8.int8_function(build_dir))
 
 
@@ -133,19 +139,22 @@ def why_not(build_dir: Path) -> str | None:
 
 class Bound:
     """One layer's short-pass product, bound once to its weight: `bound(x)` for x [..., K] bfloat16,
-    contiguous, on the CPU, of 1 to MAX_ROWS rows -> [..., N] bfloat16. A pass calls it for every
+    contiguous, on the CPU, of 1 to MAX_ROWS rows -> [..., N] bfloat16 (`out_dtype`: float32 for
+    bind_int8g's products). A pass calls it for every
     layer, so it checks what it hands the kernel in one expression (~0.4 us), allocates the output
     and calls the kernel; `weights` are the layer's tensors it was bound to (the caller binds again
     if they are replaced; a weight whose storage was replaced in place, `.data =`, is bound again
     here, or refused where the kernel does not take it), `reads` what the kernel reads (the weights,
     or copies of them laid out for it)."""
 
-    __slots__ = ("fn", "weights", "reads", "ptrs", "sources", "n", "k", "tail", "block", "k8", "chunks")
+    __slots__ = ("fn", "weights", "reads", "ptrs", "sources", "n", "k", "tail", "block", "k8", "chunks", "out_dtype")
 
     def __init__(self, fn, weights: tuple[torch.Tensor, torch.Tensor], tail: tuple[int, ...],
                  reads: tuple[torch.Tensor, torch.Tensor] | None = None, block: int | None = None,
-                 k8: tuple[int | None, int] = (MAX_K8, 32), chunks: bool = False):
+                 k8: tuple[int | None, int] = (MAX_K8, 32), chunks: bool = False,
+                 out_dtype: torch.dtype = torch.bfloat16):
         self.fn, self.weights, self.tail, self.block, self.k8 = fn, weights, tail, block, k8
+        self.out_dtype = out_dtype
         # whether longer passes (prefill chunks) run through it too, MAX_ROWS rows a call, rather than
         # one dense product over the widened weight (the int8-activation products: bind_int4)
         self.chunks = chunks
@@ -156,8 +165,9 @@ class Bound:
         self.k = weights[0].shape[1] * (2 if weights[0].dtype == torch.uint8 else 1)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., K] -> [..., N]; with `residual` ([..., N] bfloat16, contiguous) `residual + x W^T`
-        in the same call, bit for bit PyTorch's add of the two (the product rounded first)."""
+        """x [..., K] -> [..., N] (`out_dtype`); with `residual` ([..., N] `out_dtype`, contiguous)
+        `residual + x W^T` in the same call, bit for bit PyTorch's add of the two (the product rounded
+        first)."""
         if x.dtype is not torch.bfloat16 or not x.is_cpu or x.shape[-1] != self.k or not x.is_contiguous():
             raise ValueError(f"the packed product takes contiguous bfloat16 rows of {self.k} inputs on the CPU, "
                              f"not {tuple(x.shape)} {x.dtype} on {x.device}"
@@ -166,10 +176,10 @@ class Bound:
         if w[0].data_ptr() != self.sources[0] or w[1].data_ptr() != self.sources[1]:
             self.check()
         m = x.numel() // self.k
-        out = torch.empty(*x.shape[:-1], self.n, dtype=torch.bfloat16)
-        if residual is not None and (residual.shape != out.shape or residual.dtype is not torch.bfloat16
+        out = torch.empty(*x.shape[:-1], self.n, dtype=self.out_dtype)
+        if residual is not None and (residual.shape != out.shape or residual.dtype is not self.out_dtype
                                      or not residual.is_cpu or not residual.is_contiguous()):
-            raise ValueError(f"the packed product's residual must be {tuple(out.shape)} bfloat16, contiguous, "
+            raise ValueError(f"the packed product's residual must be {tuple(out.shape)} {self.out_dtype}, contiguous, "
                              f"on the CPU, not {tuple(residual.shape)} {residual.dtype} on {residual.device}")
         rc = self.fn(x.data_ptr(), *self.ptrs, m, self.n, self.k, *self.tail, out.data_ptr(),
                      None if residual is None else residual.data_ptr(), torch.get_num_threads())
@@ -187,6 +197,8 @@ class Bound:
         int4 = qdata.dtype == torch.uint8
         if int4:
             takes = _takes_int4(qdata, self.tail[0], scale, self.block, (self.block,))
+        elif self.out_dtype is torch.float32:
+            takes = _takes_int8g(qdata, scale, self.k8[0])
         else:
             takes = _takes_int8(qdata, scale, self.k8)
         if not takes or qdata.shape[0] != self.n:
@@ -212,6 +224,13 @@ def _takes_int8(qdata: torch.Tensor, scale: torch.Tensor, k8: tuple[int | None, 
             and qdata.shape[1] % multiple == 0 and qdata.shape[1] > 0 and (most is None or qdata.shape[1] <= most)
             and scale.device.type == "cpu" and scale.dtype == torch.bfloat16 and scale.is_contiguous()
             and tuple(scale.shape) == (qdata.shape[0],))
+
+
+def _takes_int8g(qdata: torch.Tensor, scales: torch.Tensor, most: int | None) -> bool:
+    return (qdata.device.type == "cpu" and qdata.dtype == torch.int8 and qdata.dim() == 2 and qdata.is_contiguous()
+            and qdata.shape[1] % GROUP8 == 0 and qdata.shape[1] > 0 and (most is None or qdata.shape[1] <= most)
+            and scales.device.type == "cpu" and scales.dtype == torch.float32 and scales.is_contiguous()
+            and tuple(scales.shape) == (qdata.shape[0], qdata.shape[1] // GROUP8))
 
 
 def bind_int4(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, block: int | None, *,
@@ -258,6 +277,20 @@ def bind_int8(qdata: torch.Tensor, scale: torch.Tensor, *, build_dir: Path, int8
     q8 = int8_activations and fns.int8_q8 is not None and qdata.shape[1] % cpu_int4_q8.CHUNK == 0
     k8 = (fns.k8_max, cpu_int4_q8.CHUNK if q8 else fns.k8_multiple)
     return Bound(fns.int8_q8 if q8 else fns.int8, (qdata, scale), (), k8=k8, chunks=q8)
+
+
+def bind_int8g(qdata: torch.Tensor, scales: torch.Tensor, *, build_dir: Path, portable: bool = False) -> Bound | None:
+    """The short-pass product of an int8 weight qdata [N, K] with a float32 scale for each group of
+    GROUP8 inputs (scales [N, K / GROUP8]: a GGUF file's Q8_0 blocks exactly), whose outputs are float32
+    (the output head's logits: not rounded to bfloat16), or None where the kernel does not take it or
+    cannot run here (K a multiple of 32; the AVX-512 BF16 way up to MAX_K8). Each group's sum over its
+    inputs times the group's scale, added to the output group by group in order: the AVX-512 BF16 way
+    through pair dot products, every other class the portable float32 one (the AVX2 class's int8
+    activations are not used for it). `portable`: the portable way where the BF16 way builds too."""
+    fns = _functions_for(build_dir, portable) if qdata.dim() == 2 else None
+    if fns is None or fns.int8g is None or not _takes_int8g(qdata, scales, fns.k8_max):
+        return None
+    return Bound(fns.int8g, (qdata, scales), (), k8=(fns.k8_max, GROUP8), out_dtype=torch.float32)
 
 
 def int4_mm_reference(x: torch.Tensor, codes: torch.Tensor, group: int, scale_and_zero: torch.Tensor) -> torch.Tensor:
@@ -318,3 +351,12 @@ def int4_mm_portable_reference(x: torch.Tensor, codes: torch.Tensor, group: int,
 def int8_mm_reference(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """What `int8_mm` computes, in float64 before its one rounding. [M, N] float64."""
     return (x.double() @ qdata.double().t()) * scale.double()
+
+
+def int8g_mm_reference(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What `bind_int8g`'s product computes, in float64: for each output, the sum over its groups of
+    GROUP8 inputs of scale * sum(x * q). [M, N] float64."""
+    n, k = qdata.shape
+    q = qdata.double().view(n, k // GROUP8, GROUP8)
+    d = torch.einsum("mgk,ngk->mng", x.double().view(x.shape[0], k // GROUP8, GROUP8), q)
+    return (d * scales.double()).sum(-1)

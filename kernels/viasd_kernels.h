@@ -46,6 +46,8 @@ int viasd_int4_mm(const uint16_t *x, const uint8_t *q, const uint16_t *sz, int64
                   int64_t group, uint16_t *out, const uint16_t *residual, int threads);
 int viasd_int8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale, int64_t M, int64_t N, int64_t K,
                   uint16_t *out, const uint16_t *residual, int threads);
+int viasd_int8g_mm(const uint16_t *x, const int8_t *q, const float *gs, int64_t M, int64_t N, int64_t K, float *out,
+                   const float *residual, int threads);
 int viasd_packed_mm_fma(void);
 int viasd_int4_mm_portable64(const uint16_t *x, const uint8_t *q, const uint16_t *sz, int64_t M, int64_t N,
                              int64_t K, int64_t group, uint16_t *out, const uint16_t *residual, int threads);
@@ -53,6 +55,8 @@ int viasd_int4_mm_portable32(const uint16_t *x, const uint8_t *q, const uint16_t
                              int64_t K, int64_t group, uint16_t *out, const uint16_t *residual, int threads);
 int viasd_int8_mm_portable(const uint16_t *x, const int8_t *q, const uint16_t *scale, int64_t M, int64_t N,
                            int64_t K, uint16_t *out, const uint16_t *residual, int threads);
+int viasd_int8g_mm_portable(const uint16_t *x, const int8_t *q, const float *gs, int64_t M, int64_t N, int64_t K,
+                            float *out, const float *residual, int threads);
 
 /* cpu_int4_q8.c */
 int viasd_int4_q8_available(void);

@@ -154,6 +154,58 @@ def test_int8_is_its_reference_and_rows_do_not_depend_on_the_pass(kernels, shape
     residual_added(bound, x)
 
 
+def grouped_case(n: int, k: int, seed: int):
+    """An int8 weight [n, k] with a float16 scale (held in float32) for each group of 32 inputs, the
+    scales spread over 2^-10 .. 2^2 so that a scale read for the wrong group shows (GGUF's Q8_0)."""
+    g = torch.Generator().manual_seed(seed)
+    qdata = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, k // pm.GROUP8, generator=g) * 2.0 ** torch.randint(-10, 3, (n, k // pm.GROUP8), generator=g))
+    return qdata, scales.half().float()
+
+
+@pytest.mark.parametrize("shape", [(4, 32), (192, 576), (1000, 96), (7, 1536), (130, 8192), (9, 8224)],
+                         ids=lambda s: "{}x{}".format(*s))
+def test_int8_by_groups_is_its_reference_and_rows_do_not_depend_on_the_pass(kernels, shape):
+    """bind_int8g (the GGUF Q8_0 output head): float32 outputs within float32 accumulation of the
+    float64 sums of each group times its scale, bit for bit the same row in every pass width and
+    thread count, the residual added as PyTorch adds it; inputs past MAX_K8 only in the portable way."""
+    way, folder = kernels
+    n, k = shape
+    qdata, scales = grouped_case(n, k, n + k)
+    bound = pm.bind_int8g(qdata, scales, build_dir=folder)
+    if pm.way(folder) == pm.BF16_WAY and k > pm.MAX_K8:
+        assert bound is None
+        return
+    assert bound is not None and bound.out_dtype is torch.float32
+    x = activations(16, k, n)
+    got = bound(x)
+    assert got.dtype == torch.float32 and got.shape == (16, n)
+    ref = pm.int8g_mm_reference(x, qdata, scales)
+    w = qdata.double().view(n, k // 32, 32) * scales.double()[..., None]
+    assert torch.allclose(ref, x.double() @ w.view(n, k).T, rtol=1e-9, atol=1e-12)  # the sums it claims
+    magnitude = x.double().abs() @ w.view(n, k).abs().T
+    assert ((got.double() - ref).abs() <= magnitude * 2.0**-17 + 1e-30).all(), shape
+    if k > 32:  # one scale a row (the first group's) is not these sums
+        one_scale = pm.int8_mm_reference(x, qdata, scales[:, 0])
+        assert ((got.double() - one_scale).abs() > magnitude * 2.0**-17).any()
+    rows_alone_equal(bound, x)
+    residual = torch.randn(16, n)
+    assert torch.equal(bound(x, residual), residual + got)
+    with pytest.raises(ValueError, match="residual"):
+        bound(x, residual.to(torch.bfloat16))
+
+
+def test_int8_by_groups_refuses_what_it_does_not_take(kernels):
+    way, bd = kernels
+    qdata, scales = grouped_case(8, 64, 5)
+    assert pm.bind_int8g(qdata, scales, build_dir=bd) is not None
+    assert pm.bind_int8g(qdata, scales.to(torch.bfloat16), build_dir=bd) is None  # scales not float32
+    assert pm.bind_int8g(qdata, scales[:, :1].contiguous(), build_dir=bd) is None  # one scale a row
+    assert pm.bind_int8g(qdata[:, :48].contiguous(), scales[:, :1].contiguous(), build_dir=bd) is None  # 48 inputs
+    assert pm.bind_int8g(qdata, scales.t().contiguous().t(), build_dir=bd) is None  # not contiguous
+    assert pm.bind_int8g(qdata.to(torch.int16), scales, build_dir=bd) is None  # not int8 codes
+
+
 def test_each_way_says_what_runs(kernels):
     way, folder = kernels
     assert pm.available(folder)
@@ -374,6 +426,35 @@ def test_a_packed_layer_takes_the_kernel_for_short_passes_only(kernels, monkeypa
     reference = packed_torch._int4_mm_cpu(x, packed.qdata, packed.group, packed.scale) if kind == "int4" else \
         packed_torch._int8_mm_reference(x, packed.qdata, packed.scale)
     assert torch.equal(packed(x), reference)
+
+
+def test_an_int8_layer_by_groups_keeps_float32_outputs_on_every_path(kernels, monkeypatch):
+    """weight_formats.int8_from_blocks (the GGUF Q8_0 output head): passes of up to 16 rows through
+    bind_int8g, bit for bit; longer passes, traced passes and the kernel turned off through the
+    exact float32 weight (packed_torch.int8_grouped_mm), never a bfloat16 one; every output float32."""
+    way, build_dir = kernels
+    monkeypatch.setattr("viasd_core.paths.kernel_dir", lambda: build_dir)
+    qdata, scales = grouped_case(192, 576, 3)
+    layer = wf.int8_from_blocks(qdata, scales, pm.GROUP8)
+    assert layer.grouped and layer.kind == "int8" and "group=32" in repr(layer)
+    exact = (qdata.float().view(192, 18, 32) * scales[..., None]).view(192, 576)
+    assert torch.equal(layer.widened(torch.float32), exact)
+    bound = layer._short_product(layer.qdata, layer.scale)
+    assert isinstance(bound, pm.Bound) and bound.out_dtype is torch.float32
+    for rows in (1, 6, 16, 17, 40):
+        x = activations(rows, 576, rows)
+        got = layer(x)
+        assert got.dtype == torch.float32 and got.shape == (rows, 192)
+        if rows <= pm.MAX_ROWS:
+            assert torch.equal(got, bound(x)), rows
+        else:
+            assert torch.equal(got, torch.nn.functional.linear(x.float(), exact)), rows
+        assert torch.equal(layer._traced(x), torch.nn.functional.linear(x.float(), exact)), rows
+        residual = torch.randn(rows, 192)
+        assert torch.equal(layer.add_to(x, residual), residual + got), rows
+    layer.bind(packed_kernel=False)
+    x = activations(6, 576, 6)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x.float(), exact))
 
 
 @needs_torchao

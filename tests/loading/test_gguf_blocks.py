@@ -160,6 +160,37 @@ def test_greedy_sd_equals_ar_at_quant_gguf(tiny_files, viasd_home):
     assert outs["sd"]["text"] == outs["ar"]["text"] and outs["ar"]["new_tokens"] >= 1
 
 
+def test_a_q8_0_output_head_runs_the_files_blocks_with_float32_logits(tmp_path, viasd_home):
+    """An output head stored as Q8_0 is packed from the file's blocks (int8 codes, one float32 scale
+    a block: the file's weight exactly, where int8 by rows moves it), its logits float32 (not rounded
+    to bfloat16), the layers around it as before; greedy sd == ar through it."""
+    from viasd_core.loading.models import load_model
+
+    path = tmp_path / "tiny-llama.Q4_1-head-Q8_0.gguf"
+    write_tiny_gguf(path, seed=11, n_layers=2, qtype=Q.Q4_1, head_qtype=Q.Q8_0)
+    ours = load_model(str(path), device="cpu", quant="gguf", with_tokenizer=False)
+    ref = load_model(str(path), device="cpu", quant="none", with_tokenizer=False)  # transformers' dequantized model
+    head = ours.model.get_output_embeddings()
+    assert isinstance(head, PackedLinear) and head.kind == "int8" and head.grouped and head.scale.dtype == torch.float32
+    want = ref.model.get_output_embeddings().weight.detach().float()
+    assert torch.equal(head.widened(torch.float32), want)  # the file's d * q, exactly
+    assert "14 layers run the file's Q4_1 blocks as int4, lm_head its Q8_0 blocks as int8 by blocks" in ours.format_reason
+    per_row = load_model(str(path), device="cpu", quant="int8", with_tokenizer=False).model.get_output_embeddings()
+    assert not torch.equal(per_row.widened(torch.float32), want)  # what int8 by rows would have run
+    ids = torch.arange(3, 40).reshape(1, -1)
+    with torch.no_grad():
+        logits = ours.model(ids).logits
+    assert logits.dtype == torch.float32
+    assert (logits != logits.to(torch.bfloat16).float()).any()  # not rounded to bfloat16
+    outs = {}
+    for mode in ("ar", "sd"):
+        r = run("generate", "hello world", "-m", path, "-d", path, "--quant", "gguf", "--mode", mode, "-n", "12",
+                "--json", "-q", "--threads", "1")
+        assert r.exit_code == 0, r.stderr
+        outs[mode] = json.loads(r.stdout)
+    assert outs["sd"]["text"] == outs["ar"]["text"] and outs["ar"]["new_tokens"] >= 1
+
+
 def test_quant_gguf_on_a_model_that_is_no_gguf_file_is_one_line(tmp_path, viasd_home):
     folder = tmp_path / "model"
     folder.mkdir()
@@ -183,6 +214,9 @@ def test_the_real_smollm2_q4_1_file_runs_its_own_blocks(viasd_home):
     ref = load_model("smollm2-135m", device="cpu", quant="none")
     layers = {n: m for n, m in ours.model.named_modules() if isinstance(m, PackedLinear)}
     assert sum(m.kind == "int4" for m in layers.values()) == 210 and layers["lm_head"].kind == "int8"
+    # the tied Q8_0 token embedding as the head: the file's blocks exactly, float32 logits
+    assert layers["lm_head"].grouped
+    assert torch.equal(layers["lm_head"].widened(torch.float32), ref.model.get_output_embeddings().weight.float())
     reader = {t.name: t for t in gguf.GGUFReader(str(embedded_gguf())).tensors}
     for name, m in layers.items():
         if m.kind != "int4":

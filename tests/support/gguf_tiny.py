@@ -71,10 +71,11 @@ def quantize(weights: np.ndarray, qtype) -> np.ndarray:
     return gguf.quants.quantize(weights.astype(np.float32), qtype)
 
 
-def write_tiny_gguf(path: Path, seed: int = 7, n_layers: int = 2, qtype=None, **extra):
+def write_tiny_gguf(path: Path, seed: int = 7, n_layers: int = 2, qtype=None, head_qtype=None, **extra):
     """Write a tiny random Llama as a GGUF file at `path`; returns the transformers model it holds.
     `qtype` (a gguf.GGMLQuantizationType): the decoder's linear layers in that block type (the
-    model returned keeps the float weights they were quantized from); `extra`: config fields."""
+    model returned keeps the float weights they were quantized from); `head_qtype`: the output head
+    (`output.weight`) in that block type; `extra`: config fields."""
     import gguf
     from conftest import tiny_model
 
@@ -109,7 +110,10 @@ def write_tiny_gguf(path: Path, seed: int = 7, n_layers: int = 2, qtype=None, **
     state = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
     writer.add_tensor("output_norm.weight", state["model.norm.weight"])
-    writer.add_tensor("output.weight", state["lm_head.weight"])
+    if head_qtype is None:
+        writer.add_tensor("output.weight", state["lm_head.weight"])
+    else:
+        writer.add_tensor("output.weight", quantize(state["lm_head.weight"], head_qtype), raw_dtype=head_qtype)
     for i in range(n_layers):
         p = f"model.layers.{i}."
         names = {

@@ -12,14 +12,21 @@ file's own codes, with one scale and one zero per group of 32 inputs, tinygemm's
   w = d * sc * q - dmin * mn): scale d * sc, zero 8 d * sc - dmin * mn. Its sub-blocks are the
   groups of 32, so it maps like the others.
 
+The output head, where the file stores it as Q8_0 (blocks of 32: fp16 d, w = d * q, q int8; often the
+token embedding, tied), runs on a CPU as the file's own blocks too: int8 codes with one float32 scale
+a block (exact), through products that keep the logits in float32 (PackedLinear.grouped,
+viasd_kernels' bind_int8g). Re-packed as int8 with one scale a row, as before 2026-12-02, its weights
+moved by up to half a row's step, and the logits were rounded to bfloat16: together they cost 0.7
+points of agreement with llama.cpp (docs/experiments/gguf-activation-precision.md).
+
 The codes are the file's bits. The scale and the zero are rounded once to bfloat16 (the kernels'
 dtype; fp16's 11 significant bits to bfloat16's 8): a weight moves by at most
 2^-8 (|q - 8| |scale| + |zero|) from the file's value (Q4_0's zero is 0, exactly), and not at all
 where both are bfloat16 numbers already (tests/loading/test_gguf_blocks.py). The kernels then round each
 weight once more to bfloat16 as they apply it, as they do at `--quant int4`. Every other linear layer
-(Q8_0: viasd's int8 holds one scale a row, not one a block; Q5_*, Q6_K, Q2_K, Q3_K: codes of other
-widths; float tensors) is packed int8 per row from the file's dequantized values, as the output
-head is at `--quant int4`.
+(Q8_0 but the head's: the layer calls around them take one scale a row and bfloat16 outputs; Q5_*,
+Q6_K, Q2_K, Q3_K: codes of other widths; float tensors) is packed int8 per row from the file's
+dequantized values, as the output head is at `--quant int4`.
 
 Rows: llama.cpp's converter permutes the rows of Llama's q and k weights, and transformers undoes
 that while loading (its TensorProcessor for the architecture). The same processor is run here on
@@ -51,8 +58,11 @@ class BlockReport:
     others: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
-        kinds = sorted(set(self.native.values()))
-        text = f"{len(self.native)} layers run the file's {'/'.join(kinds) or 'no'} blocks as int4"
+        int4 = {k: v for k, v in self.native.items() if v in NATIVE}
+        kinds = sorted(set(int4.values()))
+        text = f"{len(int4)} layers run the file's {'/'.join(kinds) or 'no'} blocks as int4"
+        if heads := [k for k, v in self.native.items() if v == "Q8_0"]:
+            text += f", {heads[0]} its Q8_0 blocks as int8 by blocks (float32 logits)"
         if self.others:
             shown = "; ".join(f"{k}: {v}" for k, v in list(self.others.items())[:3])
             more = f"; {len(self.others) - 3} more" if len(self.others) > 3 else ""
@@ -114,6 +124,13 @@ def block_codes(data: np.ndarray, qtype: str, n: int, k: int) -> tuple[np.ndarra
     raise ValueError(f"{qtype} is not a 4-bit block type in groups of 32")
 
 
+def q8_0_blocks(data: np.ndarray, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """A tensor [n, k] stored as Q8_0 (`data` its bytes, a row each; blocks of 32: fp16 d, then 32
+    int8 codes) -> (codes [n, k] int8, scales [n, k / 32] float32), each weight d * q exactly."""
+    b = np.asarray(data, dtype=np.uint8).reshape(n, k // GROUP, 2 + GROUP)
+    return np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(n, k), _fp16(b[..., 0:2])
+
+
 def _row_order(processor, name: str, n: int, k: int, mapping: dict) -> tuple[np.ndarray | None, str]:
     """The row order transformers' `processor` gives the tensor `name` [n, k] on loading, found by
     processing an array of indices: (order, name it loads as); (None, why) where it does anything
@@ -137,12 +154,13 @@ def apply_gguf_blocks(model: torch.nn.Module, path: str | os.PathLike, dtype: to
     """Replace, in place, each linear layer of `model` (loaded from the GGUF file `path` by
     transformers, weights in `dtype`) that the file stores in a NATIVE block type by an int4 layer
     over the file's codes (see the module doc). The other layers are left as they are (`--quant
-    gguf` then packs them int8: weight_formats._kind)."""
+    gguf` then packs them int8: weight_formats._kind), but an output head stored as Q8_0, on a CPU:
+    int8 over the file's blocks, one float32 scale a block (see the module doc)."""
     import gguf
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map, read_field)
 
-    from viasd_core.runtime.weight_formats import bf16_pays_of, int4_from_codes
+    from viasd_core.runtime.weight_formats import bf16_pays_of, int4_from_codes, int8_from_blocks
 
     reader = gguf.GGUFReader(str(path))
     arch = (read_field(reader, "general.architecture") or [""])[0]
@@ -152,11 +170,15 @@ def apply_gguf_blocks(model: torch.nn.Module, path: str | os.PathLike, dtype: to
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear):
             linears.setdefault(id(module.weight), []).append(name)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     report = BlockReport()
     packed: dict[str, torch.nn.Module] = {}
     for tensor in reader.tensors:
         qtype = tensor.tensor_type.name
         k, n = (int(x) for x in tensor.shape[:2]) if len(tensor.shape) == 2 else (0, 0)
+        if qtype == "Q8_0" and head is not None and n and not k % GROUP and head.weight.device.type == "cpu":
+            _pack_q8_0_head(model, tensor, n, k, processor, mapping, linears, head, packed, report, int8_from_blocks)
+            continue
         if qtype not in NATIVE:
             continue
         if not n or k % (256 if qtype == "Q4_K" else GROUP):
@@ -191,6 +213,26 @@ def apply_gguf_blocks(model: torch.nn.Module, path: str | os.PathLike, dtype: to
                 report.others[layer] = (f"{qtype} (not a 4-bit block type in groups of 32)" if qtype not in NATIVE
                                         else f"{qtype} of another shape")
     return report
+
+
+def _pack_q8_0_head(model, tensor, n: int, k: int, processor, mapping: dict, linears: dict, head, packed: dict,
+                    report: BlockReport, int8_from_blocks) -> None:
+    """Where the Q8_0 `tensor` [n, k] is `model`'s output head's weight (its own, or the embedding it
+    is tied to), pack that head from the file's blocks (`packed[name]`); else leave it (int8 per row)."""
+    order, hf_name = _row_order(processor, tensor.name, n, k, mapping)
+    names = [layer for layer in _layers(model, mapping.get(hf_name if order is not None else tensor.name), linears)
+             if model.get_submodule(layer) is head]
+    if not names:
+        return
+    if order is None:
+        report.others[names[0]] = f"Q8_0: {hf_name}"
+        return
+    if tuple(head.weight.shape) != (n, k) or head.bias is not None:
+        report.others[names[0]] = f"Q8_0: shape {tuple(head.weight.shape)} is not the file's ({n}, {k})"
+        return
+    codes, scales = (torch.from_numpy(np.ascontiguousarray(a[order])) for a in q8_0_blocks(tensor.data, n, k))
+    packed[names[0]] = int8_from_blocks(codes, scales, GROUP)
+    report.native[names[0]] = "Q8_0"
 
 
 def _layers(model: torch.nn.Module, hf_name: str | None, linears: dict[int, list[str]]) -> list[str]:

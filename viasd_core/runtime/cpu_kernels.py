@@ -76,6 +76,10 @@ def int8_mm(qdata: torch.Tensor, scale: torch.Tensor):
     return cpu_packed_mm.bind_int8(qdata, scale, build_dir=folder(), portable=_portable)
 
 
+def int8g_mm(qdata: torch.Tensor, scales: torch.Tensor):
+    return cpu_packed_mm.bind_int8g(qdata, scales, build_dir=folder(), portable=_portable)
+
+
 def packed_mm_way() -> str | None:
     """Which way the packed products run here (cpu_packed_mm.way, as handed over; and the int4
     products' where they run another, cpu_packed_mm.int4_way), None where they do not."""

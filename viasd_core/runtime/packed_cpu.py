@@ -114,6 +114,8 @@ def bind_short(kind: str, qdata: torch.Tensor, scale: torch.Tensor, group: int, 
         return None
     if kind == "int4" and cpu_layout:
         return cpu_kernels.int4_mm(qdata, group, scale, _int4_cpu_block(qdata.shape[0], qdata.shape[1] * 2))
+    if scale.dim() == 2:  # int8 with a scale for each group of inputs (PackedLinear.grouped)
+        return cpu_kernels.int8g_mm(qdata, scale)
     return cpu_kernels.int8_mm(qdata, scale)
 
 

@@ -45,7 +45,10 @@ class PackedLinear(torch.nn.Module):
         if self.packed_in < in_features:
             raise ValueError(f"packed int4 weight of width {self.packed_in} for a layer of width {in_features}")
         self.register_buffer("qdata", qdata)
-        self.register_buffer("scale", scale)  # int8: [out]; int4: tinygemm's scale_and_zero
+        self.register_buffer("scale", scale)  # int8: [out] (or `grouped`); int4: tinygemm's scale_and_zero
+        # int8 with a float32 scale for each group of `group` inputs ([out, in / group]: a GGUF file's
+        # Q8_0 output head, exactly): float32 outputs (logits), never rounded to the activations' dtype
+        self.grouped = kind == "int8" and scale.dim() == 2
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
         self.holding = False  # while `widen_once` holds the widened weight (`held`; None: no dense form)
         self._contiguous_scale: torch.Tensor | None = None  # int4 fused part: its scales, copied once for PyTorch's kernel
@@ -110,6 +113,8 @@ class PackedLinear(torch.nn.Module):
         if self.qdata.device.type != "cpu":
             return None
         applied = self.scale.dtype
+        if self.grouped:
+            return packed_torch.int8_grouped_weight(self.qdata, self.scale).to(dtype)
         if self.kind == "int8":
             w = self.qdata.to(applied) * self.scale[:, None]
         else:
@@ -146,11 +151,13 @@ class PackedLinear(torch.nn.Module):
         (the short product bound to the weight first where `_short` is one, else the same as traced),
         so that no call tests the compile state, the device or the dtype."""
         qdata = self._buffers["qdata"]
-        if self.kind == "int8":
+        if self.grouped:  # every pass the kernel's or exact float32 products: no dense bfloat16 weight
+            self._mm, self._kernel_rows = packed_torch.int8_grouped_mm, self._int8_rows
+        elif self.kind == "int8":
             self._mm, self._kernel_rows = packed_torch.int8_mm_for(qdata), self._int8_rows
         else:
             self._mm, self._kernel_rows = packed_torch.int4_mm_for(self.cpu_layout), self._int4_rows
-        self._dense_rows = DENSE_PREFILL_ROWS if qdata.is_cpu else NO_DENSE_ROWS
+        self._dense_rows = DENSE_PREFILL_ROWS if qdata.is_cpu and not self.grouped else NO_DENSE_ROWS
         self._traced, self._traced_add = self._operators, self._operators_add
         short = self._short
         if short is None:
@@ -160,7 +167,7 @@ class PackedLinear(torch.nn.Module):
         # passes longer than the short product takes (prefill chunks): in its chunks where it says so
         # (the int8-activation products, whose rows are the short passes' own), else dense
         self._long = self._short_chunks if short.chunks else self._operators
-        if short.n == self.out_features and self._parameters.get("bias") is None:
+        if short.n == self.out_features and self._parameters.get("bias") is None and not self.grouped:
             self._eager, self._eager_add = self._short_whole, self._short_whole_add
         else:
             self._eager, self._eager_add = self._short_trimmed, self._short_trimmed_add
@@ -263,7 +270,7 @@ class PackedLinear(torch.nn.Module):
         return short
 
     def extra_repr(self) -> str:
-        group = f", group={self.group}" if self.kind == "int4" else ""
+        group = f", group={self.group}" if self.kind == "int4" or self.grouped else ""
         padded = f", packed_in={self.packed_in}" if self.packed_in != self.in_features else ""
         return f"{self.kind}, in={self.in_features}, out={self.out_features}{group}{padded}"
 

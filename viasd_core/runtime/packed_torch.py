@@ -29,6 +29,20 @@ def _int8_mm_reference(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor
     return torch._weight_int8pack_mm(x, qdata, scale)
 
 
+def int8_grouped_weight(qdata: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """An int8 weight [N, K] with a float32 scale for each group of K / scales.shape[1] inputs,
+    widened to float32: exact (an 8-bit code times a float16 scale fits float32's 24 bits)."""
+    n, k = qdata.shape
+    return (qdata.float().view(n, scales.shape[1], -1) * scales[..., None]).view(n, k)
+
+
+def int8_grouped_mm(x: torch.Tensor, qdata: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The grouped int8 product (x [M, K], qdata [N, K], scales [N, K / group] float32) -> [M, N]
+    float32, over the weight widened exactly (`int8_grouped_weight`), at any number of rows, on any
+    device: the calls viasd_kernels' short products do not take (traced passes, long passes)."""
+    return torch.nn.functional.linear(x.float(), int8_grouped_weight(qdata, scales))
+
+
 def int4_mm_for(cpu_layout: bool) -> Product:
     """The int4 product (x [M, K] with K the packed input width, qdata, group, scale_and_zero) ->
     [M, N] (N the packed output width), at any number of rows, for a weight packed in PyTorch's CPU

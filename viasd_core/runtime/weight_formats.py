@@ -164,6 +164,15 @@ def int4_from_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
                         packed_kernel=packed_kernel, bf16_pays=bf16_pays)
 
 
+def int8_from_blocks(codes: torch.Tensor, scales: torch.Tensor, group: int, packed_kernel: bool = PACKED_KERNEL) -> PackedLinear:
+    """An int8 layer over codes [N, K] (int8) with a float32 scale for each group of `group` inputs
+    (scales [N, K / group]: a GGUF file's Q8_0 blocks, loading/gguf_blocks.py), each weight code *
+    scale exactly; its outputs float32 (PackedLinear.grouped: the output head's logits)."""
+    n, k = codes.shape
+    return PackedLinear("int8", codes.to(torch.int8).contiguous(), scales.float().contiguous(), n, k, group, None,
+                        packed_kernel=packed_kernel)
+
+
 def _int4_layout(device: torch.device):
     """torchao's int4 tensor for tinygemm's kernel on `device`: tile-packed on CUDA, opaque on CPU."""
     if device.type == "cuda":
