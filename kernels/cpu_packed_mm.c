@@ -333,15 +333,13 @@ static inline uint16_t int8_out(__m512 v, float scale) {
 }
 #endif
 
-/* out [M, N] bfloat16 = (x [M, K] bfloat16 times q [N, K] int8, transposed) times scale [N] bfloat16,
- * plus `residual` [M, N] bfloat16 where it is not NULL (as store_bf16).
- * K a multiple of 32, at most MAX_K8. Returns 0, -1, -2 or -3 as viasd_int4_mm. */
-int viasd_int8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale, int64_t M, int64_t N, int64_t K,
-                  uint16_t *out, const uint16_t *residual, int threads) {
-#ifndef VIASD_PACKED
-    (void)x; (void)q; (void)scale; (void)M; (void)N; (void)K; (void)out; (void)residual; (void)threads;
-    return -2;
-#else
+#ifdef VIASD_PACKED
+/* The AVX-512 BF16 int8 products: viasd_int8_mm (`scale` one bfloat16 an output, `out` and `residual`
+ * bfloat16) and viasd_int8g_mm (`gs` float32 scales by groups of 32, `out32` and `residual32` float32,
+ * not rounded). */
+static int b8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale, const float *gs, int64_t M, int64_t N,
+                 int64_t K, uint16_t *out, float *out32, const uint16_t *residual, const float *residual32,
+                 int threads) {
     if (M <= 0 || M > MAX_ROWS || N <= 0 || K <= 0 || K % 32 || K > MAX_K8)
         return -1;
     const int64_t tiles = (N + OUTS - 1) / OUTS;
@@ -358,7 +356,17 @@ int viasd_int8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale, int
             for (int64_t r0 = 0; r0 < M; r0 += CHUNK) {
                 const int R = M - r0 < CHUNK ? (int)(M - r0) : CHUNK;
                 __m512 acc[CHUNK][OUTS];
-                int8_chunk(R, x + r0 * K, K, n_here, r0 == 0 ? q + n0 * K : NULL, M > CHUNK, buf, acc);
+                const int8_t *src = r0 == 0 ? q + n0 * K : NULL;
+                if (gs) {
+                    int8g_chunk(R, x + r0 * K, K, n_here, src, M > CHUNK, buf, acc, gs + n0 * (K / 32));
+                    for (int64_t j = 0; j < n_here; j++)
+                        for (int r = 0; r < R; r++) {
+                            const int64_t at = (r0 + r) * N + n0 + j;
+                            out32[at] = residual32 ? residual32[at] + int8_sum(acc[r][j]) : int8_sum(acc[r][j]);
+                        }
+                    continue;
+                }
+                int8_chunk(R, x + r0 * K, K, n_here, src, M > CHUNK, buf, acc);
                 for (int64_t j = 0; j < n_here; j++) {
                     uint32_t su = (uint32_t)scale[n0 + j] << 16;
                     float sc;
@@ -374,6 +382,19 @@ int viasd_int8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale, int
         _mm_free(buf);
     }
     return failed ? -3 : 0;
+}
+#endif
+
+/* out [M, N] bfloat16 = (x [M, K] bfloat16 times q [N, K] int8, transposed) times scale [N] bfloat16,
+ * plus `residual` [M, N] bfloat16 where it is not NULL (as store_bf16).
+ * K a multiple of 32, at most MAX_K8. Returns 0, -1, -2 or -3 as viasd_int4_mm. */
+int viasd_int8_mm(const uint16_t *x, const int8_t *q, const uint16_t *scale, int64_t M, int64_t N, int64_t K,
+                  uint16_t *out, const uint16_t *residual, int threads) {
+#ifndef VIASD_PACKED
+    (void)x; (void)q; (void)scale; (void)M; (void)N; (void)K; (void)out; (void)residual; (void)threads;
+    return -2;
+#else
+    return b8_mm(x, q, scale, NULL, M, N, K, out, NULL, residual, NULL, threads);
 #endif
 }
 
@@ -389,34 +410,7 @@ int viasd_int8g_mm(const uint16_t *x, const int8_t *q, const float *gs, int64_t 
     (void)x; (void)q; (void)gs; (void)M; (void)N; (void)K; (void)out; (void)residual; (void)threads;
     return -2;
 #else
-    if (M <= 0 || M > MAX_ROWS || N <= 0 || K <= 0 || K % 32 || K > MAX_K8)
-        return -1;
-    const int64_t tiles = (N + OUTS - 1) / OUTS;
-    int failed = 0;
-    #pragma omp parallel num_threads(threads > 0 ? threads : 1) reduction(|| : failed)
-    {
-        __m512i (*buf)[OUTS] = M > CHUNK ? _mm_malloc(sizeof(__m512i) * OUTS * (K / 32), 64) : NULL;
-        failed = M > CHUNK && !buf;
-        #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            if (failed)
-                continue;  /* this thread's outputs stay unwritten: the call returns -3 */
-            const int64_t n0 = t * OUTS, n_here = N - n0 < OUTS ? N - n0 : OUTS;
-            for (int64_t r0 = 0; r0 < M; r0 += CHUNK) {
-                const int R = M - r0 < CHUNK ? (int)(M - r0) : CHUNK;
-                __m512 acc[CHUNK][OUTS];
-                int8g_chunk(R, x + r0 * K, K, n_here, r0 == 0 ? q + n0 * K : NULL, M > CHUNK, buf, acc,
-                            gs + n0 * (K / 32));
-                for (int64_t j = 0; j < n_here; j++)
-                    for (int r = 0; r < R; r++) {
-                        const int64_t at = (r0 + r) * N + n0 + j;
-                        out[at] = residual ? residual[at] + int8_sum(acc[r][j]) : int8_sum(acc[r][j]);
-                    }
-            }
-        }
-        _mm_free(buf);
-    }
-    return failed ? -3 : 0;
+    return b8_mm(x, q, NULL, gs, M, N, K, NULL, out, NULL, residual, threads);
 #endif
 }
 
