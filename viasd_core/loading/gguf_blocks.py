@@ -22,8 +22,9 @@ points of agreement with llama.cpp (docs/experiments/gguf-activation-precision.m
 The codes are the file's bits. The scale and the zero are rounded once to bfloat16 (the kernels'
 dtype; fp16's 11 significant bits to bfloat16's 8): a weight moves by at most
 2^-8 (|q - 8| |scale| + |zero|) from the file's value (Q4_0's zero is 0, exactly), and not at all
-where both are bfloat16 numbers already (tests/loading/test_gguf_blocks.py). The kernels then round each
-weight once more to bfloat16 as they apply it, as they do at `--quant int4`. Every other linear layer
+where both are bfloat16 numbers already (tests/loading/test_gguf_blocks.py). As at `--quant int4`, the
+short passes' kernels apply the scale and zero to each group's float32 sums, and a prefill's dense
+product applies each weight rounded to bfloat16. Every other linear layer
 (Q8_0 but the head's: the layer calls around them take one scale a row and bfloat16 outputs; Q5_*,
 Q6_K, Q2_K, Q3_K: codes of other widths; float tensors) is packed int8 per row from the file's
 dequantized values, as the output head is at `--quant int4`.
@@ -160,7 +161,7 @@ def apply_gguf_blocks(model: torch.nn.Module, path: str | os.PathLike, dtype: to
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map, read_field)
 
-    from viasd_core.runtime.weight_formats import bf16_pays_of, int4_from_codes, int8_from_blocks
+    from viasd_core.runtime.weight_formats import bf16_pays_of, int4_from_codes
 
     reader = gguf.GGUFReader(str(path))
     arch = (read_field(reader, "general.architecture") or [""])[0]
@@ -177,7 +178,7 @@ def apply_gguf_blocks(model: torch.nn.Module, path: str | os.PathLike, dtype: to
         qtype = tensor.tensor_type.name
         k, n = (int(x) for x in tensor.shape[:2]) if len(tensor.shape) == 2 else (0, 0)
         if qtype == "Q8_0" and head is not None and n and not k % GROUP and head.weight.device.type == "cpu":
-            _pack_q8_0_head(model, tensor, n, k, processor, mapping, linears, head, packed, report, int8_from_blocks)
+            _pack_q8_0_head(model, tensor, n, k, processor, mapping, linears, head, packed, report)
             continue
         if qtype not in NATIVE:
             continue
@@ -216,9 +217,11 @@ def apply_gguf_blocks(model: torch.nn.Module, path: str | os.PathLike, dtype: to
 
 
 def _pack_q8_0_head(model, tensor, n: int, k: int, processor, mapping: dict, linears: dict, head, packed: dict,
-                    report: BlockReport, int8_from_blocks) -> None:
+                    report: BlockReport) -> None:
     """Where the Q8_0 `tensor` [n, k] is `model`'s output head's weight (its own, or the embedding it
     is tied to), pack that head from the file's blocks (`packed[name]`); else leave it (int8 per row)."""
+    from viasd_core.runtime.weight_formats import int8_from_blocks
+
     order, hf_name = _row_order(processor, tensor.name, n, k, mapping)
     names = [layer for layer in _layers(model, mapping.get(hf_name if order is not None else tensor.name), linears)
              if model.get_submodule(layer) is head]
