@@ -1,7 +1,9 @@
 /* Short passes (1-16 rows) over float32 weights, each output computed the same way whatever the
  * pass holds (viasd_kernels.cpu_f32_mm).
  *
- * Exported (declared below until viasd_kernels.h holds them): viasd_f32_mm, viasd_f32_mm_vector_bits.
+ * Exported (prototypes in viasd_kernels.h): viasd_f32_mm, viasd_f32_mm_ld (the same with the output's and
+ * the residual's rows `ld` floats apart: a layer's q, k and v write side by side into one buffer,
+ * cpu_layer.c), viasd_f32_mm_vector_bits.
  *
  * `sd` is exact only if a position's logits do not depend on how many rows share its pass. PyTorch's
  * float32 products on a CPU (F.linear, oneDNN, torch.bmm) pick their kernels, and so their summation
@@ -26,10 +28,6 @@
  */
 #include <stddef.h>
 #include <stdint.h>
-
-int viasd_f32_mm(const float *x, const float *w, const float *bias, int64_t M, int64_t N, int64_t K, float *out,
-                 const float *residual, int threads);
-int viasd_f32_mm_vector_bits(void);
 
 #define LANES 16
 #define MAX_ROWS 16
@@ -110,10 +108,10 @@ static inline __attribute__((always_inline)) void fold16(const vf16 *v, float *s
 }
 
 /* Outputs n0 .. n0 + J - 1 of rows x[0 .. R - 1] (R and J constants where inlined; `w[j]` each
- * output's weights, `x` rows K apart), stored at out + r * N + j. */
+ * output's weights, `x` rows K apart), stored at out + r * ld + j (residual's rows ld apart too). */
 static inline __attribute__((always_inline)) void rows_outs(const int R, const int J, const float *x,
                                                             const float *const *w, int64_t K, const float *bias,
-                                                            const float *residual, float *out, int64_t N,
+                                                            const float *residual, float *out, int64_t ld,
                                                             int64_t n_here, int64_t ahead) {
     vpart acc[ROW_TILE > 1 ? ROW_TILE : 1][ROW1_OUTS > OUT_TILE ? ROW1_OUTS : OUT_TILE][PARTS];
     for (int r = 0; r < R; r++)
@@ -151,8 +149,8 @@ static inline __attribute__((always_inline)) void rows_outs(const int R, const i
             if (bias)
                 y = y + bias[j];
             if (residual)
-                y = y + residual[r * N + j];
-            out[r * N + j] = y;
+                y = y + residual[r * ld + j];
+            out[r * ld + j] = y;
         }
 }
 
@@ -160,32 +158,32 @@ static inline __attribute__((always_inline)) void rows_outs(const int R, const i
  * dropped) for all M rows, ROW_TILE rows at a time; each weight vector is loaded once per row tile
  * from the cache the first row tile brought it into. */
 static void tile(const float *x, int64_t M, const float *const *w, int64_t K, const float *bias,
-                 const float *residual, float *out, int64_t N, int64_t n_here) {
+                 const float *residual, float *out, int64_t ld, int64_t n_here) {
     if (M == 1) {
-        rows_outs(1, ROW1_OUTS, x, w, K, bias, residual, out, N, n_here, 0);
+        rows_outs(1, ROW1_OUTS, x, w, K, bias, residual, out, ld, n_here, 0);
         return;
     }
     for (int64_t r0 = 0; r0 < M; r0 += ROW_TILE) {
         const int64_t ahead = r0 == 0 ? OUT_TILE * K * AHEAD : 0;  /* the first row tile streams the weights */
-        const float *xr = x + r0 * K, *res = residual ? residual + r0 * N : NULL;
-        float *o = out + r0 * N;
+        const float *xr = x + r0 * K, *res = residual ? residual + r0 * ld : NULL;
+        float *o = out + r0 * ld;
         switch (M - r0 < ROW_TILE ? M - r0 : ROW_TILE) {  /* a constant row count for each body */
-        case 1: rows_outs(1, OUT_TILE, xr, w, K, bias, res, o, N, n_here, ahead); break;
+        case 1: rows_outs(1, OUT_TILE, xr, w, K, bias, res, o, ld, n_here, ahead); break;
 #if ROW_TILE > 2
-        case 2: rows_outs(2, OUT_TILE, xr, w, K, bias, res, o, N, n_here, ahead); break;
-        case 3: rows_outs(3, OUT_TILE, xr, w, K, bias, res, o, N, n_here, ahead); break;
+        case 2: rows_outs(2, OUT_TILE, xr, w, K, bias, res, o, ld, n_here, ahead); break;
+        case 3: rows_outs(3, OUT_TILE, xr, w, K, bias, res, o, ld, n_here, ahead); break;
 #endif
-        default: rows_outs(ROW_TILE, OUT_TILE, xr, w, K, bias, res, o, N, n_here, ahead); break;
+        default: rows_outs(ROW_TILE, OUT_TILE, xr, w, K, bias, res, o, ld, n_here, ahead); break;
         }
     }
 }
 
 /* out [M, N] = x [M, K] times w [N, K] transposed, plus bias [N] and residual [M, N] where they are
- * not NULL; float32, contiguous. K a multiple of 16, 1 <= M <= MAX_ROWS. Returns 0, or -1 for
- * arguments it does not take. */
-int viasd_f32_mm(const float *x, const float *w, const float *bias, int64_t M, int64_t N, int64_t K, float *out,
-                 const float *residual, int threads) {
-    if (M <= 0 || M > MAX_ROWS || N <= 0 || K <= 0 || K % LANES)
+ * not NULL; float32, x and w contiguous, out's and residual's rows `ld` floats apart (ld >= N). K a
+ * multiple of 16, 1 <= M <= MAX_ROWS. Returns 0, or -1 for arguments it does not take. */
+int viasd_f32_mm_ld(const float *x, const float *w, const float *bias, int64_t M, int64_t N, int64_t K, float *out,
+                    const float *residual, int64_t ld, int threads) {
+    if (M <= 0 || M > MAX_ROWS || N <= 0 || K <= 0 || K % LANES || ld < N)
         return -1;
     const int64_t outs = M == 1 ? ROW1_OUTS : OUT_TILE;
     const int64_t tiles = (N + outs - 1) / outs;
@@ -199,7 +197,13 @@ int viasd_f32_mm(const float *x, const float *w, const float *bias, int64_t M, i
         const float *wj[ROW1_OUTS > OUT_TILE ? ROW1_OUTS : OUT_TILE];
         for (int64_t j = 0; j < outs; j++)
             wj[j] = w + (n0 + (j < n_here ? j : n_here - 1)) * K;
-        tile(x, M, wj, K, bias ? bias + n0 : NULL, residual ? residual + n0 : NULL, out + n0, N, n_here);
+        tile(x, M, wj, K, bias ? bias + n0 : NULL, residual ? residual + n0 : NULL, out + n0, ld, n_here);
     }
     return 0;
+}
+
+/* viasd_f32_mm_ld with out and residual [M, N] contiguous. */
+int viasd_f32_mm(const float *x, const float *w, const float *bias, int64_t M, int64_t N, int64_t K, float *out,
+                 const float *residual, int threads) {
+    return viasd_f32_mm_ld(x, w, bias, M, N, K, out, residual, N, threads);
 }

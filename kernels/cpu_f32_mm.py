@@ -46,6 +46,8 @@ _ptr, _i32, _i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 ARGTYPES = {  # as the prototypes at the top of cpu_f32_mm.c
     # x, w, bias, M, N, K, out, residual, threads
     "viasd_f32_mm": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i32],
+    # x, w, bias, M, N, K, out, residual, ld (out's and residual's row stride), threads
+    "viasd_f32_mm_ld": [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i32],
     "viasd_f32_mm_vector_bits": [],
 }
 
@@ -80,6 +82,22 @@ class Bound:
         self.fn, self.weight, self.bias = fn, weight, bias
         self.ptr, self.bias_ptr = weight.data_ptr(), None if bias is None else bias.data_ptr()
         self.n, self.k = weight.shape
+
+    @property
+    def weights(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the kernel reads in place (the weight, and the bias where there is one)."""
+        return (self.weight,) if self.bias is None else (self.weight, self.bias)
+
+    def check(self) -> None:
+        """Binds the weight (and bias) again where their storage moved (`.data =`), as long as the
+        kernel takes them at the bound sizes; ValueError otherwise (bind again). A caller that hands
+        the addresses on (cpu_layer's float32 layer front) calls it; a call of its own refuses a
+        moved weight instead."""
+        w, b = self.weight, self.bias
+        if not takes(w, b) or tuple(w.shape) != (self.n, self.k):
+            raise ValueError(f"the float32 product's weight was replaced by {tuple(w.shape)} {w.dtype} on {w.device}, "
+                             f"which it does not take at [{self.n}, {self.k}]: bind it again")
+        self.ptr, self.bias_ptr = w.data_ptr(), None if b is None else b.data_ptr()
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> [..., N]; with `residual` ([..., N] float32, contiguous) `residual + x W^T

@@ -71,17 +71,22 @@ int viasd_int8_mm_q8(const uint16_t *x, const int8_t *q, const uint16_t *scale, 
 int viasd_f32_mm_vector_bits(void);
 int viasd_f32_mm(const float *x, const float *w, const float *bias, int64_t M, int64_t N, int64_t K, float *out,
                  const float *residual, int threads);
+int viasd_f32_mm_ld(const float *x, const float *w, const float *bias, int64_t M, int64_t N, int64_t K, float *out,
+                    const float *residual, int64_t ld, int threads);
 
 /* cpu_layer.c: the kernels a layer's front half calls (their addresses, typed by their prototypes
  * above) */
 struct viasd_layer_kernels {
     __typeof__(viasd_rms_norm) *norm;
     __typeof__(viasd_int4_mm) *int4_mm;
+    __typeof__(viasd_f32_mm_ld) *f32_mm;
     __typeof__(viasd_rope_write) *rope;
     __typeof__(viasd_row_attention) *attention;
 };
 
-/* One layer's weights, cache and sizes (bound once) */
+/* One layer's weights, cache and sizes (bound once): an int4 layer's fused q/k/v, o and gate/up
+ * products (qkv_q .. gate_up_sz, bfloat16 activations), or a float32 layer's seven weights (w_q ..
+ * w_up); qkv_n and gate_up_n are the fused outputs' widths either way */
 struct viasd_layer {
     const void *norm_in;
     const void *norm_post;
@@ -95,6 +100,12 @@ struct viasd_layer {
     const void *gate_up_q;
     const void *gate_up_sz;
     int64_t gate_up_n;
+    const void *w_q;  /* float32 layers (dtype 0): each product's weight [N, K] (int4: NULL) */
+    const void *w_k;
+    const void *w_v;
+    const void *w_o;
+    const void *w_gate;
+    const void *w_up;
     void *k_cache;
     void *v_cache;
     int64_t slots;
@@ -105,6 +116,7 @@ struct viasd_layer {
     int head_dim;
     float scale;
     int window;  /* a sliding window's keys (0: none) */
+    int dtype;  /* 0: float32 activations and weights (f32_mm); 1: bfloat16 activations, int4 weights (int4_mm) */
 };
 
 int viasd_layer_front(const struct viasd_layer_kernels *k, const struct viasd_layer *L, int T, const void *x,

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 from support.int4_cases import case, pack
-from viasd_kernels import (cpu_build, cpu_flags, cpu_header, cpu_int4_widen as cw, cpu_layer, cpu_packed_mm as pm, cpu_rms_norm as rn,
-                           cpu_rope_write as rw, cpu_row_attention as ra)
+from viasd_kernels import (cpu_build, cpu_f32_mm as fm, cpu_flags, cpu_header, cpu_int4_widen as cw, cpu_layer,
+                           cpu_packed_mm as pm, cpu_rms_norm as rn, cpu_rope_write as rw, cpu_row_attention as ra)
 
 KERNELS = Path(cpu_build.__file__).parent
 HEADER = KERNELS / cpu_header.HEADER
@@ -168,6 +168,51 @@ def test_the_layer_front_refuses_what_would_read_or_write_the_wrong_memory(front
         assert all(torch.equal(a, b) for a, b in zip(caches, front.writer.caches)), says  # nothing written
     front(x, cos, sin, pos, end)
     assert not torch.equal(caches[0], front.writer.caches[0])
+
+
+def f32_front(build_dir, seed=0):
+    """A float32 layer front: hidden 64, 4 heads and 2 KV heads of 16, an MLP of 96, 40 slots; and its parts."""
+    g = torch.Generator().manual_seed(seed)
+    norms = [rn.bind(torch.nn.Parameter(torch.randn(64, generator=g)), 1e-6, build_dir=build_dir) for _ in range(2)]
+    products = [fm.bind(torch.randn(n, k, generator=g) / 8, build_dir=build_dir)
+                for n, k in ((64, 64), (32, 64), (32, 64), (64, 64), (96, 64), (96, 64))]
+    writer = rw.bind(torch.zeros(1, 2, 40, 16), torch.zeros(1, 2, 40, 16), build_dir=build_dir)
+    return cpu_layer.bind_f32(*norms, *products, writer, 4, 0.25, None, build_dir=build_dir), (norms, products, writer)
+
+
+def test_a_float32_layer_front_is_the_float32_calls_one_by_one_bit_for_bit(build_dir):
+    """cpu_layer.bind_f32: the norms, the row-invariant products (q, k, v side by side; o with its
+    residual; gate and up side by side), RoPE with the cache writes and row attention, in one call:
+    the numbers of the same kernels called one by one, at every pass width, and the same cache."""
+    front, (norms, (q, k, v, o, gate, up), writer) = f32_front(build_dir)
+    assert front is not None and front.dtype == torch.float32
+    _, (norms2, products2, writer2) = f32_front(build_dir)  # the same weights, a cache of its own
+    q2, k2, v2, o2, gate2, up2 = products2
+    for T, end in ((1, 9), (3, 13), (16, 40)):
+        g = torch.Generator().manual_seed(T)
+        x, cos, sin = torch.randn(1, T, 64, generator=g), torch.randn(T, 16, generator=g), torch.randn(T, 16, generator=g)
+        pos = torch.arange(end - T, end)
+        x2, gu = front(x, cos, sin, pos, end)
+        h = norms2[0](x)
+        rq = writer2(q2(h), k2(h), v2(h), cos, sin, pos)
+        a = ra.row_attention(rq, *writer2.caches, end, None, 0.25, build_dir=build_dir)
+        want_x2 = o2(a, x)
+        h2 = norms2[1](want_x2)
+        assert torch.equal(x2, want_x2), T
+        assert torch.equal(gu, torch.cat([gate2(h2), up2(h2)], -1)), T
+        assert all(torch.equal(a, b) for a, b in zip(writer.caches, writer2.caches)), T
+    with pytest.raises(ValueError, match="x torch.float32"):  # the bfloat16 rows of an int4 layer: refused
+        front(x.to(bf), cos, sin, pos, end)
+    # a weight replaced in place: read, not the freed storage
+    q.weight.data = torch.randn(64, 64) / 4
+    before = x2
+    x2, _ = front(x, cos, sin, pos, end)
+    assert not torch.equal(x2, before)
+    assert fm.bind(torch.zeros(64, 64), torch.zeros(64), build_dir=build_dir) is not None
+    biased = fm.bind(torch.randn(64, 64), torch.zeros(64), build_dir=build_dir)  # a bias: the calls stay one by one
+    assert cpu_layer.bind_f32(*norms, biased, k, v, o, gate, up, writer, 4, 0.25, None, build_dir=build_dir) is None
+    assert cpu_layer.bind_f32(*norms, q, k, v, o, gate, fm.bind(torch.randn(80, 64), build_dir=build_dir), writer, 4,
+                              0.25, None, build_dir=build_dir) is None  # gate and up of other widths
 
 
 def test_the_packed_product_refuses_rows_it_would_misread(build_dir):

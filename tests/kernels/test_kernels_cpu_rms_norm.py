@@ -118,15 +118,19 @@ def test_norm_calls_keep_the_forward_of_another_formula(build_dir, monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
 def test_a_model_says_how_its_norms_and_rope_run(build_dir, monkeypatch, family):
     """What `viasd doctor` prints as `layer_kernels`: Llama's formula in one call, Gemma's norm through
-    its module, Qwen3's RoPE through the operators (its per-head norms come first)."""
+    its module, Qwen3's RoPE through the operators (its per-head norms come first), and where a float32
+    layer runs its calls up to the MLP in one C call."""
     from conftest import tiny_model
 
     from viasd_core.runtime.model import FastModel
 
     monkeypatch.setattr("viasd_core.paths.kernel_dir", lambda: build_dir)
     way = FastModel(tiny_model(family, seed=1), max_len=32).layer_kernels_way()
-    norm, rope = way.split("; ")
+    norm, rope, *front = way.split("; ")
     assert norm == ("RMSNorm through the module (not the formula the kernel computes)" if family == "gemma"
                     else "RMSNorm in one C call")
     assert rope == ("RoPE through operators (per-head norms come first)" if family == "qwen3"
                     else "RoPE and cache writes in one C call")
+    # float32 layers of the plain shape run their calls up to the MLP in one C call (not Qwen2's q/k/v
+    # biases, Qwen3's per-head norms, Gemma's norm)
+    assert front == ([] if family in ("qwen2", "qwen3", "gemma") else ["a float32 layer's calls up to its MLP in one C call"])

@@ -63,7 +63,9 @@ def test_the_check_finds_a_width_dependent_product(monkeypatch):
 
     torch.set_num_threads(2)
     fast = target("llama", "float32")
-    monkeypatch.setattr(short_products, "_invariant_linear", lambda x, layer, kernel: layer(x * (1 + 1e-6 * (x.numel() > x.shape[-1]))))
+    fast.bind_kernels(layer_front=False)  # the products through the patched call below, not the front's C calls
+    monkeypatch.setattr(short_products, "_invariant_linear", lambda x, layer, kernel, residual=None: (
+        0 if residual is None else residual) + layer(x * (1 + 1e-6 * (x.numel() > x.shape[-1]))))
     assert width_dependent_rows(fast, tokens(PROMPT + SPAN + 8)) != {}
 
 

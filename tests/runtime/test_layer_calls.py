@@ -111,10 +111,42 @@ def test_a_layer_front_in_one_call_computes_what_the_calls_one_by_one_do(family,
     assert torch.equal(with_front, every_kind_of_pass(fast, ids))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_float32_layer_front_computes_what_the_calls_one_by_one_do(family):
+    """Row-invariant float32 short passes run a layer's calls up to the MLP activation in one C call
+    over the layer's own weights (cpu_layer.bind_f32): every kind of pass bit for bit as with the calls
+    one by one; a weight replaced in place (`.data =`) is read by both."""
+    fast = FastModel(tiny_model(family, seed=5, **SHAPE), max_len=64)
+    ids = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(6))
+    with_front = every_kind_of_pass(fast, ids)
+    fronts = [k.front for k in fast.cache.kernels if k.front is not None]
+    # not taken: Qwen2's q/k/v biases, Qwen3's per-head norms, Gemma's norm (another formula)
+    assert len(fronts) == (0 if family in ("qwen2", "qwen3", "gemma") else len(fast.layers)), family
+    calls = []
+    for front in fronts:
+        front.fn = lambda *a, call=front.fn: calls.append(1) or call(*a)
+    assert torch.equal(with_front, every_kind_of_pass(fast, ids))
+    assert (len(calls) > 0) == bool(fronts)  # the short passes called them (a prefill does not)
+    fast.bind_kernels(layer_front=False)
+    assert all(k.front is None for k in fast.cache.kernels)
+    assert torch.equal(with_front, every_kind_of_pass(fast, ids))
+    if fronts:
+        w = fast.layers[0].mlp.up_proj.weight
+        w.data = w.data * 1.5
+        one_by_one = every_kind_of_pass(fast, ids)
+        fast.bind_kernels(layer_front=True)
+        fast.cache.kernels[0].front.parts[2].check()  # bound to the new storage already
+        assert not torch.equal(one_by_one, with_front)
+        assert torch.equal(one_by_one, every_kind_of_pass(fast, ids))
+        w.data = w.data / 1.5 * 1.25  # replaced under the bound front: it binds again itself
+        assert torch.equal(every_kind_of_pass(fast, ids), (fast.bind_kernels(layer_front=False), every_kind_of_pass(fast, ids))[1])
+
+
 def test_float_products_read_the_models_short_rows_at_each_call(monkeypatch):
     fast = FastModel(tiny_model("llama", seed=5, **SHAPE), max_len=64)
     seen = []
-    monkeypatch.setattr(lc, "eager_linear", lambda x, layer, up_to, takes: seen.append(up_to) or layer(x))
+    monkeypatch.setattr(lc, "eager_linear", lambda x, layer, up_to, takes, residual=None: seen.append(up_to)
+                        or (layer(x) if residual is None else residual + layer(x)))
     ids = torch.randint(3, 256, (8,), generator=torch.Generator().manual_seed(6))
     for rows in (sp.PLAIN, sp.BLOCKED):
         fast.short_rows = rows  # a session measures and sets it after the model is built

@@ -63,6 +63,11 @@ def layer_front(*args):
     return cpu_layer.bind(*args, build_dir=folder())
 
 
+def layer_front_f32(*args):
+    """cpu_layer.bind_f32 over a float32 layer's norms, seven products, RoPE writer and attention's shape."""
+    return cpu_layer.bind_f32(*args, build_dir=folder())
+
+
 def int4_widen(qdata: torch.Tensor, group: int, scale_and_zero: torch.Tensor, block: int):
     return cpu_int4_widen.widen(qdata, group, scale_and_zero, block, build_dir=folder())
 

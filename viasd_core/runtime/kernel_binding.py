@@ -19,7 +19,7 @@ from viasd_core.runtime.weight_formats import PackedLinear
 class LayerKernels:
     """The C kernels an eager CPU pass calls for one layer, bound once to one cache's buffers and the
     layer's weights (FastModel.bind_kernels): RoPE with the cache writes (viasd_kernels.cpu_rope_write)
-    and an int4 layer's front half in one call (viasd_kernels.cpu_layer); None: PyTorch's operators."""
+    and an int4 or float32 layer's front half in one call (viasd_kernels.cpu_layer); None: PyTorch's operators."""
     writer: cpu_rope_write.RopeWriter | None = None
     front: cpu_layer.LayerFront | None = None
 
@@ -77,16 +77,29 @@ class KernelBinding:
         return LayerKernels(writer, front)
 
     def _bind_front(self, ci: int, writer) -> cpu_layer.LayerFront | None:
+        """Layer `ci`'s calls up to its MLP activation in one C call (cpu_layer), where the layer is
+        the plain shape and each of its calls is the kernel the front runs: an int4 layer's fused
+        products, or a float32 layer's own products through the row-invariant kernel (the product a
+        row-invariant float32 pass, the only one that calls the front, takes one by one); else None."""
         c, fused = self._calls[ci], self._fused[ci]
-        if (writer is None or not c.front or fused is None or self.cache.cos.shape[-1] != self.shape.head_dim
-                or c.qkv is None or c.gate_up is None or self.dtype != torch.bfloat16):
+        if (writer is None or not c.front or not self.row_kernel or self.cache.cos.shape[-1] != self.shape.head_dim
+                or c.act is None or c.down is None):
             return None
-        products = (fused.qkv, self.layers[ci].self_attn.o_proj, fused.gate_up)
+        norms = [call if isinstance(call, cpu_rms_norm.Norm) else None for call in (c.input_norm, c.post_norm)]
+        attn, mlp = self.layers[ci].self_attn, self.layers[ci].mlp
+        if self.dtype == torch.float32 and c.qkv is None and c.gate_up is None and c.q is not None:
+            modules = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj)
+            if any(type(m) is not torch.nn.Linear for m in modules):
+                return None
+            # the Parameters themselves (`.data =` is seen); a bias is bound too, and bind_f32 refuses it
+            bound = [cpu_kernels.f32_mm(m.weight, m.bias) for m in modules]
+            return cpu_kernels.layer_front_f32(*norms, *bound, writer, self.shape.n_heads, c.scaling, self.windows[ci])
+        if fused is None or c.qkv is None or c.gate_up is None or self.dtype != torch.bfloat16:
+            return None
+        products = (fused.qkv, attn.o_proj, fused.gate_up)
         if any(type(m) is not PackedLinear or m._parameters.get("bias") is not None for m in products):
             return None
         bound = [m._short_product(m._buffers["qdata"], m._buffers["scale"]) for m in products]
         if any(b is None or b.n != m.out_features for b, m in zip(bound, products)):
             return None
-        norms = [call if isinstance(call, cpu_rms_norm.Norm) else None for call in (c.input_norm, c.post_norm)]
-        front = cpu_kernels.layer_front(*norms, *bound, writer, self.shape.n_heads, c.scaling, self.windows[ci])
-        return front
+        return cpu_kernels.layer_front(*norms, *bound, writer, self.shape.n_heads, c.scaling, self.windows[ci])

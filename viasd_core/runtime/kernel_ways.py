@@ -51,5 +51,6 @@ class KernelWays:
             rope = "RoPE and cache writes in one C call"
         else:
             rope = f"RoPE through operators ({cpu_rope_write.why_not() or 'the cache is not one the kernel takes'})"
-        front = self.cache.kernels[0].front is not None
-        return f"{norm}; {rope}" + ("; an int4 layer's calls up to its MLP in one C call" if front else "")
+        front = self.cache.kernels[0].front
+        kind = "a float32" if front is not None and front.dtype == torch.float32 else "an int4"
+        return f"{norm}; {rope}" + (f"; {kind} layer's calls up to its MLP in one C call" if front is not None else "")

@@ -56,9 +56,9 @@ class LayerCalls:
     v: Call | None
     o: AddCall  # residual + o(x)
     gate_up: Call | None  # gate and up as one product, split by gate_up_split
-    gate_up_split: tuple[int, int]
-    act: Call | None
-    down: AddCall | None  # residual + down(x)
+    gate_up_split: tuple[int, int]  # gate's and up's outputs (a gated MLP's; (0, 0) for another)
+    act: Call | None  # a gated MLP's activation and down product (None for another MLP); a pass
+    down: AddCall | None  # that has gate and up (gate_up, or a layer front) calls them: residual + down(x)
     mlp: Call  # the whole MLP (where gate_up is None)
     scaling: float
     softcap: float | None = None  # the attention logits' tanh cap (Gemma 2), None: none
@@ -83,9 +83,14 @@ def product(module: torch.nn.Module, model, traced: bool = False) -> Call:
 
 def product_add(module: torch.nn.Module, model, traced: bool = False) -> AddCall:
     """`residual + module(x)` as the pass calls it: a packed layer's bound add (the add inside the
-    product's call: PackedLinear.add_to), else `product`'s result added by PyTorch."""
+    product's call: PackedLinear.add_to); a float layer's eager product with the residual handed to
+    it (short_products.eager_linear: the row-invariant kernel adds it as it stores, bit for bit
+    PyTorch's add; the other products add it after); else `product`'s result added by PyTorch."""
     if type(module) is PackedLinear:
         return module._traced_add if traced else module._eager_add
+    if not traced:
+        takes = takes_of(module)
+        return lambda x, residual: eager_linear(x, module, model.pass_rows, takes, residual)
     call = product(module, model, traced)
     return lambda x, residual: residual + call(x)
 
@@ -146,19 +151,20 @@ def layer_calls(layer: torch.nn.Module, fused, model, traced: bool = False) -> L
     elif own_gate_up is not None:
         gate_up, gate_up_split = product(own_gate_up, model, traced), (own_gate_up.out_features // 2,) * 2
     else:
-        gate_up, gate_up_split = None, (0, 0)
+        gate_up, gate_up_split = None, (m.gate_proj.out_features, m.up_proj.out_features) if gated(m) else (0, 0)
+    split_mlp = gate_up is not None or gated(m)  # act and down called apart (a float layer's: by a layer front)
     whole = mlp_call(m, model, traced)
     # Gemma 2/3: the attention's and the MLP's outputs normed before their residual adds, and the
     # MLP's input normed by pre_feedforward_layernorm (post_attention_layernorm norms the attention's output)
     sandwich = hasattr(layer, "pre_feedforward_layernorm")
     o = product_add(attn.o_proj, model, traced)
-    down = product_add(m.down_proj, model, traced) if gate_up is not None else None
+    down = product_add(m.down_proj, model, traced) if split_mlp else None
     if sandwich:
         after_attn, after_mlp = norm(layer.post_attention_layernorm), norm(layer.post_feedforward_layernorm)
         o_product, mlp_whole = product(attn.o_proj, model, traced), whole
         o = lambda x, residual: residual + after_attn(o_product(x))
         whole = lambda x: after_mlp(mlp_whole(x))
-        if gate_up is not None:
+        if split_mlp:
             down_product = product(m.down_proj, model, traced)
             down = lambda x, residual: residual + after_mlp(down_product(x))
     softcap = attn_softcap(layer)
@@ -172,7 +178,7 @@ def layer_calls(layer: torch.nn.Module, fused, model, traced: bool = False) -> L
         v=None if own_qkv is not None else product(attn.v_proj, model, traced),
         o=o,
         gate_up=gate_up, gate_up_split=gate_up_split,
-        act=(act.forward if isinstance(act, torch.nn.Module) else act) if gate_up is not None else None,
+        act=(act.forward if isinstance(act, torch.nn.Module) else act) if split_mlp else None,
         down=down,
         mlp=whole,
         scaling=attn.scaling,

@@ -58,6 +58,7 @@ MID = 4  # the blocked product's last fast width on the CPUs measured
 WIDE = 6  # the verify pass machine/short_rows.choose_rows times beside a 1-token and a MID-token pass
 CHUNKS = 4  # blocks of the weight's rows; 2-16 measured alike, 4 divides every layer of the supported families
 FREE_SHARE = 0.5  # the packed copies may take at most this share of the free memory
+_F32 = torch.float32
 
 
 class ShortRows(NamedTuple):
@@ -168,18 +169,25 @@ def by_row(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def _invariant_linear(x: torch.Tensor, layer: torch.nn.Module, kernel: bool) -> torch.Tensor:
+def _invariant_linear(x: torch.Tensor, layer: torch.nn.Module, kernel: bool,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
     """A short pass's product, each row as it would be alone: a float nn.Linear through the kernel
-    (`kernel`: the layer is a float32 CPU nn.Linear, which it may take) or one row at a time; any
-    other layer (an int8/int4 PackedLinear, whose kernels compute each row alike at any row count)
-    is called as it is."""
-    if type(layer) is not torch.nn.Linear:
-        return layer(x)
-    if kernel and not (torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad)):
+    (`kernel`: the layer is a float32 CPU nn.Linear, which it may take; `residual` added as it
+    stores, where it is a contiguous float32 tensor of the output's shape: bit for bit PyTorch's add)
+    or one row at a time; any other layer (an int8/int4 PackedLinear, whose kernels compute each row
+    alike at any row count) is called as it is. `residual` (None: none) is added to the product."""
+    if type(layer) is torch.nn.Linear and kernel and not (
+            torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad
+                                         or (residual is not None and residual.requires_grad))):
         bound = invariant_product(layer)
         if bound is not None:
-            return bound(x.contiguous())
-    return by_row(x, layer)
+            if (residual is not None and residual.dtype is _F32 and residual.is_contiguous()
+                    and residual.shape[:-1] == x.shape[:-1] and residual.shape[-1] == bound.n):
+                return bound(x.contiguous(), residual)
+            y = bound(x.contiguous())
+            return y if residual is None else residual + y
+    y = layer(x) if type(layer) is not torch.nn.Linear else by_row(x, layer)
+    return y if residual is None else residual + y
 
 
 def _blocked(x: torch.Tensor, layer: torch.nn.Linear, rows: int) -> torch.Tensor:
@@ -196,18 +204,25 @@ def _cpu_float32(layer: torch.nn.Module) -> bool:
             and layer.weight.dtype == torch.float32)
 
 
-def eager_linear(x: torch.Tensor, layer: torch.nn.Module, up_to: ShortRows, takes) -> torch.Tensor:
+def eager_linear(x: torch.Tensor, layer: torch.nn.Module, up_to: ShortRows, takes,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
     """`layer(x)` in an eager pass, through the product `up_to` gives a pass of x's rows where the
     layer takes it: `takes(way)` says whether it does ("blocked": `applies`, "packed": `packs`,
     "invariant": the row-invariant kernel may, a float32 CPU nn.Linear), decided from the layer's
     weight, not from x (whose dtype and device are the layer's). The packed product only outside
-    autograd."""
+    autograd. With `residual`: `residual + layer(x)` (inside the row-invariant kernel's call where
+    it takes it, bit for bit the same)."""
     rows = x.numel() // x.shape[-1]
     way = up_to.way(rows)
+    if way == "invariant":
+        return _invariant_linear(x, layer, takes("invariant"), residual)
+    y = _eager_way(x, layer, way, rows, takes)
+    return y if residual is None else residual + y
+
+
+def _eager_way(x: torch.Tensor, layer: torch.nn.Module, way: str, rows: int, takes) -> torch.Tensor:
     if way == "plain":
         return layer(x)
-    if way == "invariant":
-        return _invariant_linear(x, layer, takes("invariant"))
     if way == "packed":
         if takes("packed") and not (torch.is_grad_enabled() and (layer.weight.requires_grad or x.requires_grad)):
             y = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]), packed_weight(layer), layer.bias,
